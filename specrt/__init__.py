@@ -1,0 +1,1 @@
+"""specrt: exact speculative decoding, compiled."""
