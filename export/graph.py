@@ -1,0 +1,223 @@
+"""Write a Llama/Qwen2 decoder as a standard ONNX graph with a static KV cache.
+
+Contract of the graph (every engine built from it keeps these names):
+
+  inputs   input_ids       [batch, seq]            int64
+           position_ids    [batch, seq]            int64   explicit, so a token tree can share positions
+           tree_mask       [batch, seq, seq]       float32 additive mask among the new tokens
+                                                            (0 = may attend, -inf = may not); zeros for a chain,
+                                                            causality is always applied on top
+           seqlens_k       [batch]                 int32   valid cache length after this pass, minus one
+           total_sequence_length []                int32   max over the batch of seqlens_k + 1
+           num_logits_to_keep    []                int64   logits only for the last n positions
+           past_key_values.{i}.key|value [batch, kv_heads, max_context, head_dim] float32
+  outputs  logits          [batch, n, vocab]
+           hidden_states   [batch, seq, hidden]    after the final norm (for Medusa/EAGLE heads)
+           present.{i}.key|value                    same shape as past; bind the same buffer
+
+The new tokens' K/V are written at positions [seqlens_k + 1 - seq, seqlens_k + 1), so rejecting a
+draft costs nothing: the next pass simply passes a smaller seqlens_k and overwrites.
+
+Attention is one ONNX local function, `specrt.CachedAttention`, whose signature is that of ONNX
+Runtime's com.microsoft.GroupQueryAttention with a shared past/present buffer. Its body uses only
+standard ops (what TensorRT's parser accepts); build/ swaps it for the fused backend kernel, which
+is what makes attention cost follow the real context length instead of max_context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .spec import DecoderSpec
+
+OPSET = 17
+FUNCTION_DOMAIN = "specrt"
+ATTENTION_OP = "CachedAttention"
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class _Graph:
+    """Tiny node/initializer accumulator so the decoder below reads like the model."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", name: str = "", **attrs):
+        self._n += 1
+        base = name or f"{op_type.lower()}_{self._n}"
+        outs = [f"{base}_out{i}" if n_out > 1 else base for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain, **attrs))
+        return outs if n_out > 1 else outs[0]
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        array = array if array.flags.c_contiguous else array.copy()  # ascontiguousarray would turn 0-d into 1-d
+        self.inits.append(numpy_helper.from_array(array, name))
+        return name
+
+
+def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
+    """Reference attention over a shared static cache, in standard ops (see module docstring)."""
+    n, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rep = n // kv
+    g = _Graph()
+    consts: dict[str, str] = {}
+
+    def c(name: str, v, dt=np.int64) -> str:  # function bodies hold constants as nodes, created once
+        if name not in consts:
+            consts[name] = g.op("Constant", [], name=name, value=numpy_helper.from_array(np.array(v, dt), name))
+        return consts[name]
+
+    shape_q = g.op("Shape", ["query"])
+    b = g.op("Gather", [shape_q, c("i0", 0)], axis=0)
+    s = g.op("Gather", [shape_q, c("i1", 1)], axis=0)
+
+    def heads(x: str, h: int) -> str:  # [B, S, h*D] -> [B, h, S, D]
+        r = g.op("Reshape", [x, c(f"shape_{x}", [0, 0, h, d])])
+        return g.op("Transpose", [r], perm=[0, 2, 1, 3])
+
+    q4, k4, v4 = heads("query", n), heads("key", kv), heads("value", kv)
+    # Write positions: start_b = seqlens_k[b] + 1 - S, then start_b + [0, S).
+    one = c("one", 1)
+    start = g.op("Sub", [g.op("Add", [g.op("Cast", ["seqlens_k"], to=TensorProto.INT64), one]), s])
+    ar = g.op("Range", [c("zero", 0), s, one])
+    qpos = g.op("Add", [g.op("Unsqueeze", [start, c("ax1", [1])]), g.op("Unsqueeze", [ar, c("ax0", [0])])])  # [B,S]
+    idx = g.op("Expand", [g.op("Unsqueeze", [qpos, c("ax13", [1, 3])]), g.op("Shape", [k4])])
+    g.op("ScatterElements", ["past_key", idx, k4], axis=2, name="present_key")
+    g.op("ScatterElements", ["past_value", idx, v4], axis=2, name="present_value")
+    # Attend over [0, T): the slice is what keeps cost proportional to the real length.
+    t = g.op("Cast", [g.op("Reshape", ["total_sequence_length", c("shape1", [1])])], to=TensorProto.INT64)
+    zero1 = c("zero1", [0])
+    ax2 = c("ax2", [2])
+    kt = g.op("Slice", ["present_key", zero1, t, ax2])
+    vt = g.op("Slice", ["present_value", zero1, t, ax2])
+
+    def repeat(x: str) -> str:  # [B, KV, T, D] -> [B, N, T, D]
+        if rep == 1:
+            return x
+        x5 = g.op("Unsqueeze", [x, ax2])
+        shp = g.op("Shape", [x5])
+        big = g.op("Concat", [g.op("Slice", [shp, zero1, ax2]), c("rep", [rep]),
+                              g.op("Slice", [shp, c("three", [3]), c("five", [5])])], axis=0)
+        return g.op("Reshape", [g.op("Expand", [x5, big]), c("shape_rep", [0, n, -1, d])])
+
+    scores = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [repeat(kt)], perm=[0, 1, 3, 2])]),
+                          c("scale", 1.0 / np.sqrt(d), np.float32)])
+    # Causal over absolute positions: key j visible to query i of batch b iff j <= start_b + i.
+    j = g.op("Range", [c("zero_b", 0), g.op("Squeeze", [t]), one])
+    allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [j, c("ax01", [0, 1])]), g.op("Unsqueeze", [qpos, c("ax2b", [2])])])
+    causal = g.op("Where", [allowed, c("f0", 0.0, np.float32), c("ninf", -np.inf, np.float32)])
+    scores = g.op("Add", [g.op("Add", [scores, g.op("Unsqueeze", [causal, c("ax1b", [1])])]), "attention_bias"])
+    probs = g.op("Softmax", [scores], axis=-1)
+    out = g.op("Transpose", [g.op("MatMul", [probs, repeat(vt)])], perm=[0, 2, 1, 3])
+    g.op("Reshape", [out, c("shape_out", [0, 0, n * d])], name="output")
+    return helper.make_function(
+        FUNCTION_DOMAIN, ATTENTION_OP,
+        inputs=["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "attention_bias"],
+        outputs=["output", "present_key", "present_value"],
+        nodes=g.nodes, opset_imports=[helper.make_opsetid("", OPSET)],
+    )
+
+
+def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context: int) -> onnx.ModelProto:
+    """weights: the Hugging Face state dict as float32 numpy arrays (names as in transformers)."""
+    g = _Graph()
+    n, kv, d, h = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    w = lambda name: weights[name]
+    i64 = lambda name, v: g.const(name, np.array(v, np.int64))
+
+    embed = g.const("embed_tokens.weight", w("model.embed_tokens.weight"))
+    lm = w("model.embed_tokens.weight") if spec.tie_word_embeddings else w("lm_head.weight")
+    # The transpose is folded into a constant so weight-only quantizers see a const MatMul weight.
+    lm_head = g.const("lm_head.weight_t", lm.T)
+    cos_t, sin_t = spec.rope_tables(max_context)
+    cos = g.op("Unsqueeze", [g.op("Gather", [g.const("rope.cos", cos_t), "position_ids"]), i64("ax_head", [2])])
+    sin = g.op("Unsqueeze", [g.op("Gather", [g.const("rope.sin", sin_t), "position_ids"]), i64("ax_head2", [2])])
+    eps = g.const("rms_eps", np.array(spec.rms_norm_eps, np.float32))
+    two = g.const("two", np.array(2.0, np.float32))
+
+    def rmsnorm(x: str, weight: str) -> str:  # the pattern ORT fuses into SimplifiedLayerNormalization
+        var = g.op("ReduceMean", [g.op("Pow", [x, two])], axes=[-1], keepdims=1)
+        normed = g.op("Div", [x, g.op("Sqrt", [g.op("Add", [var, eps])])])
+        return g.op("Mul", [normed, g.const(weight, w(weight))])
+
+    def rope(x: str, heads: int) -> str:  # rotate-half RoPE on [B, S, heads*D]
+        x4 = g.op("Reshape", [x, i64(f"shape_rope{heads}_{g._n}", [0, 0, heads, d])])
+        x1, x2 = g.op("Split", [x4, i64(f"split_rope_{g._n}", [d // 2, d // 2])], n_out=2, axis=3)
+        lo = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
+        hi = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
+        return g.op("Reshape", [g.op("Concat", [lo, hi], axis=3), i64(f"shape_unrope_{g._n}", [0, 0, heads * d])])
+
+    # The tree mask covers the new tokens only; pad it with zeros over the past: [B, 1, S, T].
+    s = g.op("Gather", [g.op("Shape", ["input_ids"]), i64("idx1", 1)], axis=0)
+    t = g.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
+    pad_left = g.op("Unsqueeze", [g.op("Sub", [t, s]), i64("ax0", [0])])
+    zeros2 = i64("zeros2", [0, 0])
+    pads = g.op("Concat", [zeros2, pad_left, i64("zeros3", [0, 0, 0])], axis=0)
+    bias = g.op("Unsqueeze", [g.op("Pad", ["tree_mask", pads]), i64("ax1", [1])], name="attention_bias")
+
+    x = g.op("Gather", [embed, "input_ids"], name="embed")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        hn = rmsnorm(x, p + "input_layernorm.weight")
+        wqkv = np.concatenate([w(p + f"self_attn.{k}_proj.weight").T for k in "qkv"], axis=1)
+        qkv = g.op("MatMul", [hn, g.const(p + "self_attn.qkv_proj.weight_t", wqkv)], name=f"layers.{i}.qkv")
+        if spec.qkv_bias:
+            bqkv = np.concatenate([w(p + f"self_attn.{k}_proj.bias") for k in "qkv"])
+            qkv = g.op("Add", [qkv, g.const(p + "self_attn.qkv_proj.bias", bqkv)])
+        q, k, v = g.op("Split", [qkv, i64(f"split_qkv{i}", [n * d, kv * d, kv * d])], n_out=3, axis=2)
+        attn, _, _ = g.op(
+            ATTENTION_OP,
+            [rope(q, n), rope(k, kv), v, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
+             "seqlens_k", "total_sequence_length", bias],
+            n_out=3, domain=FUNCTION_DOMAIN, name=f"layers.{i}.attn",
+        )
+        g.nodes[-1].output[1], g.nodes[-1].output[2] = f"present.{i}.key", f"present.{i}.value"
+        o = g.op("MatMul", [attn, g.const(p + "self_attn.o_proj.weight_t", w(p + "self_attn.o_proj.weight").T)])
+        x = g.op("Add", [x, o])
+        hn = rmsnorm(x, p + "post_attention_layernorm.weight")
+        wgu = np.concatenate([w(p + "mlp.gate_proj.weight").T, w(p + "mlp.up_proj.weight").T], axis=1)
+        gate, up = g.op("Split", [g.op("MatMul", [hn, g.const(p + "mlp.gate_up_proj.weight_t", wgu)]),
+                                  i64(f"split_gu{i}", [spec.intermediate_size] * 2)], n_out=2, axis=2)
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        down = g.op("MatMul", [act, g.const(p + "mlp.down_proj.weight_t", w(p + "mlp.down_proj.weight").T)])
+        x = g.op("Add", [x, down])
+    hidden = rmsnorm(x, "model.norm.weight")
+    g.nodes[-1].output[0] = "hidden_states"
+    n_keep = g.op("Unsqueeze", [g.op("Neg", ["num_logits_to_keep"]), i64("ax0b", [0])])
+    last = g.op("Slice", ["hidden_states", n_keep, i64("int_max", [INT64_MAX]), i64("ax1c", [1])])
+    g.op("MatMul", [last, lm_head], name="logits")
+
+    f32, i64t, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    cache = ["batch", kv, "max_context", d]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", i64t, ["batch", "seq"]),
+        helper.make_tensor_value_info("position_ids", i64t, ["batch", "seq"]),
+        helper.make_tensor_value_info("tree_mask", f32, ["batch", "seq", "seq"]),
+        helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
+        helper.make_tensor_value_info("total_sequence_length", i32, []),
+        helper.make_tensor_value_info("num_logits_to_keep", i64t, []),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", f32, ["batch", "num_logits", spec.vocab_size]),
+        helper.make_tensor_value_info("hidden_states", f32, ["batch", "seq", h]),
+    ]
+    for i in range(spec.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, cache))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, cache))
+    graph = helper.make_graph(g.nodes, "specrt_decoder", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(
+        graph, functions=[_attention_function(spec)], producer_name="specrt",
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(FUNCTION_DOMAIN, 1)],
+    )
+    model.ir_version = 9
+    # Self-describing: build/ needs the head counts to pick the fused kernel's attributes.
+    helper.set_model_props(model, {
+        "specrt.num_heads": str(n), "specrt.num_kv_heads": str(kv), "specrt.head_dim": str(d),
+        "specrt.num_layers": str(spec.num_layers), "specrt.max_context": str(max_context),
+    })
+    return model

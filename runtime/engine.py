@@ -1,0 +1,86 @@
+"""Engine: one compiled decoder plus its static KV cache. It knows nothing about text.
+
+Contract: the cache holds `length` committed positions. `forward(tokens)` writes the K/V of the
+new tokens at [length, length + n) and returns logits; it does not commit. `commit(n)` makes the
+first n of them part of the context; anything written past that is garbage that the next pass
+overwrites, which is why rejecting a draft costs nothing. For a token tree, `commit(path=...)`
+moves the accepted nodes' K/V entries into place (a few rows per layer, never the whole cache).
+
+Buffers (cache, logits) are allocated once; every pass binds them by pointer through IOBinding,
+and past/present are the same buffer, so there is one host sync per pass and no per-step copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import SpecrtError
+
+
+class ContextFullError(SpecrtError):
+    pass
+
+
+class OrtEngine:
+    def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, max_pass_tokens
+        self.length = 0
+        self.cache = np.zeros((num_layers, 2, 1, num_kv_heads, max_context, head_dim), np.float32)
+        self._logits = np.empty((max_pass_tokens, vocab_size), np.float32)
+        self._io = self.session.io_binding()
+        for i in range(num_layers):
+            for j, kind in enumerate(("key", "value")):
+                buf = ort.OrtValue.ortvalue_from_numpy(self.cache[i, j])
+                self._io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
+                self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
+        self._zero_mask = np.zeros((1, max_pass_tokens, max_pass_tokens), np.float32)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
+                tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
+        """tokens [n] int64 -> logits [num_logits, vocab] for the last num_logits tokens.
+
+        positions [n] default to length + arange(n); tree_mask [n, n] additive, default causal.
+        The returned array is a view into a reused buffer: copy it to keep it past the next pass.
+        """
+        n = len(tokens)
+        if self.length + n > self.max_context:
+            raise ContextFullError(
+                f"context full: {self.length} + {n} tokens exceed max_context {self.max_context}; "
+                "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
+        if n > self.max_pass_tokens or num_logits > n:
+            raise ValueError(f"a pass takes 1..{self.max_pass_tokens} tokens and at most n logits")
+        if positions is None:
+            positions = np.arange(self.length, self.length + n, dtype=np.int64)
+        mask = self._zero_mask[:, :n, :n] if tree_mask is None else tree_mask.reshape(1, n, n)
+        io = self._io
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, np.int64).reshape(1, n))
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(positions, np.int64).reshape(1, n))
+        io.bind_cpu_input("tree_mask", np.ascontiguousarray(mask, np.float32))
+        io.bind_cpu_input("seqlens_k", np.array([self.length + n - 1], np.int32))
+        io.bind_cpu_input("total_sequence_length", np.array(self.length + n, np.int32))
+        io.bind_cpu_input("num_logits_to_keep", np.array(num_logits, np.int64))
+        io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        return self._logits[:num_logits]
+
+    def commit(self, n: int, path: np.ndarray | None = None) -> None:
+        """Accept n of the tokens of the last pass. path [n]: their indices in that pass (trees)."""
+        if path is not None:
+            src = self.length + np.asarray(path, np.int64)
+            dst = self.length + np.arange(n)
+            moved = src != dst
+            if moved.any():
+                self.cache[:, :, :, :, dst[moved]] = self.cache[:, :, :, :, src[moved]]
+        self.length += n
+
+    def rewind(self, length: int = 0) -> None:
+        self.length = length
