@@ -1,0 +1,339 @@
+"""Exact verification of a speculative draft against the target distribution.
+
+Contract: pure functions of (p, draft, rng). No model code, no KV cache, no
+logits: probabilities come from ``runtime.sampling.probs_from_logits``, the
+same function plain sampling uses, so p and q are exactly the distributions
+that were (or would have been) sampled from.
+
+Glossary (vLLM's rejection_sampler.py vocabulary; p = target, q = draft):
+  accepted:  draft tokens the target keeps, a prefix of a chain or a
+             root-to-node path of a tree.
+  recovered: the token emitted in place of the first rejected position,
+             drawn from the residual norm(max(0, p - q)).
+  bonus:     the token emitted after a fully accepted path (no child left to
+             test), drawn from p at the last accepted node for free.
+  node i:    draft position i; row i + 1 of ``p`` is the target after node i,
+             row 0 the target after the committed context (the root).
+
+Lossless means: the emitted tokens (accepted + recovered/bonus) have exactly
+the distribution of sampling token by token from p. ``verify`` and
+``verify_greedy`` are lossless; ``verify_typical`` (Medusa) is NOT and every
+result it returns carries ``lossy=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.runtime.sampling import _sample_or_none
+
+__all__ = ["Draft", "VerifyResult", "verify", "verify_greedy", "verify_typical"]
+
+
+@dataclass(frozen=True, eq=False)
+class Draft:
+    """A proposer's output: a chain or a tree of drafted tokens.
+
+    tokens:  [n] int64 node tokens, parents before children.
+    parents: [n] int64, parents[i] < i, -1 = child of the root; None = chain
+             (parents = i - 1). Siblings are verified in index order.
+    q:       [n, V] float32; q[i] is the distribution node i's token was drawn
+             from (the draft at node i's parent context; i.i.d. siblings share
+             it). None = deterministic draft, treated as one-hot at tokens[i].
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray | None = None
+    q: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        object.__setattr__(self, "tokens", tokens)
+        n = tokens.size
+        if self.parents is not None:
+            par = np.asarray(self.parents, dtype=np.int64).reshape(-1)
+            if par.size != n or (n and ((par < -1).any() or (par >= np.arange(n)).any())):
+                raise ValueError("Draft.parents must be [n] with -1 <= parents[i] < i "
+                                 "(list parents before children); use None for a chain")
+            object.__setattr__(self, "parents", par)
+        if self.q is not None:
+            q = np.asarray(self.q)
+            if q.ndim != 2 or q.shape[0] != n:
+                raise ValueError(f"Draft.q must be [n={n}, V], got {q.shape}; "
+                                 "use q=None for a deterministic (one-hot) draft")
+            object.__setattr__(self, "q", q)
+        if n and tokens.min() < 0:
+            raise ValueError("Draft.tokens must be >= 0 token ids")
+
+    def children(self) -> list[list[int]]:
+        """children[r] = nodes whose parent row is r (row 0 = root, r = i + 1 = node i)."""
+        n = self.tokens.size
+        if self.parents is None:
+            return [[r] for r in range(n)] + [[]]
+        kids: list[list[int]] = [[] for _ in range(n + 1)]
+        for i, par in enumerate(self.parents.tolist()):
+            kids[par + 1].append(i)
+        return kids
+
+    def depth(self) -> int:
+        """Longest root-to-node path length (chain: n)."""
+        if self.parents is None:
+            return int(self.tokens.size)
+        d = [0] * (self.tokens.size + 1)                # d[row]; row 0 = root
+        for i, par in enumerate(self.parents.tolist()):
+            d[i + 1] = d[par + 1] + 1
+        return max(d)
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyResult:
+    """What one verification round emits.
+
+    accepted:   [m] int64 accepted draft tokens.
+    path:       [m] int64 node indices of the accepted nodes (chain: arange(m)).
+    next_token: the recovered token (bonus=False) or the bonus token (bonus=True).
+    acceptance: [depth] bool, True where the token emitted at that depth was an
+                accepted draft token (= arange(depth) < m); per-position stats.
+    lossy:      True only for verify_typical: the output is NOT distributed as p.
+    """
+
+    accepted: np.ndarray
+    path: np.ndarray
+    next_token: int
+    bonus: bool
+    acceptance: np.ndarray
+    lossy: bool = False
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[m + 1] int64: accepted tokens then next_token (what gets committed)."""
+        return np.append(self.accepted, np.int64(self.next_token))
+
+    @property
+    def num_accepted(self) -> int:
+        return int(self.accepted.size)
+
+
+def _result(draft: Draft, path: list[int], next_token: int, bonus: bool,
+            lossy: bool = False) -> VerifyResult:
+    idx = np.asarray(path, dtype=np.int64)
+    return VerifyResult(accepted=draft.tokens[idx], path=idx, next_token=int(next_token),
+                        bonus=bonus, acceptance=np.arange(draft.depth()) < idx.size,
+                        lossy=lossy)
+
+
+def _check_p(p: np.ndarray, draft: Draft) -> None:
+    n = draft.tokens.size
+    if p.ndim != 2 or p.shape[0] != n + 1:
+        raise ValueError(f"p must be [n + 1 = {n + 1}, V] (row 0 = root, row i + 1 = after "
+                         f"node i), got {p.shape}")
+    if draft.q is not None and draft.q.shape[1] != p.shape[1]:
+        raise ValueError(f"vocab mismatch: p has V={p.shape[1]}, q has V={draft.q.shape[1]}; "
+                         "target and draft must share one tokenizer")
+    if n and draft.tokens.max() >= p.shape[1]:
+        raise ValueError(f"draft token {int(draft.tokens.max())} >= vocab size {p.shape[1]}")
+
+
+def _prob(v: float, what: str) -> float:
+    # Every probability the verifier reads is checked, so NaN/inf in p or q is
+    # a clear error instead of a silently biased accept/reject decision.
+    if not (0.0 <= v < np.inf):
+        raise ValueError(f"{what} = {v} is not a probability; build p and q with "
+                         "probs_from_logits, which rejects NaN/inf logits")
+    return v
+
+
+class _Residual:
+    """The target still 'owed' at one tree node while its children are tried.
+
+    Starts as p[row]. Rejecting child x drawn from q_x turns it into
+    norm(max(0, r - q_x)) (Leviathan et al.; SpecInfer's multi-step speculative
+    sampling for several siblings). For one-hot q that is "zero x and
+    renormalise", kept as an exclusion list so nothing V-sized is allocated.
+    Stochastic rejections ping-pong between two buffers, allocated only at
+    rows where a rejection actually happens.
+    """
+
+    def __init__(self, base: np.ndarray) -> None:
+        self.base = base                   # [V] view of p[row], never written
+        self.cur = base                    # [V] unnormalised residual
+        self.spare: np.ndarray | None = None
+        self.mass = 1.0                    # sum(cur) - sum(cur[excluded]); p rows sum to 1
+        self.excluded: list[int] = []      # one-hot rejections
+
+    def accept(self, x: int, q_x: float, u: float) -> bool:
+        # accept iff u < min(1, r(x) / q(x)), r = cur / mass; written without
+        # the division so q(x) = 0 accepts whenever r(x) > 0 (ratio = inf).
+        r_x = 0.0 if x in self.excluded else _prob(float(self.cur[x]), f"p[{x}]")
+        return u * q_x * self.mass < r_x
+
+    def reject_one_hot(self, x: int) -> bool:
+        """Zero x. False if nothing would be left: r was one-hot at x, so the
+        rejection was a rounding artefact and x must be accepted after all."""
+        if not self.excluded:
+            self.mass = float(self.cur.sum(dtype=np.float64))
+        if x in self.excluded:
+            return True
+        left = self.mass - float(self.cur[x])
+        if left <= 0.0:
+            return False
+        self.excluded.append(x)
+        self.mass = left
+        return True
+
+    def reject_stochastic(self, q_row: np.ndarray) -> None:
+        # r' = max(0, r - q) with r = cur / mass. If r <= q everywhere the
+        # rejection had probability 0 in exact arithmetic (it happens only for
+        # q(x) = 0 drafts or rounding); then keep r, whose support is within p's.
+        new = self.spare if self.spare is not None else np.empty(self.cur.shape, np.float32)
+        if self.cur is self.base:
+            np.subtract(self.cur, q_row, out=new, casting="same_kind")
+        else:
+            np.multiply(self.cur, np.float32(1.0 / self.mass), out=new)
+            np.subtract(new, q_row, out=new, casting="same_kind")
+        np.maximum(new, 0.0, out=new)
+        new_mass = float(new.sum(dtype=np.float64))
+        if not np.isfinite(new_mass):
+            raise ValueError("q contains NaN/inf; build q with probs_from_logits")
+        if new_mass > 0.0:
+            old, self.cur, self.mass = self.cur, new, new_mass
+            self.spare = None if old is self.base else old
+        else:
+            self.spare = new
+
+    def sample(self, rng: np.random.Generator) -> int:
+        tok = _sample_or_none(self.cur, rng, self.excluded)
+        if tok is None:
+            raise ValueError("target row has no probability mass; check p")
+        return tok
+
+
+def verify(p: np.ndarray, draft: Draft, rng: np.random.Generator) -> VerifyResult:
+    """Lossless speculative verification of a chain or tree (sampling mode).
+
+    p:     [n + 1, V] float32 target probabilities; row 0 after the committed
+           context, row i + 1 after node i (conditioned on the path to node i).
+    draft: n nodes; draft.q [n, V] or None (one-hot).
+    rng:   the session's Generator; one uniform per tested node, one draw for
+           the recovered/bonus token.
+
+    At a node with residual r (initially p at that node), children x_1..x_k:
+      accept x_j with prob min(1, r(x_j) / q_j(x_j)), then descend to x_j;
+      else r <- norm(max(0, r - q_j)) and try x_{j+1}.
+    If every child is rejected the recovered token is drawn from r; at a leaf
+    the bonus token is drawn from p at that leaf. For one child per node this
+    is Leviathan et al.'s speculative sampling; for i.i.d. sampled siblings it
+    is SpecInfer's multi-step speculative sampling; for one-hot siblings,
+    q_j = onehot(x_j): accept with prob r(x_j), else zero x_j and renormalise.
+    Each step emits exactly r-distributed tokens:
+      P(x_j = y, accepted) + P(rejected) * r'(y) = min(q_j, r)(y) + (r - q_j)^+(y) = r(y).
+    """
+    p = np.asarray(p)
+    _check_p(p, draft)
+    kids = draft.children()
+    tokens = draft.tokens.tolist()
+    q = draft.q
+    path: list[int] = []
+    row = 0
+    while True:
+        children = kids[row]
+        if not children:                         # fully accepted: bonus from p at the leaf
+            tok = _sample_or_none(p[row], rng)
+            if tok is None:
+                raise ValueError(f"p row {row} has no probability mass; check p")
+            return _result(draft, path, tok, bonus=True)
+        res = _Residual(p[row])
+        for c in children:
+            x = tokens[c]
+            q_x = 1.0 if q is None else _prob(float(q[c, x]), f"q[{c}, {x}]")
+            if res.accept(x, q_x, rng.random()):
+                break
+            if q is None:
+                if not res.reject_one_hot(x):
+                    break                        # r was one-hot at x: accept
+            else:
+                res.reject_stochastic(q[c])
+        else:                                    # every child rejected: recovered token
+            return _result(draft, path, res.sample(rng), bonus=False)
+        path.append(c)
+        row = c + 1
+
+
+def verify_greedy(target_argmax: np.ndarray, draft: Draft) -> VerifyResult:
+    """Lossless greedy verification: keep the longest path of argmax tokens.
+
+    target_argmax: [n + 1] int64, argmax of the target logits per row (row 0 =
+                   root, row i + 1 = after node i); no softmax needed.
+    Equals ``verify`` with one-hot p. Ties between equal-length paths go to
+    the first in node order; the next token is the argmax after the path
+    (bonus when that node has no children, recovered otherwise).
+    """
+    am = np.asarray(target_argmax, dtype=np.int64).reshape(-1)
+    if am.size != draft.tokens.size + 1:
+        raise ValueError(f"target_argmax must be [n + 1 = {draft.tokens.size + 1}], got {am.shape}")
+    ok = draft.tokens == am[_parent_rows(draft)]      # [n] node matches its parent's argmax
+    path = _deepest_path(draft, ok)
+    row = path[-1] + 1 if path else 0
+    return _result(draft, path, int(am[row]), bonus=not draft.children()[row])
+
+
+def verify_typical(p: np.ndarray, draft: Draft, rng: np.random.Generator, *,
+                   posterior_threshold: float = 0.09,
+                   posterior_alpha: float = 0.3) -> VerifyResult:
+    """LOSSY, opt-in: Medusa's typical acceptance (Cai et al. 2024, sec. 2.3.1).
+
+    Not lossless: the emitted tokens are NOT distributed as p; results carry
+    ``lossy=True``. Use only when the user explicitly asks for it.
+
+    p: [n + 1, V] float32 target probabilities (as in ``verify``).
+    A node x under parent row r passes if
+      p_r(x) > min(posterior_threshold, posterior_alpha * exp(-H(p_r))),
+    and the longest path of passing nodes is accepted (first on ties); the
+    next token is sampled from p after that path.
+    """
+    p = np.asarray(p)
+    _check_p(p, draft)
+    prow = _parent_rows(draft)
+    ok = np.zeros(draft.tokens.size, dtype=bool)
+    thresh: dict[int, float] = {}
+    for i, (r, x) in enumerate(zip(prow.tolist(), draft.tokens.tolist())):
+        if r not in thresh:                      # entropy only for rows with children
+            pr = p[r].astype(np.float64)
+            h = float(-(pr * np.log(np.maximum(pr, 1e-30))).sum())
+            if not np.isfinite(h):
+                raise ValueError(f"p row {r} contains NaN/inf")
+            thresh[r] = min(posterior_threshold, posterior_alpha * float(np.exp(-h)))
+        ok[i] = _prob(float(p[r, x]), f"p[{r}, {x}]") > thresh[r]
+    path = _deepest_path(draft, ok)
+    row = path[-1] + 1 if path else 0
+    tok = _sample_or_none(p[row], rng)
+    if tok is None:
+        raise ValueError(f"p row {row} has no probability mass; check p")
+    return _result(draft, path, tok, bonus=not draft.children()[row], lossy=True)
+
+
+def _parent_rows(draft: Draft) -> np.ndarray:
+    """[n] int64 row of p each node's token is judged against (parent + 1)."""
+    n = draft.tokens.size
+    return np.arange(n, dtype=np.int64) if draft.parents is None else draft.parents + 1
+
+
+def _deepest_path(draft: Draft, ok: np.ndarray) -> list[int]:
+    """Longest root path whose nodes all have ok[i]; first in node order on ties."""
+    n = draft.tokens.size
+    par = np.arange(-1, n - 1) if draft.parents is None else draft.parents
+    depth = [0] * n
+    best, best_d = -1, 0
+    for i in range(n):                       # parents precede children
+        pi = int(par[i])
+        if ok[i] and (pi < 0 or depth[pi] > 0):
+            depth[i] = (depth[pi] if pi >= 0 else 0) + 1
+            if depth[i] > best_d:
+                best, best_d = i, depth[i]
+    path = []
+    while best >= 0:
+        path.append(best)
+        best = int(par[best])
+    return path[::-1]
