@@ -195,7 +195,8 @@ class _Residual:
             np.subtract(new, q_row, out=new, casting="same_kind")
         np.maximum(new, 0.0, out=new)
         new_mass = float(new.sum(dtype=np.float64))
-        if not np.isfinite(new_mass):
+        # max(0, r - inf) = 0 would hide an inf in q, so check q's own mass too
+        if not (np.isfinite(new_mass) and np.isfinite(q_row.sum(dtype=np.float64))):
             raise ValueError("q contains NaN/inf; build q with probs_from_logits")
         if new_mass > 0.0:
             old, self.cur, self.mass = self.cur, new, new_mass
