@@ -71,7 +71,7 @@ def quantize(model: onnx.ModelProto, prec: OrtPrecision) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    quantizer = MatMulNBitsQuantizer(model, bits=prec.bits, block_size=32, is_symmetric=True,
+    quantizer = MatMulNBitsQuantizer(model, bits=prec.bits, block_size=32, is_symmetric=False, nodes_to_exclude=["logits"],
                                      accuracy_level=prec.accuracy_level or None)
     quantizer.process()
     return quantizer.model.model

@@ -152,60 +152,71 @@ class _Residual:
     norm(max(0, r - q_x)) (Leviathan et al.; SpecInfer's multi-step speculative
     sampling for several siblings). For one-hot q that is "zero x and
     renormalise", kept as an exclusion list so nothing V-sized is allocated.
-    Stochastic rejections ping-pong between two buffers, allocated only at
-    rows where a rejection actually happens.
+    Stochastic residuals live in at most two buffers, allocated only at rows
+    where a rejection happens. The mass (normaliser) is computed lazily: a
+    chain never needs it, since the sampler draws u * total by itself.
+
+    If a rejection leaves no mass (r <= q_x pointwise, i.e. r = q_x up to
+    rounding, or a q(x) = 0 draft) it could not happen in exact arithmetic;
+    it is undone, so the residual's support always stays inside p's.
     """
 
     def __init__(self, base: np.ndarray) -> None:
         self.base = base                   # [V] view of p[row], never written
-        self.cur = base                    # [V] unnormalised residual
-        self.spare: np.ndarray | None = None
-        self.mass = 1.0                    # sum(cur) - sum(cur[excluded]); p rows sum to 1
-        self.excluded: list[int] = []      # one-hot rejections
+        self.cur = base                    # [V] unnormalised residual r * mass
+        self.mass: float | None = 1.0      # sum(cur) minus excluded; p rows sum to 1
+        self.excluded: list[int] = []      # one-hot rejections: zeroed tokens
+        self.undo: tuple | None = None     # (cur, mass, len(excluded)) before the last rejection
 
     def accept(self, x: int, q_x: float, u: float) -> bool:
         # accept iff u < min(1, r(x) / q(x)), r = cur / mass; written without
         # the division so q(x) = 0 accepts whenever r(x) > 0 (ratio = inf).
         r_x = 0.0 if x in self.excluded else _prob(float(self.cur[x]), f"p[{x}]")
-        return u * q_x * self.mass < r_x
+        return r_x > 0.0 and u * q_x * self._mass() < r_x
 
-    def reject_one_hot(self, x: int) -> bool:
-        """Zero x. False if nothing would be left: r was one-hot at x, so the
-        rejection was a rounding artefact and x must be accepted after all."""
-        if not self.excluded:
-            self.mass = float(self.cur.sum(dtype=np.float64))
-        if x in self.excluded:
-            return True
-        left = self.mass - float(self.cur[x])
-        if left <= 0.0:
-            return False
-        self.excluded.append(x)
-        self.mass = left
-        return True
+    def _mass(self) -> float:
+        if self.mass is None:
+            m = float(self.cur.sum(dtype=np.float64))
+            m -= sum(float(self.cur[t]) for t in self.excluded)
+            if not np.isfinite(m):
+                raise ValueError("p or q contains NaN/inf; build them with probs_from_logits")
+            if m > 0.0:
+                self.mass = m
+            else:
+                self._revert()
+        return self.mass
 
-    def reject_stochastic(self, q_row: np.ndarray) -> None:
-        # r' = max(0, r - q) with r = cur / mass. If r <= q everywhere the
-        # rejection had probability 0 in exact arithmetic (it happens only for
-        # q(x) = 0 drafts or rounding); then keep r, whose support is within p's.
-        new = self.spare if self.spare is not None else np.empty(self.cur.shape, np.float32)
-        if self.cur is self.base:
-            np.subtract(self.cur, q_row, out=new, casting="same_kind")
+    def _revert(self) -> None:
+        self.cur, self.mass, k = self.undo
+        del self.excluded[k:]
+        self.undo = None
+
+    def reject(self, x: int, q_row: np.ndarray | None) -> None:
+        """r <- norm(max(0, r - q_row)); q_row None = one-hot at x (zero x)."""
+        mass = self._mass()                # known: accept() just needed it
+        prev, self.undo = self.undo, (self.cur, mass, len(self.excluded))
+        self.mass = None
+        if q_row is None:
+            self.excluded.append(x)
+            return
+        # Reuse the buffer the previous undo pointed at (not cur, not base).
+        spare = prev[0] if prev is not None and prev[0] is not self.base else None
+        new = spare if spare is not None else np.empty(self.cur.shape, np.float32)
+        if self.cur is self.base:          # mass 1: r = cur
+            np.maximum(self.cur, q_row, out=new, casting="same_kind")
         else:
-            np.multiply(self.cur, np.float32(1.0 / self.mass), out=new)
-            np.subtract(new, q_row, out=new, casting="same_kind")
-        np.maximum(new, 0.0, out=new)
-        new_mass = float(new.sum(dtype=np.float64))
-        # max(0, r - inf) = 0 would hide an inf in q, so check q's own mass too
-        if not (np.isfinite(new_mass) and np.isfinite(q_row.sum(dtype=np.float64))):
-            raise ValueError("q contains NaN/inf; build q with probs_from_logits")
-        if new_mass > 0.0:
-            old, self.cur, self.mass = self.cur, new, new_mass
-            self.spare = None if old is self.base else old
-        else:
-            self.spare = new
+            np.multiply(self.cur, np.float32(1.0 / mass), out=new)
+            np.maximum(new, q_row, out=new, casting="same_kind")
+        # max(r, q) - q == max(0, r - q) exactly (q - q = 0), but an inf in q
+        # becomes inf - inf = NaN and is caught by the sampler, not hidden as 0.
+        np.subtract(new, q_row, out=new, casting="same_kind")
+        self.cur = new
 
     def sample(self, rng: np.random.Generator) -> int:
         tok = _sample_or_none(self.cur, rng, self.excluded)
+        if tok is None and self.undo is not None:
+            self._revert()
+            tok = _sample_or_none(self.cur, rng, self.excluded)
         if tok is None:
             raise ValueError("target row has no probability mass; check p")
         return tok
@@ -251,11 +262,7 @@ def verify(p: np.ndarray, draft: Draft, rng: np.random.Generator) -> VerifyResul
             q_x = 1.0 if q is None else _prob(float(q[c, x]), f"q[{c}, {x}]")
             if res.accept(x, q_x, rng.random()):
                 break
-            if q is None:
-                if not res.reject_one_hot(x):
-                    break                        # r was one-hot at x: accept
-            else:
-                res.reject_stochastic(q[c])
+            res.reject(x, None if q is None else q[c])
         else:                                    # every child rejected: recovered token
             return _result(draft, path, res.sample(rng), bonus=False)
         path.append(c)

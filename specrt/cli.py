@@ -1,0 +1,148 @@
+"""The `specrt` command line. Heavy modules are imported inside commands so `--help` is instant
+and works without torch; user mistakes (SpecrtError, ValueError) print one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import SpecrtError
+
+app = typer.Typer(
+    help="specrt: compiled, exact speculative decoding. Build an engine set, then generate from it.\n\n"
+         "Quick start:  specrt engines  &&  specrt generate --prompt 'Hello'",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+)
+
+DEFAULT_ENGINES = Path("engines/smollm2-135m")
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(2)
+
+
+def _guard(fn):
+    """Run fn(); turn user mistakes into a one-line error and exit code 2."""
+    try:
+        return fn()
+    except SpecrtError as e:
+        _fail(str(e))
+    except ValueError as e:  # parameter validation (sampling, precision) raises ValueError
+        _fail(str(e).splitlines()[0])
+    except KeyboardInterrupt:
+        _fail("interrupted")
+
+
+@app.command()
+def engines(
+    source: str = typer.Option("smollm2-135m", "--source", "-s",
+                               help="Embedded model name, a Hugging Face model directory, or a .gguf file."),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help="Engine set name (folder under --out). Default: from the source."),
+    precisions: str = typer.Option("fp32,int8,int4", "--precisions", "-p",
+                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only)."),
+    max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
+    out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
+):
+    """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
+
+    def run():
+        from .pipeline import EngineSetRequest, make_engine_set
+
+        precs = tuple(p.strip() for p in precisions.split(",") if p.strip())
+        if not precs:
+            raise SpecrtError("--precisions is empty; pass e.g. fp32,int4")
+        set_name = name or (source if "/" not in source and not source.endswith(".gguf")
+                            else Path(source).stem.lower())
+        path = make_engine_set(EngineSetRequest(source, set_name, precs, max_context, out))
+        typer.echo(str(path))
+
+    _guard(run)
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="User message (formatted with the model's chat template)."),
+    messages: Optional[Path] = typer.Option(None, "--messages", help='JSON file: [{"role": "user", "content": "..."}, ...].'),
+    engines_dir: Path = typer.Option(DEFAULT_ENGINES, "--engines", "-e", help="Engine set folder."),
+    precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Stop after this many new tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible output)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template to --prompt."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
+):
+    """Generate from an engine set; streams text, then prints stats to stderr."""
+
+    def run():
+        from .runtime.generate import Generator
+        from .runtime.sampling import SamplingParams
+        from .runtime.tokenizer import load_messages_file
+
+        if (prompt is None) == (messages is None):
+            raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
+        chat = load_messages_file(messages) if messages is not None else prompt
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        gen = Generator.load(engines_dir, precision, threads)
+        s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw)
+        for delta in s:
+            if stream and not as_json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        r = s.result
+        if as_json:
+            typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict()}))
+            return
+        if not stream:
+            typer.echo(r.text)
+        else:
+            typer.echo()
+        st = r.stats
+        typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
+                    f"{st.tok_s:.1f} tok/s, {st.finish_reason}]", err=True, dim=True)
+
+    _guard(run)
+
+
+@app.command()
+def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder.")):
+    """Show an engine set's manifest: engines, precisions, parity figures."""
+
+    def run():
+        from rich.console import Console
+        from rich.table import Table
+
+        from .manifest import load_manifest
+
+        m = load_manifest(engines_dir)
+        t = Table(title=f"{m.name}  ({m.root})")
+        for col in ("engine", "role", "backend", "precision", "max ctx", "vocab", "|Δlogit| vs torch",
+                    "greedy agree", "width-exact"):
+            t.add_column(col)
+        for e in m.engines.values():
+            p = e.raw.get("parity", {})
+            t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
+                      f"{p.get('max_abs_logit_diff_vs_torch', float('nan')):.2g}",
+                      f"{p.get('greedy_agreement_vs_torch', float('nan')):.0%}", str(e.width_exact))
+        Console().print(t)
+        src = m.raw.get("source", {})
+        Console().print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
+
+    _guard(run)
+
+
+def main():  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,115 @@
+"""The engine-set manifest: the only contract between build/ (writes it) and runtime/ (reads it).
+
+engines/<name>/manifest.json holds the schema version, the tokenizer (file + hash + chat template
+and special tokens), and one entry per engine: role, file, backend, precision, I/O, shapes, max
+context, vocab, hashes, tool versions, parity figures and build time. `load_manifest` checks it
+once and raises a one-line SpecrtError with the fix on any mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SpecrtError
+
+SCHEMA_VERSION = 1
+ROLES = ("target", "draft", "medusa", "eagle")
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    name: str  # key in the manifest, e.g. "target-fp32"
+    role: str
+    file: str
+    backend: str
+    precision: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    width_exact: bool  # one K-token pass equals K one-token passes (to ~1e-4)
+    raw: dict  # the whole entry, for `specrt info`
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path
+    name: str
+    tokenizer_file: str
+    tokenizer_sha256: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token_ids: tuple[int, ...]
+    engines: dict[str, EngineEntry]
+    raw: dict
+
+    def engine(self, role: str, precision: str | None = None) -> EngineEntry:
+        found = [e for e in self.engines.values() if e.role == role and precision in (None, e.precision)]
+        if not found:
+            have = ", ".join(f"{e.role}/{e.precision}" for e in self.engines.values()) or "none"
+            what = f"{role} engine" + (f" at precision '{precision}'" if precision else "")
+            raise SpecrtError(f"engine set '{self.root}' has no {what} (it has: {have}); "
+                              f"rebuild with `specrt engines --precisions ...`")
+        return found[0]
+
+
+def load_manifest(root: Path) -> Manifest:
+    root = Path(root)
+    path = root / "manifest.json"
+    if not root.is_dir():
+        raise SpecrtError(f"engine set '{root}' not found; build it with `make engines` or `specrt engines`")
+    if not path.is_file():
+        raise SpecrtError(f"'{root}' has no manifest.json; rebuild it with `specrt engines`")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecrtError(f"'{path}' is not valid JSON ({e}); rebuild the engine set with `specrt engines`") from None
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SpecrtError(f"'{path}' has schema version {version}, this specrt reads {SCHEMA_VERSION}; "
+                          "rebuild the engine set with this version's `specrt engines`")
+    try:
+        tok = raw["tokenizer"]
+        engines = {k: _entry(k, v) for k, v in raw["engines"].items()}
+    except (KeyError, TypeError) as e:
+        raise SpecrtError(f"'{path}' is missing field {e}; rebuild the engine set with `specrt engines`") from None
+    for f in [tok["file"]] + [e.file for e in engines.values()]:
+        if not (root / f).is_file():
+            raise SpecrtError(f"engine set '{root}' is missing '{f}'; rebuild it with `specrt engines`")
+    for e in engines.values():
+        if e.role not in ROLES:
+            raise SpecrtError(f"engine '{e.name}' has unknown role '{e.role}'; expected one of {', '.join(ROLES)}")
+        if e.backend not in BACKENDS:
+            raise SpecrtError(f"engine '{e.name}' has unknown backend '{e.backend}'; expected one of {', '.join(BACKENDS)}")
+    vocabs = {e.vocab_size for e in engines.values() if e.role in ("target", "draft")}
+    if len(vocabs) > 1:
+        raise SpecrtError(f"engine set '{root}' mixes vocabulary sizes {sorted(vocabs)}; target and draft "
+                          "must share one tokenizer: rebuild with a matching draft model")
+    return Manifest(root=root, name=raw.get("name", root.name), tokenizer_file=tok["file"],
+                    tokenizer_sha256=tok["sha256"], chat_template=tok.get("chat_template"),
+                    bos_token=tok.get("bos_token"), eos_token_ids=tuple(tok.get("eos_token_ids", [])),
+                    engines=engines, raw=raw)
+
+
+def _entry(name: str, v: dict) -> EngineEntry:
+    return EngineEntry(
+        name=name, role=v["role"], file=v["file"], backend=v["backend"], precision=v["precision"],
+        num_layers=v["num_layers"], num_heads=v["num_heads"], num_kv_heads=v["num_kv_heads"],
+        head_dim=v["head_dim"], hidden_size=v["hidden_size"], vocab_size=v["vocab_size"],
+        max_context=v["max_context"], width_exact=bool(v.get("parity", {}).get("width_exact", False)), raw=v,
+    )

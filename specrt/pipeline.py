@@ -1,0 +1,212 @@
+"""make_engine_set: source -> engines/<name>/ (export, build, check, manifest), atomically.
+
+Steps whose inputs did not change are skipped: exports are cached under engines/.cache keyed by
+the source fingerprint and export options; built engines are cached next to their export; an
+engine set whose manifest already records the same inputs is left as it is. The set is written
+to a temp folder beside the target and renamed into place, so a failure leaves nothing half-written.
+This module sits above export/, build/ and runtime/ and is the only one that uses all three.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SpecrtError
+from .manifest import SCHEMA_VERSION, file_sha256
+
+EXPORT_FORMAT = 1  # bump when export/graph.py changes the graph it writes
+
+
+@dataclass(frozen=True)
+class EngineSetRequest:
+    source: str
+    name: str
+    precisions: tuple[str, ...] = ("fp32",)
+    max_context: int = 4096
+    out_root: Path = Path("engines")
+
+
+def _say(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold cyan]specrt[/] {msg}")
+
+
+def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
+    from .build.ort import build_ort_engine, precision
+    from .export.sources import fingerprint, resolve
+
+    for p in req.precisions:
+        precision(p)  # validates before any work
+    if req.max_context < 16:
+        raise SpecrtError(f"--max-context {req.max_context} is too small; use at least 16 (default 4096)")
+    src = resolve(req.source)
+    final = req.out_root / req.name
+    log(f"fingerprinting {src.path.name}")
+    fp = fingerprint(src)
+    inputs_key = hashlib.sha256(json.dumps(
+        [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, SCHEMA_VERSION]).encode()).hexdigest()
+    old = final / "manifest.json"
+    if old.is_file():
+        try:
+            if json.loads(old.read_text()).get("inputs_key") == inputs_key:
+                log(f"{final} is up to date")
+                return final
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    cache = req.out_root / ".cache" / f"export-{fp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}"
+    facts = _cached_export(src, cache, req.max_context, log)
+    req.out_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{req.name}-", dir=req.out_root))
+    tmp.chmod(0o755)
+    try:
+        engines = {}
+        for p in req.precisions:
+            built = cache / f"target-{p}.onnx"
+            if not built.is_file():
+                log(f"building onnxruntime engine at {p}")
+                t0 = time.time()
+                part = cache / f".part-{p}.onnx"
+                info = build_ort_engine(cache / "model.onnx", part, precision(p))
+                info["build_seconds"] = round(time.time() - t0, 1)
+                os.replace(str(part) + ".data", str(built) + ".data")
+                _rewrite_data_location(part, built)
+                (cache / f"target-{p}.json").write_text(json.dumps(info))
+            for f in (built, Path(str(built) + ".data")):
+                _link(f, tmp / f.name)
+            info = json.loads((cache / f"target-{p}.json").read_text())
+            log(f"checking target-{p} against PyTorch")
+            parity = check_engine(tmp / built.name, facts, cache / "golden.npz")
+            engines[f"target-{p}"] = _entry(facts, p, built.name, info, parity)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(cache / f, tmp / f)
+        manifest = {
+            "schema_version": SCHEMA_VERSION, "name": req.name, "inputs_key": inputs_key,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": facts["source"], "export_parity": facts["parity"], "versions": facts["versions"],
+            "tokenizer": {"file": "tokenizer.json", "sha256": file_sha256(tmp / "tokenizer.json"),
+                          "chat_template": _chat_template(cache), "bos_token": facts["bos_token"],
+                          "eos_token_ids": facts["eos_token_ids"]},
+            "engines": engines,
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {final}")
+    return final
+
+
+def _cached_export(src, cache: Path, max_context: int, log) -> dict:
+    from .export.exporter import export_checkpoint
+
+    if (cache / "export.json").is_file():
+        log(f"export cached in {cache}")
+        return json.loads((cache / "export.json").read_text())
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=cache.parent))
+    try:
+        facts = export_checkpoint(src, tmp, max_context, log=log)
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return facts
+
+
+def check_engine(path: Path, facts: dict, golden_path: Path) -> dict:
+    """Engine vs PyTorch golden tensors: max |Δlogit|, greedy agreement, and width-exactness
+    (one K-token pass against K one-token passes; int8-activation kernels fail this)."""
+    from .export.exporter import first_divergence
+    from .runtime.engine import OrtEngine
+
+    spec, g = facts["spec"], np.load(golden_path)
+    eng = OrtEngine(path, num_layers=spec["num_layers"], num_kv_heads=spec["num_kv_heads"],
+                    head_dim=spec["head_dim"], vocab_size=spec["vocab_size"], max_context=facts["max_context"])
+    ids, ref = g["input_ids"], g["logits"]
+    logits = eng.forward(ids, num_logits=len(ids)).copy()
+    eng.commit(len(ids))
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(len(g["greedy_tokens"]) - 1):
+        tokens.append(int(eng.forward(np.array(tokens[-1:]))[-1].argmax()))
+        eng.commit(1)
+    k = min(8, len(tokens))
+    eng.rewind(len(ids))
+    wide = eng.forward(np.array(tokens[:k]), num_logits=k).copy()
+    eng.rewind(len(ids))
+    narrow = []
+    for t in tokens[:k]:
+        narrow.append(eng.forward(np.array([t])).copy())
+        eng.commit(1)
+    width = float(np.abs(wide - np.concatenate(narrow)).max())
+    agree = first_divergence(np.array(tokens), g["greedy_tokens"])
+    return {"max_abs_logit_diff_vs_torch": float(np.abs(logits - ref).max()),
+            "greedy_agreement_vs_torch": agree / len(g["greedy_tokens"]),
+            "width_max_abs_diff": width, "width_exact": width <= 1e-3}
+
+
+def _entry(facts: dict, prec: str, file: str, info: dict, parity: dict) -> dict:
+    s = facts["spec"]
+    return {
+        "role": "target", "file": file, "backend": "onnxruntime", "precision": prec,
+        "num_layers": s["num_layers"], "num_heads": s["num_heads"], "num_kv_heads": s["num_kv_heads"],
+        "head_dim": s["head_dim"], "hidden_size": s["hidden_size"], "vocab_size": s["vocab_size"],
+        "max_context": facts["max_context"], "architecture": s["architecture"],
+        "inputs": {"input_ids": ["batch", "seq", "int64"], "position_ids": ["batch", "seq", "int64"],
+                   "tree_mask": ["batch", "seq", "seq", "float32"], "seqlens_k": ["batch", "int32"],
+                   "total_sequence_length": ["int32"], "num_logits_to_keep": ["int64"],
+                   "past_key_values.{i}.key|value": ["batch", s["num_kv_heads"], "max_context", s["head_dim"], "float32"]},
+        "outputs": {"logits": ["batch", "num_logits", s["vocab_size"], "float32"],
+                    "hidden_states": ["batch", "seq", s["hidden_size"], "float32"],
+                    "present.{i}.key|value": "shares the past buffer"},
+        "source_sha256": facts["source"]["sha256"], "parity": parity, "build": info,
+    }
+
+
+def _chat_template(cache: Path) -> str | None:
+    cfg = json.loads((cache / "tokenizer_config.json").read_text())
+    if cfg.get("chat_template"):
+        return cfg["chat_template"]
+    jinja = cache / "chat_template.jinja"
+    return jinja.read_text() if jinja.is_file() else None
+
+
+def _rewrite_data_location(part: Path, built: Path) -> None:
+    """The optimized graph names its weights file; point it at the final name."""
+    import onnx
+
+    model = onnx.load(str(part), load_external_data=False)
+    for t in model.graph.initializer:
+        for kv in t.external_data:
+            if kv.key == "location":
+                kv.value = built.name + ".data"
+    onnx.save_model(model, str(built))
+    part.unlink()
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    if final.exists():
+        trash = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
