@@ -1,0 +1,33 @@
+# specrt: `make demo` (set up, build the default engines, stream an answer) and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SPECRT := $(VENV)/bin/specrt
+ENGINES ?= engines/smollm2-135m
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: venv engines demo test bench heads clean
+
+venv: $(VENV)/.installed
+
+# torch is pinned (2.13.0 CPU build); an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[export,bench,dev]"
+	touch $@
+
+engines: venv
+	$(SPECRT) engines --source smollm2-135m --precisions fp32,int8,int4
+
+demo: engines
+	$(SPECRT) generate --engines $(ENGINES) --prompt "$(PROMPT)" --max-new-tokens 128
+
+test: venv
+	$(PY) -m pytest
+
+bench: engines
+	$(SPECRT) bench --engines $(ENGINES) --out bench-out
+
+clean:
+	rm -rf engines/.cache engines/.tmp-* bench-out

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny checkpoints and engine sets built once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint (HF directory)."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2", "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_dir, tmp_path_factory) -> Path:
+    """An engine set (fp32 + int4) for the tiny Llama, built through the real pipeline."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    out = tmp_path_factory.mktemp("engines")
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny", ("fp32", "int4"), 256, out), log=lambda m: None)
