@@ -171,8 +171,9 @@ class _Residual:
     def accept(self, x: int, q_x: float, u: float) -> bool:
         # accept iff u < min(1, r(x) / q(x)), r = cur / mass; written without
         # the division so q(x) = 0 accepts whenever r(x) > 0 (ratio = inf).
+        mass = self._mass()                # first: a zero mass reverts cur
         r_x = 0.0 if x in self.excluded else _prob(float(self.cur[x]), f"p[{x}]")
-        return r_x > 0.0 and u * q_x * self._mass() < r_x
+        return u * q_x * mass < r_x
 
     def _mass(self) -> float:
         if self.mass is None:

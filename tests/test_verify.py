@@ -192,6 +192,20 @@ def test_vocab_of_one(stochastic):
     assert r.tokens.tolist() == [0] * (n + 1) and r.bonus and r.acceptance.all()
 
 
+def test_impossible_rejection_is_undone():
+    # q(x) = 0 = p(x) for a drafted x and p = q elsewhere: rejecting x leaves
+    # max(0, p - q) = 0 everywhere; the residual falls back to p, not garbage.
+    p = np.array([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5], [0.2, 0.3, 0.5]], np.float32)
+    q = p[:2].copy()
+    for seed in range(20):
+        r = verify(p, Draft(tokens=[0, 1], q=q), np.random.default_rng(seed))
+        assert r.path.size == 0 and r.next_token in (1, 2)
+        # a sibling after the impossible rejection is tested against p again: p = q, accepted
+        r = verify(p, Draft(tokens=[0, 1], parents=[-1, -1], q=p[[0, 0]]),
+                   np.random.default_rng(seed))
+        assert r.path.tolist() == [1] and r.bonus
+
+
 def test_draft_length_zero():
     p = np.array([[0.0, 0.25, 0.75]], np.float32)
     for d in (Draft(tokens=np.zeros(0, np.int64)), Draft(tokens=[], q=np.zeros((0, 3)))):
@@ -200,6 +214,7 @@ def test_draft_length_zero():
         assert r.acceptance.shape == (0,) and r.tokens.size == 1
 
 
+@pytest.mark.filterwarnings("ignore:invalid value")
 @pytest.mark.parametrize("where", ["p_drafted", "q_drafted", "bonus_row", "residual"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_inf_probabilities_raise(where, bad):
