@@ -59,6 +59,8 @@ def main() -> None:
     far = (top[:K] + V // 2) % V                         # tokens with tiny p: rejected at 0
     pq = np.concatenate([q, p[-1:]])                    # p = q on every drafted row
     tree_par = np.array([-1, -1, 0, 0, 1, 2, 4, 6])      # 8 nodes, depth 5
+    # Fresh engine output is not in L2: rotate over copies bigger than L2 (~44 MB).
+    cold = [(p * np.float32(1.0), q * np.float32(1.0)) for _ in range(4)]
     cases = {
         "sampled chain, all accepted (p = q, bonus)":
             lambda i: verify(pq, Draft(top[:K], q=q), rng),
@@ -72,8 +74,13 @@ def main() -> None:
             lambda i: verify(p, Draft(far), rng),
         "one-hot chain, all accepted":
             lambda i: verify(p, Draft(top[:K]), rng),
+        "sampled chain, realistic mix, cold cache":
+            lambda i: verify(cold[i % 4][0], Draft(pool[i % 64], q=cold[i % 4][1]), rng),
         "sampled tree (8 nodes), realistic mix":
             lambda i: verify(p, Draft(pool[i % 64], parents=tree_par, q=q), rng),
+        "sampled tree (8 nodes), realistic, cold cache":
+            lambda i: verify(cold[i % 4][0], Draft(pool[i % 64], parents=tree_par,
+                                                   q=cold[i % 4][1]), rng),
         "greedy chain (argmax given)":
             lambda i: verify_greedy(top, Draft(np.r_[top[:4], far[4:]])),
     }
