@@ -56,11 +56,16 @@ class OrtEngine:
             raise ContextFullError(
                 f"context full: {self.length} + {n} tokens exceed max_context {self.max_context}; "
                 "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
-        if n > self.max_pass_tokens or num_logits > n:
-            raise ValueError(f"a pass takes 1..{self.max_pass_tokens} tokens and at most n logits")
+        if not 1 <= num_logits <= min(n, self.max_pass_tokens):
+            raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {num_logits} of {n}")
         if positions is None:
             positions = np.arange(self.length, self.length + n, dtype=np.int64)
-        mask = self._zero_mask[:, :n, :n] if tree_mask is None else tree_mask.reshape(1, n, n)
+        if tree_mask is not None:
+            mask = tree_mask.reshape(1, n, n)
+        elif n <= self.max_pass_tokens:
+            mask = self._zero_mask[:, :n, :n]
+        else:  # a long prefill: once per request, so this allocation is fine
+            mask = np.zeros((1, n, n), np.float32)
         io = self._io
         io.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, np.int64).reshape(1, n))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(positions, np.int64).reshape(1, n))
