@@ -67,9 +67,12 @@ def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -
 def torch_greedy(model, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Plain argmax decoding with the model's own cache; no generate() logits processors (which
     would, e.g., suppress EOS) so the tokens are exactly what the graph must reproduce."""
+    import warnings
+
     import torch
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values naming churn in transformers 5.x
         out = model(torch.from_numpy(ids[None]), use_cache=True)
         logits = out.logits[0].float().numpy()
         tokens = [int(logits[-1].argmax())]

@@ -42,7 +42,7 @@ class OrtEngine:
                 buf = ort.OrtValue.ortvalue_from_numpy(self.cache[i, j])
                 self._io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
                 self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
-        self._zero_mask = np.zeros((1, max_pass_tokens, max_pass_tokens), np.float32)
+        self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                 tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
@@ -63,7 +63,7 @@ class OrtEngine:
         if tree_mask is not None:
             mask = tree_mask.reshape(1, n, n)
         elif n <= self.max_pass_tokens:
-            mask = self._zero_mask[:, :n, :n]
+            mask = self._zero_mask[: n * n].reshape(1, n, n)
         else:  # a long prefill: once per request, so this allocation is fine
             mask = np.zeros((1, n, n), np.float32)
         io = self._io

@@ -1,0 +1,89 @@
+"""Export parity: ONNX vs PyTorch on tiny Llama and Qwen2; the KV-cache contract of the engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiny import make_checkpoint
+
+
+def _engine_for(tmp_path, arch, seed):
+    from specrt.build.ort import build_ort_engine, precision
+    from specrt.export.exporter import export_checkpoint
+    from specrt.export.sources import resolve
+    from specrt.runtime.engine import OrtEngine
+
+    ckpt = make_checkpoint(tmp_path / arch, arch, seed=seed)
+    facts = export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", 128, log=lambda m: None)
+    build_ort_engine(tmp_path / "exp" / "model.onnx", tmp_path / "fp32.onnx", precision("fp32"))
+    s = facts["spec"]
+    eng = OrtEngine(tmp_path / "fp32.onnx", num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"],
+                    head_dim=s["head_dim"], vocab_size=s["vocab_size"], max_context=128)
+    return ckpt, facts, eng
+
+
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen2", 1)])
+def test_parity_and_cache_contract(tmp_path, arch, seed):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ckpt, facts, eng = _engine_for(tmp_path, arch, seed)
+    # 1. export parity figures are recorded and tight
+    assert facts["parity"]["max_abs_logit_diff"] < 1e-4
+    assert facts["parity"]["greedy_agreement"] == 1.0
+    ids = np.random.default_rng(seed).integers(0, facts["spec"]["vocab_size"], 24)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids[None])).logits[0].numpy()
+    # 2. one full forward equals PyTorch
+    full = eng.forward(ids, num_logits=len(ids)).copy()
+    assert np.abs(full - ref).max() < 1e-4
+    # 3. prefill + N single steps equals the full forward
+    eng.rewind(0)
+    steps = [eng.forward(ids[:10], num_logits=10).copy()]
+    eng.commit(10)
+    for t in ids[10:]:
+        steps.append(eng.forward(np.array([t])).copy())
+        eng.commit(1)
+    assert np.abs(np.concatenate(steps) - full).max() < 1e-4
+    # 4. rewind then decode equals a fresh decode, even after garbage was written past the rewind point
+    eng.rewind(12)
+    eng.forward(np.array([3, 4, 5, 6]), num_logits=4)  # rejected draft: written, never committed
+    again = eng.forward(ids[12:], num_logits=len(ids) - 12).copy()
+    assert np.abs(again - full[12:]).max() < 1e-4
+
+
+def test_tree_mask_matches_branch_by_branch(tmp_path):
+    """Two sibling branches in one pass (shared positions, tree mask) equal decoding each branch."""
+    _, facts, eng = _engine_for(tmp_path, "llama", 0)
+    ids = np.random.default_rng(2).integers(0, facts["spec"]["vocab_size"], 8)
+    eng.forward(ids, num_logits=1)
+    eng.commit(len(ids))
+    a, b, c = 11, 22, 33  # tree: root -> a -> c ; root -> b
+    tokens = np.array([a, b, c])
+    positions = np.array([8, 8, 9])
+    mask = np.full((3, 3), -np.inf, np.float32)
+    for i, anc in enumerate([[0], [1], [0, 2]]):
+        mask[i, anc] = 0.0
+    tree = eng.forward(tokens, positions=positions, tree_mask=mask, num_logits=3).copy()
+    branch_ac = eng.forward(np.array([a, c]), num_logits=2).copy()
+    branch_b = eng.forward(np.array([b]), num_logits=1).copy()
+    assert np.abs(tree[[0, 2]] - branch_ac).max() < 1e-4
+    assert np.abs(tree[1] - branch_b[0]).max() < 1e-4
+    # committing the path [b] compacts its KV entry into place
+    eng.forward(tokens, positions=positions, tree_mask=mask, num_logits=3)
+    eng.commit(1, path=np.array([1]))
+    nxt = eng.forward(np.array([5])).copy()
+    eng.rewind(len(ids))
+    eng.forward(np.array([b]))
+    eng.commit(1)
+    assert np.abs(eng.forward(np.array([5])) - nxt).max() < 1e-4
+
+
+def test_context_limit_is_a_clear_error(tmp_path):
+    from specrt.runtime.engine import ContextFullError
+
+    _, _, eng = _engine_for(tmp_path, "llama", 0)
+    with pytest.raises(ContextFullError, match="max_context"):
+        eng.forward(np.zeros(129, np.int64))
