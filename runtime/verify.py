@@ -194,6 +194,8 @@ class _Residual:
 
     def reject(self, x: int, q_row: np.ndarray | None) -> None:
         """r <- norm(max(0, r - q_row)); q_row None = one-hot at x (zero x)."""
+        if q_row is None and x in self.excluded:
+            return                         # duplicate sibling: r(x) is already 0
         mass = self._mass()                # known: accept() just needed it
         prev, self.undo = self.undo, (self.cur, mass, len(self.excluded))
         self.mass = None

@@ -9,9 +9,9 @@ the V^2 cells of that joint checks it (cells with expected count < 5 are
 pooled so the chi-square approximation holds; a count in a cell of target
 probability 0 fails outright).
 
-False-failure rate: every goodness-of-fit assertion (18 here, 2 in
+False-failure rate: every goodness-of-fit assertion (20 here, 2 in
 test_sampling.py) uses ALPHA = 2e-8, so for a correct sampler the chance that
-*any* of them fails is <= 20 * 2e-8 = 4e-7 <= 1e-6 (Bonferroni; nominal, via
+*any* of them fails is <= 22 * 2e-8 = 4.4e-7 <= 1e-6 (Bonferroni; nominal, via
 the asymptotic chi-square tail). Seeds are fixed, so CI is deterministic;
 the figure says how unlucky a seed would have to be to fail a correct build.
 At N = 6000 the deliberately biased samplers below give p-values < 1e-50.
@@ -150,6 +150,29 @@ def test_emitted_tokens_follow_the_target(shape, stochastic, params):
     seed = 11 + 7 * list(SHAPES).index(shape) + 3 * stochastic + list(PARAMS).index(params)
     counts, joint = emitted_pairs(verify, shape, stochastic, PARAMS[params], seed)
     assert gof_pvalue(counts, joint) > ALPHA
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["onehot", "sampled"])
+def test_duplicate_siblings_stay_lossless(stochastic):
+    # Four root siblings (the first with a child) that often repeat a token:
+    # one-hot duplicates must not be zeroed twice; sampled duplicates (drawn
+    # i.i.d. from a peaked q) must each meet the residual left so far.
+    pr = np.array([0.05, 0.2, 0.4, 0.1, 0.25], np.float32)
+    p = np.stack([pr] * 5)
+    qr = np.array([0.05, 0.05, 0.8, 0.05, 0.05], np.float32)
+    q = np.stack([qr] * 4)
+    par = [-1, -1, -1, 0]
+    rng = np.random.default_rng(77)
+    cdf = np.cumsum(qr.astype(np.float64))
+    first = np.zeros(V, np.int64)
+    for _ in range(N):
+        if stochastic:
+            toks = np.searchsorted(cdf / cdf[-1], rng.random(4), side="right")
+            d = Draft(tokens=toks, parents=par, q=q)
+        else:
+            d = Draft(tokens=[2, 2, 4, 2], parents=par)
+        first[verify(p, d, rng).tokens[0]] += 1
+    assert gof_pvalue(first, pr.astype(np.float64) / pr.sum()) > ALPHA
 
 
 def test_greedy_params_reproduce_greedy_decoding():
