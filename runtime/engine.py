@@ -26,7 +26,8 @@ class ContextFullError(SpecrtError):
 
 class OrtEngine:
     def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0):
+                 vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0,
+                 with_hidden: bool = False):
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = threads
@@ -36,6 +37,12 @@ class OrtEngine:
         self.length = 0
         self.cache = np.zeros((num_layers, 2, 1, num_kv_heads, max_context, head_dim), np.float32)
         self._logits = np.empty((max_pass_tokens, vocab_size), np.float32)
+        # opt-in: the final-norm hidden state of every token of the pass (Medusa/EAGLE heads read it)
+        self.with_hidden = with_hidden
+        outs = {o.name: o.shape for o in self.session.get_outputs()}
+        hidden_size = int(outs["hidden_states"][-1]) if with_hidden else 0
+        self._hidden = np.empty((max_pass_tokens, hidden_size), np.float32)
+        self.hidden = self._hidden[:0]  # [n, hidden] of the last pass, a view into a reused buffer
         self._io = self.session.io_binding()
         for i in range(num_layers):
             for j, kind in enumerate(("key", "value")):
@@ -74,6 +81,10 @@ class OrtEngine:
         io.bind_cpu_input("total_sequence_length", np.array(self.length + n, np.int32))
         io.bind_cpu_input("num_logits_to_keep", np.array(num_logits, np.int64))
         io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits.ctypes.data)
+        if self.with_hidden:  # a long prefill (once per request) gets its own buffer
+            buf = self._hidden if n <= self.max_pass_tokens else np.empty((n, self._hidden.shape[1]), np.float32)
+            io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, buf.shape[1]], buf.ctypes.data)
+            self.hidden = buf[:n]
         self.session.run_with_iobinding(io)
         return self._logits[:num_logits]
 

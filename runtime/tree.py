@@ -1,0 +1,119 @@
+"""Token trees as data: a list of paths, compiled once into what a tree-verification pass needs.
+
+A path is a tuple of candidate ranks, one per draft depth: (0,) is head 1's best token, (1, 0)
+is head 1's second-best followed by head 2's best. Every prefix of a path must itself be a path
+(a node's parent is in the tree). `compile_tree` is pure and runs once per tree, never per round.
+
+The verification pass feeds s = n + 1 tokens: pass index 0 is the root (the token that is already
+decided but whose K/V is not yet in the cache), pass index i + 1 is node i. So:
+
+  parents   [n]      node -> parent node (-1 = the root), parents before children
+  depth     [n]      1..D; node i's token comes from head depth[i] - 1 at rank rank[i]
+  rank      [n]      candidate rank within its head's top-k
+  positions [n + 1]  offsets from the cache length: 0 for the root, depth for a node
+  mask      [n + 1, n + 1]  additive (0 / -inf): a row sees itself and its ancestors, the root too
+  retrieve  [leaves, D + 1]  pass indices of each root-to-leaf path, padded with -1 (Medusa's
+                            retrieve_indices: row r lists the tokens a leaf's candidate consists of)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+Path = tuple[int, ...]
+
+# A 24-node default over 4 heads, shaped by the measured head accuracies (see heads/README.md):
+# most nodes go to the first two depths where heads are right most often.
+DEFAULT_TREE: tuple[Path, ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 2), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0),
+)
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledTree:
+    paths: tuple[Path, ...]  # in node order
+    parents: np.ndarray      # [n] int64
+    depth: np.ndarray        # [n] int64
+    rank: np.ndarray         # [n] int64
+    positions: np.ndarray    # [n + 1] int64
+    mask: np.ndarray         # [n + 1, n + 1] float32
+    retrieve: np.ndarray     # [leaves, max_depth + 1] int64
+
+    @property
+    def size(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if self.size else 0
+
+    @property
+    def max_rank(self) -> int:
+        """Candidates needed per head: top-(max_rank + 1)."""
+        return int(self.rank.max()) + 1 if self.size else 0
+
+    def tokens(self, candidates: np.ndarray) -> np.ndarray:
+        """candidates [heads, k] token ids (best first) -> node tokens [n]."""
+        return candidates[self.depth - 1, self.rank]
+
+
+def compile_tree(paths) -> CompiledTree:
+    """paths: iterable of non-empty tuples of ranks >= 0 -> CompiledTree (nodes sorted by depth, then path)."""
+    ps = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    if not ps:
+        raise ValueError("a tree needs at least one path, e.g. [(0,)]")
+    index = {p: i for i, p in enumerate(ps)}
+    for p in ps:
+        if not p or min(p) < 0:
+            raise ValueError(f"tree path {p} must be a non-empty tuple of ranks >= 0")
+        if len(p) > 1 and p[:-1] not in index:
+            raise ValueError(f"tree path {p} has no parent {p[:-1]} in the tree; add every prefix of a path")
+    n = len(ps)
+    parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ps], np.int64)
+    depth = np.array([len(p) for p in ps], np.int64)
+    rank = np.array([p[-1] for p in ps], np.int64)
+    # ancestor-or-self matrix over pass indices: row i + 1 inherits its parent's row, plus itself
+    see = np.zeros((n + 1, n + 1), bool)
+    see[:, 0] = True
+    for i in range(n):
+        see[i + 1] = see[parents[i] + 1]
+        see[i + 1, i + 1] = True
+    mask = np.where(see, 0.0, -np.inf).astype(np.float32)
+    positions = np.concatenate([[0], depth]).astype(np.int64)
+    is_parent = np.zeros(n, bool)
+    is_parent[parents[parents >= 0]] = True
+    leaves = np.flatnonzero(~is_parent)
+    retrieve = np.full((len(leaves), int(depth.max()) + 1), -1, np.int64)
+    for r, leaf in enumerate(leaves):
+        chain = np.flatnonzero(see[leaf + 1])  # ancestors are exactly the visible pass indices
+        retrieve[r, : len(chain)] = chain
+    for a in (parents, depth, rank, positions, mask, retrieve):
+        a.setflags(write=False)
+    return CompiledTree(tuple(ps), parents, depth, rank, positions, mask, retrieve)
+
+
+def tree_from_accuracies(acc: np.ndarray, size: int) -> tuple[Path, ...]:
+    """Greedy tree from measured accuracies: acc [heads, k], acc[h, r] = P(head h's rank-r
+    candidate is the right token). A path's value is the product of its ranks' accuracies
+    (heads treated as independent, as Medusa does); add the best child of the frontier until
+    `size` nodes. Every added node is a child of the tree, so the result is prefix-closed."""
+    acc = np.asarray(acc, np.float64)
+    heads, k = acc.shape
+    chosen: list[Path] = []
+    value = {(): 1.0}
+    frontier = {(r,): acc[0, r] for r in range(k)}
+    while frontier and len(chosen) < size:
+        p = max(frontier, key=lambda x: (frontier[x], -len(x)))
+        v = frontier.pop(p)
+        chosen.append(p)
+        value[p] = v
+        if len(p) < heads:
+            for r in range(k):
+                frontier[p + (r,)] = v * acc[len(p), r]
+    return tuple(chosen)

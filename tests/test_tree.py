@@ -1,0 +1,97 @@
+"""Tree compiler units, and a tree-verification pass against branch-by-branch decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.runtime.tree import DEFAULT_TREE, compile_tree, tree_from_accuracies
+
+NEG = -np.inf
+
+
+def test_compile_small_tree():
+    t = compile_tree([(1, 0), (0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert t.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert t.depth.tolist() == [1, 1, 2, 2, 2, 3]
+    assert t.rank.tolist() == [0, 1, 0, 1, 0, 0]
+    assert t.positions.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    see = t.mask == 0
+    assert see[:, 0].all()  # everyone sees the root
+    assert see[6].tolist() == [True, True, False, True, False, False, True]  # (0,0,0) <- (0,0) <- (0,) <- root
+    assert see[5].tolist() == [True, False, True, False, False, True, False]  # (1,0) <- (1,)
+    assert not see[2, 1] and not see[1, 2]  # siblings are blind to each other
+    assert (t.mask[~see] == NEG).all()
+    assert t.retrieve.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    assert t.max_depth == 3 and t.max_rank == 2 and t.size == 6
+    cands = np.array([[10, 11], [20, 21], [30, 31]])
+    assert t.tokens(cands).tolist() == [10, 11, 20, 21, 20, 30]
+
+
+def test_mask_is_causal_in_pass_order_and_rows_match_ancestors():
+    t = compile_tree(DEFAULT_TREE)
+    assert (np.triu(t.mask == 0, 1) == False).all()  # noqa: E712 - parents come before children
+    for i in range(t.size):  # a row sees exactly depth + 1 entries: its path and the root
+        assert (t.mask[i + 1] == 0).sum() == t.depth[i] + 1
+
+
+@pytest.mark.parametrize("bad", [[], [()], [(0, 1)], [(-1,)]])
+def test_bad_trees_fail_with_a_fix(bad):
+    with pytest.raises(ValueError):
+        compile_tree(bad)
+
+
+def test_compiled_arrays_are_read_only():
+    t = compile_tree([(0,)])
+    with pytest.raises(ValueError):
+        t.mask[0, 0] = 1.0
+
+
+def test_tree_from_accuracies_is_prefix_closed_and_greedy():
+    acc = np.array([[0.6, 0.2, 0.1], [0.4, 0.1, 0.05], [0.3, 0.1, 0.05]])
+    paths = tree_from_accuracies(acc, 6)
+    assert paths[:3] == ((0,), (0, 0), (1,))  # 0.6, 0.24, 0.2
+    assert len(paths) == 6
+    compile_tree(paths)  # raises if a prefix is missing
+
+
+def test_tree_pass_equals_branch_by_branch(tiny_engines):
+    """One pass over root + tree (explicit mask and positions) gives, for every node, the logits of
+    decoding that node's root-to-node branch token by token; commit(path) then leaves the cache
+    exactly as decoding the accepted branch would."""
+    from specrt.manifest import load_manifest
+    from specrt.runtime.engine import OrtEngine
+
+    e = load_manifest(tiny_engines).engine("target", "fp32")
+    mk = lambda: OrtEngine(tiny_engines / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,  # noqa: E731
+                           head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context,
+                           threads=1, with_hidden=True)
+    eng, ref = mk(), mk()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, e.vocab_size, 9)
+    tree = compile_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+    root = 7
+    tokens = np.concatenate([[root], tree.tokens(rng.integers(3, e.vocab_size, (3, 2)))])
+    for x in (eng, ref):
+        x.forward(prompt)
+        x.commit(len(prompt))
+    L = eng.length
+    logits = eng.forward(tokens, positions=L + tree.positions, tree_mask=tree.mask, num_logits=len(tokens)).copy()
+    hidden = eng.hidden[: len(tokens)].copy()
+    for leaf in tree.retrieve:
+        branch = leaf[leaf >= 0]
+        ref.rewind(L)
+        for j in branch:
+            lg = ref.forward(tokens[j: j + 1]).copy()
+            np.testing.assert_allclose(logits[j], lg[0], atol=1e-4)
+            np.testing.assert_allclose(hidden[j], ref.hidden[0], atol=1e-4)
+            ref.commit(1)
+    # accept root -> (0,) -> (0, 1) -> (0, 1, 0): pass indices 0, 1, 4, 7
+    path = np.array([0, 1, 4, 7])
+    eng.commit(len(path), path=path)
+    ref.rewind(L)
+    ref.forward(tokens[path])
+    ref.commit(len(path))
+    nxt = np.array([5])
+    np.testing.assert_allclose(eng.forward(nxt), ref.forward(nxt), atol=1e-4)
