@@ -58,9 +58,22 @@ def resolve(source: str) -> Source:
 
 
 def _check_gguf(src: Source) -> Source:
+    """Magic and architecture are read from the header, before any slow load."""
     with open(src.path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise SpecrtError(f"'{src.path}' is not a GGUF file (bad magic); check the download or pass a HF directory")
+    from gguf import GGUFReader
+
+    from .spec import SUPPORTED_ARCHITECTURES
+
+    try:
+        field = GGUFReader(str(src.path)).get_field("general.architecture")
+        arch = field.contents() if field is not None else None
+    except Exception as e:  # a truncated or corrupt file fails anywhere in the parser
+        raise SpecrtError(f"'{src.path}' is a corrupt GGUF file ({type(e).__name__}); re-download it") from None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise SpecrtError(f"GGUF architecture '{arch}' is not supported; supported: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama- and Qwen2-family decoders)")
     return src
 
 
@@ -93,7 +106,7 @@ def load(src: Source):
             raise SpecrtError(f"cannot load '{src.label}': {msg}; supported architectures: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
         raise SpecrtError(f"cannot load '{src.label}': {msg}") from None
-    except (OSError, EnvironmentError, KeyError) as e:
+    except (OSError, KeyError, RuntimeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SpecrtError(f"cannot load '{src.label}' ({msg}); check the files are complete") from None
     return model.eval(), tokenizer

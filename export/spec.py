@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import SpecrtError
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(SpecrtError):
     """The checkpoint is not a decoder this exporter knows."""
 
 

@@ -158,9 +158,10 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
             t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
                       f"{p.get('max_abs_logit_diff_vs_torch', float('nan')):.2g}",
                       f"{p.get('greedy_agreement_vs_torch', float('nan')):.0%}", str(e.width_exact))
-        Console().print(t)
+        console = Console(width=None if sys.stdout.isatty() else 160)  # pipes get the full table
+        console.print(t)
         src = m.raw.get("source", {})
-        Console().print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
+        console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 
     _guard(run)
 

@@ -30,3 +30,15 @@ def tiny_engines(tiny_dir, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("engines")
     return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny", ("fp32", "int4"), 256, out), log=lambda m: None)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def default_engines() -> Path:
+    """The embedded default (SmolLM2-135M) at fp32, built into the repo's engines/ (cached, idempotent)."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    return make_engine_set(EngineSetRequest("smollm2-135m", "smollm2-135m-test", ("fp32",), 2048, REPO / "engines"),
+                           log=lambda m: None)

@@ -1,0 +1,142 @@
+"""User mistakes: one-line error naming the fix, non-zero exit, no traceback, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def specrt(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "specrt.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=ENV, timeout=300)
+
+
+def assert_user_error(r, *words):
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], r.stderr  # progress lines may precede it
+    for w in words:
+        assert w.lower() in errors[0].lower(), errors[0]
+
+
+def no_leftovers(out: Path):
+    if out.exists():
+        assert [p.name for p in out.iterdir() if not p.name == ".cache"] == []
+        cache = out / ".cache"
+        if cache.exists():
+            assert not any(p.name.startswith(".tmp") for p in cache.iterdir())
+
+
+def test_help_works_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "from typer.testing import CliRunner\nfrom specrt.cli import app\n"
+            "for cmd in ([], ['engines'], ['generate'], ['info']):\n"
+            "    r = CliRunner().invoke(app, cmd + ['--help'])\n"
+            "    assert r.exit_code == 0, (cmd, r.output)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
+
+
+def test_runtime_imports_no_torch(tiny_engines):
+    code = ("import sys\nfrom specrt.runtime.generate import Generator\n"
+            f"g = Generator.load({str(tiny_engines)!r})\ng.generate('hello', max_new_tokens=3)\n"
+            "bad = [m for m in ('torch', 'transformers', 'specrt.export', 'specrt.build') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
+
+
+def test_missing_model_file(tmp_path):
+    r = specrt("engines", "--source", tmp_path / "nope.gguf", "--out", tmp_path / "eng")
+    assert_user_error(r, "not found")
+    no_leftovers(tmp_path / "eng")
+
+
+def test_corrupt_model_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(os.urandom(1000))
+    r = specrt("engines", "--source", bad, "--out", tmp_path / "eng")
+    assert_user_error(r, "not a GGUF")
+    no_leftovers(tmp_path / "eng")
+
+
+def test_gguf_of_unsupported_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = specrt("engines", "--source", path, "--out", tmp_path / "eng")
+    assert_user_error(r, "supported", "llama")
+    no_leftovers(tmp_path / "eng")
+
+
+def test_unknown_precision(tmp_path, tiny_engines):
+    r = specrt("engines", "--source", "smollm2-135m", "--precisions", "fp16", "--out", tmp_path / "eng")
+    assert_user_error(r, "unknown precision", "fp32")
+    no_leftovers(tmp_path / "eng")
+    r = specrt("generate", "--engines", tiny_engines, "--precision", "fp16", "--prompt", "hi")
+    assert_user_error(r, "fp16")
+
+
+def test_engine_folder_missing_a_file(tmp_path, tiny_engines):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_engines, broken)
+    (broken / "tokenizer.json").unlink()
+    assert_user_error(specrt("generate", "--engines", broken, "--prompt", "hi"), "missing", "tokenizer.json")
+    assert_user_error(specrt("generate", "--engines", tmp_path / "absent", "--prompt", "hi"), "not found")
+
+
+def test_manifest_of_another_schema_version(tmp_path, tiny_engines):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_engines, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["schema_version"] = 99
+    (other / "manifest.json").write_text(json.dumps(m))
+    assert_user_error(specrt("info", other), "schema version 99", "rebuild")
+
+
+def test_prompt_longer_than_context(tiny_engines):
+    assert_user_error(specrt("generate", "--engines", tiny_engines, "--prompt", "hello world " * 400),
+                      "context", "shorten")
+
+
+def test_empty_prompt(tiny_engines):
+    assert_user_error(specrt("generate", "--engines", tiny_engines, "--prompt", "  "), "empty")
+
+
+@pytest.mark.parametrize("content,words", [(b"[{\"role\": \"user\", ", ["not valid JSON"]),
+                                           (b"\xff\xfe\x00bad", ["not UTF-8"]),
+                                           (b"{\"role\": \"user\"}", ["non-empty JSON list"])])
+def test_bad_messages_file(tmp_path, tiny_engines, content, words):
+    f = tmp_path / "m.json"
+    f.write_bytes(content)
+    assert_user_error(specrt("generate", "--engines", tiny_engines, "--messages", f), *words)
+
+
+def test_bad_sampling_values(tiny_engines):
+    assert_user_error(specrt("generate", "--engines", tiny_engines, "--prompt", "hi", "--top-p", "1.5"), "top_p")
+
+
+def test_generate_json_and_info(tiny_engines):
+    r = specrt("generate", "--engines", tiny_engines, "--prompt", "hello", "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "token_ids", "stats"}
+    assert {"prompt_tokens", "new_tokens", "ttft_s", "tok_s"} <= set(out["stats"])
+    assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 5
+    r = specrt("info", tiny_engines)
+    assert r.returncode == 0 and "target-fp32" in r.stdout
