@@ -1,0 +1,183 @@
+"""DraftModel: engine sets with a draft, exact greedy output, the draft cache following the target, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from specrt.errors import SpecrtError
+from specrt.manifest import load_manifest
+from specrt.pipeline import EngineSetRequest, make_engine_set
+
+PROMPT = "Speculative decoding drafts tokens and verifies them in one pass."
+QUIET = dict(log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def pair_engines(tiny_dir, tmp_path_factory) -> Path:
+    """Tiny Llama target + a smaller, differently seeded Llama draft (often wrong): one engine set."""
+    from tiny import make_checkpoint
+
+    draft = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-draft", "llama", seed=5, layers=1)
+    out = tmp_path_factory.mktemp("pair")
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "pair", ("fp32",), 256, out, str(draft)), **QUIET)
+
+
+@pytest.fixture(scope="session")
+def self_engines(tiny_dir, tmp_path_factory) -> Path:
+    """The target as its own draft: every greedy draft token is accepted (bonus + catch-up paths)."""
+    out = tmp_path_factory.mktemp("self")
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "self", ("fp32",), 256, out, str(tiny_dir)), **QUIET)
+
+
+def _generate(engines, mode="draft", k=None, n=48, **kw):
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.speculative import SpeculativeConfig, make_decoder
+
+    gen = Generator.load(engines, "fp32", threads=1)
+    dec = None if mode == "off" else make_decoder(mode, gen.manifest, config=SpeculativeConfig(draft_tokens=k))
+    return gen.generate(PROMPT, max_new_tokens=n, decode=dec, **kw)
+
+
+def test_manifest_records_target_and_draft(pair_engines):
+    m = load_manifest(pair_engines)
+    roles = {name: e.role for name, e in m.engines.items()}
+    assert roles == {"target-fp32": "target", "draft-fp32": "draft"}
+    assert all(e.raw["tokenizer_sha256"] == m.tokenizer_sha256 for e in m.engines.values())
+
+
+@pytest.mark.parametrize("k", [None, 1, 4])
+def test_greedy_draft_equals_target_only(pair_engines, k):
+    plain = _generate(pair_engines, "off")
+    spec = _generate(pair_engines, "draft", k)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.proposer == "draft" and spec.stats.exact
+
+
+def test_self_draft_accepts_everything_and_follows_the_target(self_engines):
+    plain = _generate(self_engines, "off", n=40)
+    spec = _generate(self_engines, "draft", 4, n=40)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.tau > 3.0                      # 4 accepted + bonus per round, minus the tail
+    assert spec.stats.acceptance_by_position[:4] == [1.0, 1.0, 1.0, 1.0]
+    auto = _generate(self_engines, "auto", n=40)     # auto picks the draft model; adaptive K
+    assert auto.token_ids == plain.token_ids and auto.stats.proposer == "draft"
+
+
+def test_draft_cache_tracks_accepted_tokens(pair_engines):
+    """After each round the draft cache holds a prefix of the context: the context minus what it
+    has not fed yet (the last token, plus the last draft token after a full acceptance)."""
+    from specrt.runtime.generate import Stats
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import FixedK, make_decoder, speculative_decode
+
+    from specrt.runtime.generate import Generator
+
+    gen = Generator.load(pair_engines, "fp32", threads=1)
+    proposer = make_decoder("draft", gen.manifest).proposer
+    ids = gen.prompt_ids(PROMPT)
+    ctx_tokens = list(ids)
+    rounds = speculative_decode(gen.engine, ids, SamplingParams(), np.random.default_rng(0), Stats(),
+                                proposer=proposer, control=FixedK(3))
+    for _, out in zip(range(12), rounds):
+        ctx_tokens += out
+        lag = len(ctx_tokens) - proposer.engine.length
+        assert lag in (1, 2)
+        assert gen.engine.length == len(ctx_tokens) - 1   # the target has all but the last token
+    rounds.close()
+
+
+def test_sampled_drafting_keeps_q(pair_engines):
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.proposers import Context
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import make_decoder
+
+    gen = Generator.load(pair_engines, "fp32", threads=1)
+    proposer = make_decoder("draft", gen.manifest).proposer
+    ctx = Context(gen.prompt_ids(PROMPT), 256)
+    proposer.start(ctx, SamplingParams(temperature=0.8, top_k=20, seed=1), np.random.default_rng(1))
+    d = proposer.propose(ctx, 3)
+    assert d.q is not None and d.q.shape == (3, gen.engine.vocab_size)
+    assert np.allclose(d.q.sum(1), 1.0) and (d.q[np.arange(3), d.tokens] > 0).all()
+
+
+# --- bad input: each a one-line SpecrtError, and a non-zero exit from the CLI ---------------------
+
+def test_vocab_mismatch_is_an_error_at_build(tiny_dir, tmp_path):
+    from tiny import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "v320", "llama", seed=3, layers=1, vocab=320)
+    with pytest.raises(SpecrtError, match="vocabulary size 320"):
+        make_engine_set(EngineSetRequest(str(tiny_dir), "bad", ("fp32",), 256, tmp_path / "e", str(other)), **QUIET)
+
+
+def test_tokenizer_mismatch_is_an_error_at_build(tiny_dir, tiny_qwen_dir, tmp_path):
+    # same vocabulary size and source files, but transformers re-saves Qwen2's tokenizer with its own
+    # pre-tokenizer and normalizer: the ids would differ, so the pair is refused
+    with pytest.raises(SpecrtError, match="different tokenizers"):
+        make_engine_set(EngineSetRequest(str(tiny_dir), "bad", ("fp32",), 256, tmp_path / "e", str(tiny_qwen_dir)),
+                        **QUIET)
+
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_tokenizer_hash_mismatch_is_an_error_at_load(pair_engines, tmp_path):
+    bad = _edited_copy(pair_engines, tmp_path / "tok", lambda m: m["engines"]["draft-fp32"].update(
+        tokenizer_sha256="0" * 64))
+    with pytest.raises(SpecrtError, match="different tokenizer") as e:
+        load_manifest(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_mixed_vocab_in_manifest_is_an_error_at_load(pair_engines, tmp_path):
+    bad = _edited_copy(pair_engines, tmp_path / "voc", lambda m: m["engines"]["draft-fp32"].update(vocab_size=999))
+    with pytest.raises(SpecrtError, match="vocabulary"):
+        load_manifest(bad)
+
+
+def test_draft_without_target_is_an_error(pair_engines, tmp_path):
+    bad = _edited_copy(pair_engines, tmp_path / "nt", lambda m: m["engines"].pop("target-fp32"))
+    with pytest.raises(SpecrtError, match="no target"):
+        load_manifest(bad)
+    r = CliRunner().invoke(_app(), ["generate", "--engines", str(bad), "--prompt", "hi", "--speculate", "draft"])
+    assert r.exit_code != 0 and "no target" in r.output
+
+
+def _app():
+    from specrt.cli import app
+
+    return app
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--speculate", "draft"], "no draft engine"),
+    (["--speculate", "prompt-lookup", "--draft-tokens", "0"], "--draft-tokens must be in"),
+    (["--speculate", "auto", "--draft-tokens", "100000"], "--draft-tokens must be in"),
+    (["--speculate", "medusa-9"], "unknown --speculate"),
+])
+def test_cli_bad_speculation_input(tiny_engines, args, msg):
+    r = CliRunner().invoke(_app(), ["generate", "--engines", str(tiny_engines), "--prompt", "hi", *args])
+    assert r.exit_code != 0
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0]
+
+
+def test_cli_json_reports_speculation_stats(pair_engines):
+    r = CliRunner().invoke(_app(), ["generate", "--engines", str(pair_engines), "--prompt", PROMPT, "--json",
+                                    "--speculate", "auto", "--max-new-tokens", "24", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
+    assert stats["proposer"] == "draft" and stats["tau"] >= 1.0 and stats["exact"] is True
+    assert isinstance(stats["acceptance_by_position"], list) and stats["draft_s"] > 0 and stats["verify_s"] > 0
