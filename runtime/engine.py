@@ -37,12 +37,11 @@ class OrtEngine:
         self.length = 0
         self.cache = np.zeros((num_layers, 2, 1, num_kv_heads, max_context, head_dim), np.float32)
         self._logits = np.empty((max_pass_tokens, vocab_size), np.float32)
-        # opt-in: the final-norm hidden state of every token of the pass (Medusa/EAGLE heads read it)
-        self.with_hidden = with_hidden
-        outs = {o.name: o.shape for o in self.session.get_outputs()}
-        hidden_size = int(outs["hidden_states"][-1]) if with_hidden else 0
-        self._hidden = np.empty((max_pass_tokens, hidden_size), np.float32)
-        self.hidden = self._hidden[:0]  # [n, hidden] of the last pass, a view into a reused buffer
+        self.with_hidden = False
+        self._hidden = np.empty((0, 0), np.float32)
+        self.hidden = self._hidden  # [n, hidden] of the last pass (with_hidden only), a view into a reused buffer
+        if with_hidden:
+            self.enable_hidden()
         self._io = self.session.io_binding()
         for i in range(num_layers):
             for j, kind in enumerate(("key", "value")):
@@ -50,6 +49,15 @@ class OrtEngine:
                 self._io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
                 self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
         self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
+
+    def enable_hidden(self) -> None:
+        """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""
+        if not self.with_hidden:
+            outs = {o.name: o.shape for o in self.session.get_outputs()}
+            if "hidden_states" not in outs:
+                raise SpecrtError("this target engine has no hidden_states output; rebuild it with `specrt engines`")
+            self._hidden = np.empty((self.max_pass_tokens, int(outs["hidden_states"][-1])), np.float32)
+            self.with_hidden = True
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                 tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:

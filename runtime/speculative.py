@@ -26,16 +26,18 @@ from ..manifest import Manifest
 from .engine import OrtEngine
 from .generate import Stats, plain_decode
 from .proposers import Context, DraftModel, PromptLookup, Proposer
+from .proposers.medusa import Medusa, MedusaHeads
 from .sampling import SamplingParams, probs_from_logits
 from .verify import verify, verify_greedy
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "draft", "auto")
+MODES = ("off", "prompt-lookup", "draft", "medusa", "auto")
 
 
 def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
                        stats: Stats, *, proposer: Proposer, control, width_exact: bool = True) -> Iterator[list[int]]:
     ctx = Context(prompt, engine.max_context + 1)
+    ctx.target = engine
     engine.rewind(0)
     proposer.start(ctx, sampling, rng)
     control.start()
@@ -215,8 +217,18 @@ def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: Speculat
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens)
 
 
+def _medusa(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+    heads = [e for e in manifest.engines.values() if e.role == "medusa"]
+    if not heads:
+        raise SpecrtError(f"engine set '{manifest.root}' has no Medusa heads; rebuild it with "
+                          "`specrt engines --medusa-heads heads/smollm2-135m.npz` or use --speculate prompt-lookup")
+    e = heads[0]
+    return Medusa(MedusaHeads(manifest.root / e.file, threads=1), [tuple(p) for p in e.raw["medusa"]["tree"]])
+
+
 # --speculate NAME -> proposer factory: the one place a method name picks code
-PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model}
+PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model,
+                                                 "medusa": _medusa}
 
 
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, threads: int = 0,
@@ -235,7 +247,8 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
     if mode == "off":
         return plain_decode
     if mode == "auto":
-        mode = "draft" if any(e.role == "draft" for e in manifest.engines.values()) else "prompt-lookup"
+        roles = {e.role for e in manifest.engines.values()}
+        mode = "medusa" if "medusa" in roles else "draft" if "draft" in roles else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
     control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, width_exact=target.width_exact)
 

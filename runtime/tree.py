@@ -117,3 +117,24 @@ def tree_from_accuracies(acc: np.ndarray, size: int) -> tuple[Path, ...]:
             for r in range(k):
                 frontier[p + (r,)] = v * acc[len(p), r]
     return tuple(chosen)
+
+
+def choose_tree(acc: np.ndarray, pass_cost, max_size: int = 48, draft_cost: float = 0.0) -> tuple[tuple[Path, ...], dict]:
+    """The tree size that maximises expected tokens per second of a round.
+
+    acc [heads, k] per-rank head accuracies; pass_cost(w) = seconds of a w-token target pass;
+    E(n) = 1 + sum of the n chosen paths' values (the expected accepted length under head
+    independence), rate(n) = E(n) / (pass_cost(n + 1) + draft_cost). Returns (paths, figures)."""
+    best, figures = None, []
+    for n in range(1, max_size + 1):
+        paths = tree_from_accuracies(acc, n)
+        if len(paths) < n:
+            break
+        a = np.asarray(acc, np.float64)
+        value = [float(np.prod([a[d, r] for d, r in enumerate(p)])) for p in paths]
+        e = 1.0 + sum(value)
+        rate = e / (pass_cost(n + 1) + draft_cost)
+        figures.append({"nodes": n, "expected_tokens": round(e, 3), "rate": round(rate, 2)})
+        if best is None or rate > best[1]:
+            best = (paths, rate, n)
+    return best[0], {"nodes": best[2], "curve": figures}

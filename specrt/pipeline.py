@@ -23,7 +23,7 @@ import numpy as np
 from .errors import SpecrtError
 from .manifest import SCHEMA_VERSION, file_sha256
 
-EXPORT_FORMAT = 1  # bump when export/graph.py changes the graph it writes
+EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class EngineSetRequest:
     out_root: Path = Path("engines")
     draft_source: str | None = None  # a smaller model with the same tokenizer: entries draft-<prec>
     draft_precisions: tuple[str, ...] = ("fp32",)
+    medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
 
 
 def _say(msg: str) -> None:
@@ -61,6 +62,10 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         log(f"fingerprinting {dsrc.path.name}")
         dfp = fingerprint(dsrc)
         key += [dfp, sorted(req.draft_precisions)]
+    if req.medusa_heads is not None:
+        if not Path(req.medusa_heads).is_file():
+            raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
+        key += [file_sha256(Path(req.medusa_heads))]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     old = final / "manifest.json"
     if old.is_file():
@@ -85,6 +90,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         for role, rcache, rfacts, precs in roles:
             for p in precs:
                 engines[f"{role}-{p}"] = _build_engine(role, p, rcache, rfacts, tmp, log)
+        if req.medusa_heads is not None:
+            engines["medusa-fp32"] = _build_medusa(Path(req.medusa_heads), cache, facts, tmp, log)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = {
@@ -127,6 +134,69 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
     entry = _entry(facts, p, built.name, info, parity)
     entry["role"], entry["tokenizer_sha256"] = role, file_sha256(cache / "tokenizer.json")
     return entry
+
+
+def default_heads(source: str) -> Path | None:
+    """The committed heads for an embedded default (heads/<name>.npz beside the package), if any."""
+    path = Path(__file__).resolve().parents[1] / "heads" / f"{source}.npz"
+    return path if path.is_file() else None
+
+
+def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log) -> dict:
+    """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa")."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    from .export.medusa import export_heads_onnx, load_heads
+    from .runtime.tree import choose_tree, compile_tree
+
+    log(f"building Medusa heads engine from {heads_path}")
+    heads = load_heads(heads_path)
+    model = onnx.load(str(cache / "model.onnx"), load_external_data=False)
+    t = next(i for i in model.graph.initializer if i.name == "lm_head.weight_t")
+    load_external_data_for_tensor(t, str(cache))
+    lm_head = numpy_helper.to_array(t).T                       # [V, H]
+    report = heads["report"]
+    targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
+    cost = _pass_costs(tmp / ("target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]), facts)
+    tree, choice = choose_tree(np.array(report["rank_acc"]), lambda w: float(np.interp(w, *zip(*cost))))
+    log(f"Medusa tree: {choice['nodes']} nodes (expected {choice['curve'][choice['nodes'] - 1]['expected_tokens']} "
+        f"tokens per round at measured pass costs)")
+    info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compile_tree(tree).max_rank)
+    s = facts["spec"]
+    return {"role": "medusa", "file": "medusa-fp32.onnx", "backend": "onnxruntime", "precision": "fp32",
+            "num_layers": 0, "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "hidden_size": s["hidden_size"],
+            "vocab_size": s["vocab_size"], "max_context": facts["max_context"],
+            "inputs": {"hidden": ["batch", s["hidden_size"], "float32"]},
+            "outputs": {"candidates": ["batch", info["heads"], info["topk"], "int64"],
+                        "scores": ["batch", info["heads"], info["topk"], "float32"]},
+            "medusa": {**info, "tree": [list(p) for p in tree], "tree_choice": choice,
+                       "pass_seconds_by_width": cost, "heads_file": heads_path.name,
+                       "heads_sha256": file_sha256(heads_path),
+                       "training": {k: v for k, v in report.items() if k not in ("tree", "rank_acc")},
+                       "rank_acc": report.get("rank_acc")}}
+
+
+def _pass_costs(path: Path, facts: dict, widths=(1, 2, 4, 8, 16, 24, 32, 48)) -> list[tuple[int, float]]:
+    """Seconds of a w-token decode pass of the target (best of 3, after a 64-token context)."""
+    from .runtime.engine import OrtEngine
+
+    s = facts["spec"]
+    eng = OrtEngine(path, num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],
+                    vocab_size=s["vocab_size"], max_context=facts["max_context"])
+    widths = [w for w in widths if 64 + w <= facts["max_context"]]
+    eng.forward(np.ones(64, np.int64))
+    eng.commit(64)
+    out = []
+    for w in widths:
+        t = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            eng.forward(np.ones(w, np.int64), num_logits=w)
+            t.append(time.perf_counter() - t0)
+        out.append((w, min(t)))
+    return out
 
 
 def _check_same_tokenizer(req, cache: Path, dcache: Path, facts: dict, dfacts: dict) -> None:

@@ -27,6 +27,7 @@ class Context:
         self.buf[: len(prompt)] = prompt
         self.length = len(prompt)
         self.prompt_length = len(prompt)
+        self.target = None  # the target engine, for proposers that read its hidden states (Medusa)
 
     @property
     def ids(self) -> np.ndarray:

@@ -1,0 +1,79 @@
+"""Medusa: draft a token tree from heads over the target's own last hidden state.
+
+The heads ride on the verification pass: that pass already computes the final-norm hidden state of
+every token it feeds, so after verification the hidden state h of the last accepted position
+(the one whose logits chose the next token) is free. Head k on h guesses the token k places past
+that next token; the tree (data: a list of paths, runtime/tree.py) combines each head's top
+candidates into n nodes, verified in one target pass of n + 1 tokens.
+
+  round r:   pass [pending, nodes...] -> verify -> accept path -> h = hidden[last accepted]
+  round r+1: candidates = heads(h) [K, topk] -> tokens = candidates[depth - 1, rank] -> Draft
+
+The draft is deterministic (q = None, one-hot), so `verify` keeps the output exactly the
+target's, greedy or sampled. The first round (the prompt is pending, no hidden state yet) drafts
+nothing. k from the controller caps the tree depth (a subtree per depth is compiled once).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ...errors import SpecrtError
+from ..tree import compile_tree
+from ..verify import Draft, VerifyResult
+from .base import EMPTY, Context
+
+
+class MedusaHeads:
+    """The heads engine: hidden [H] -> candidates [K, topk] token ids, best first."""
+
+    def __init__(self, onnx_path: Path, threads: int = 1):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
+        self.heads, self.topk = int(shape[1]), int(shape[2])
+        self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray:
+        self._h[0] = hidden
+        return self.session.run(["candidates"], {"hidden": self._h})[0][0]
+
+
+class Medusa:
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, paths):
+        full = compile_tree(paths)
+        if full.max_depth > heads.heads or full.max_rank > heads.topk:
+            raise SpecrtError(f"Medusa tree needs {full.max_depth} heads and top-{full.max_rank}, the heads engine has "
+                              f"{heads.heads} and top-{heads.topk}; rebuild the engine set or use a smaller tree")
+        self.heads, self.max_tokens = heads, full.max_depth
+        # a subtree per depth cap k: paths of length <= k stay prefix-closed
+        self.trees = {k: compile_tree([p for p in full.paths if len(p) <= k]) for k in range(1, full.max_depth + 1)}
+        self.target = None
+        self._h = None
+
+    def start(self, ctx: Context, sampling=None, rng=None) -> None:
+        self.target = ctx.target
+        if self.target is None:
+            raise SpecrtError("Medusa reads the target's hidden states; run it through the speculative loop")
+        self.target.enable_hidden()
+        self._h = None
+        self._pending = 0
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        self._pending = ctx.length - self.target.length  # tokens the next pass feeds before the nodes
+        if k <= 0 or self._h is None:
+            return EMPTY
+        tree = self.trees[min(k, self.max_tokens)]
+        return Draft(tree.tokens(self.heads(self._h)), tree.parents)
+
+    def observe(self, result: VerifyResult) -> None:
+        # pass index of the last accepted position: the last pending token, or node path[-1]
+        last = self._pending - 1 + (int(result.path[-1]) + 1 if result.num_accepted else 0)
+        self._h = self.target.hidden[last].copy()

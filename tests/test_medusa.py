@@ -1,0 +1,101 @@
+"""Medusa: training smoke test on a tiny model (loss goes down, a checkpoint resumes), the heads
+engine, and greedy Medusa output equal to target-only greedy at fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.runtime.tree import compile_tree
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_dir, tmp_path_factory):
+    """Self-distillation data from the tiny Llama, heads trained in two bounded runs (the second resumes)."""
+    import torch
+
+    from specrt.export.medusa import TrainConfig, train_heads
+    from specrt.export.medusa_data import DataConfig, build_dataset
+    from specrt.export.sources import load, resolve
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("medusa")
+    src = resolve(str(tiny_dir))
+    data = build_dataset(src, out / "cache", DataConfig(heads=3, max_new_tokens=24, doc_prompts=6, code_chunks=6,
+                                                        batch=8, mtbench_limit=10), log=lambda m: None)
+    lm_head = load(src)[0].lm_head.weight.detach().numpy()
+    logs: list[str] = []
+    cfg = TrainConfig(vocab=256, batch=32, lr=3e-3, max_epochs=6, budget_s=0.3, ranks=4)
+    first = train_heads(data, lm_head, out / "run", cfg, log=logs.append)   # over budget: checkpoint, stop
+    second = train_heads(data, lm_head, out / "run", TrainConfig(**{**cfg.__dict__, "budget_s": 120.0}),
+                         log=logs.append)
+    return {"data": data, "first": first, "second": second, "logs": logs, "out": out / "run"}
+
+
+def test_training_loss_goes_down_and_resumes(tiny_heads):
+    first, second, logs = tiny_heads["first"], tiny_heads["second"], tiny_heads["logs"]
+    assert first["steps"] < second["steps"]
+    assert any(m.startswith(f"resumed at step {first['steps']}/") for m in logs)
+    assert second["final_loss"] < 0.8 * second["first_loss"]
+    assert len(second["top1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(second["top1"], second["top5"]))
+    assert (tiny_heads["out"] / "heads.npz").is_file()
+
+
+def test_data_labels_are_the_targets_own_next_tokens(tiny_heads):
+    d = np.load(tiny_heads["data"])
+    lab = d["labels"]
+    assert lab.shape[1] == 3 and d["hidden"].shape[0] == lab.shape[0] and d["hidden"].dtype == np.float16
+    # head k+1's label at t is head k's label at t + 1 (same sequence)
+    both = (lab[:-1, 1] >= 0) & (lab[1:, 0] >= 0)
+    assert both.any() and (lab[:-1, 1][both] == lab[1:, 0][both]).all()
+
+
+def test_heads_engine_matches_numpy(tiny_heads, tmp_path):
+    import onnxruntime as ort
+
+    from specrt.export.medusa import export_heads_onnx, load_heads
+
+    heads = load_heads(tiny_heads["out"] / "heads.npz")
+    K, H, _ = heads["w1"].shape
+    lm = np.random.default_rng(0).standard_normal((384, H)).astype(np.float32)
+    export_heads_onnx(heads, lm, tmp_path / "m.onnx", topk=3)
+    h = np.random.default_rng(1).standard_normal((1, H)).astype(np.float32)
+    cand = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["candidates"], {"hidden": h})[0][0]
+    f = {k: heads[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2")}
+    a = h @ f["w1"] + f["b1"][:, None]
+    y = h + (a / (1 + np.exp(-a))) @ f["w2"] + f["b2"][:, None]            # [K, 1, H]
+    ref = heads["vocab"][np.argsort(-(y[:, 0] @ lm[heads["vocab"]].T), axis=1)[:, :3]]
+    assert (cand == ref).all()
+
+
+def test_loop_tree_inputs_match_the_compiler():
+    from specrt.runtime.speculative import tree_inputs
+    from specrt.runtime.tree import DEFAULT_TREE
+
+    t = compile_tree(DEFAULT_TREE)
+    pos, mask = tree_inputs(100, 1, t.parents)
+    assert (pos == 100 + t.positions).all()
+    causal = np.tri(t.size + 1, dtype=bool)  # the graph applies causality on top of either mask
+    assert (((mask == 0) & causal) == (t.mask == 0)).all()
+
+
+def test_greedy_medusa_equals_target_greedy(tiny_dir, tiny_heads, tmp_path):
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import make_decoder
+
+    path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-medusa", ("fp32",), 256, tmp_path,
+                                            medusa_heads=tiny_heads["out"] / "heads.npz"), log=lambda m: None)
+    gen = Generator.load(path, "fp32", threads=1)
+    assert gen.manifest.engine("medusa").raw["medusa"]["training"]["heads"] == 3
+    taus = []
+    for prompt in ("def add(a, b):", "The quick brown fox", "Hello, how are you?"):
+        plain = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams())
+        for mode in ("medusa", "auto"):
+            med = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
+                               decode=make_decoder(mode, gen.manifest, "fp32", threads=1))
+            assert med.token_ids == plain.token_ids
+            assert med.stats.proposer == "medusa"
+            taus.append(med.stats.tau)
+    assert max(taus) > 1.0  # the heads were accepted at least sometimes
