@@ -181,3 +181,22 @@ def test_cli_json_reports_speculation_stats(pair_engines):
     stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
     assert stats["proposer"] == "draft" and stats["tau"] >= 1.0 and stats["exact"] is True
     assert isinstance(stats["acceptance_by_position"], list) and stats["draft_s"] > 0 and stats["verify_s"] > 0
+
+
+def test_sampled_draft_model_has_the_target_distribution(pair_engines):
+    """Sampled drafting with q from a different (random) model: accepts, residual recoveries and
+    bonus tokens all occur; the first two emitted tokens must still follow the target exactly."""
+    from test_speculative import assert_same_distribution, first_two_counts, target_joint
+
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import FixedK, make_decoder, speculative_decode
+
+    gen = Generator.load(pair_engines, "fp32", threads=1)
+    prompt = gen.prompt_ids(PROMPT)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    proposer = make_decoder("draft", gen.manifest).proposer
+    joint = target_joint(gen, prompt, params)
+    counts = first_two_counts(gen, prompt, params, lambda *a: speculative_decode(
+        *a, proposer=proposer, control=FixedK(2)), 1500)
+    assert_same_distribution(counts, joint)

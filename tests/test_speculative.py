@@ -1,0 +1,214 @@
+"""The speculative loop: exactness (greedy chains and trees, sampled distribution), the adaptive K
+controller, make_decoder's mapping, and the real default model with prompt lookup."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from specrt.errors import SpecrtError
+from specrt.runtime.generate import Generator, Stats, plain_decode
+from specrt.runtime.proposers import Context
+from specrt.runtime.sampling import SamplingParams, probs_from_logits
+from specrt.runtime.speculative import AdaptiveK, FixedK, make_decoder, speculative_decode, tree_inputs
+from specrt.runtime.tree import compile_tree
+from specrt.runtime.verify import Draft
+
+ALPHA = 1e-6   # per goodness-of-fit assertion; seeds are fixed, so CI is deterministic
+
+
+class Oracle:
+    """Drafts from a known greedy continuation `ref`: a tree whose first branches are wrong, so the
+    accepted path is never the first nodes and commit(path) has to move K/V entries."""
+
+    name, max_tokens = "oracle", 8
+
+    def __init__(self, ref: list[int], vocab: int, tree: bool):
+        self.ref, self.vocab, self.tree = ref, vocab, tree
+
+    def start(self, ctx, sampling, rng):
+        self.prompt_length = ctx.prompt_length
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        done = ctx.length - self.prompt_length
+        right = np.array(self.ref[done:done + 3], np.int64)
+        if not self.tree or right.size < 3:
+            return Draft(right[:k])
+        wrong = (right + 1) % self.vocab
+        # nodes: w0, c0, w1(w0), x(c0), c1(c0), c2(c1) -> accepted path [1, 4, 5]
+        return Draft(np.array([wrong[0], right[0], wrong[1], wrong[1], right[1], right[2]]),
+                     parents=np.array([-1, -1, 0, 1, 1, 4]))
+
+    def observe(self, result):
+        pass
+
+
+def _prompt(gen: Generator) -> list[int]:
+    return gen.prompt_ids("The quick brown fox jumps over the lazy dog. Hello, how are you today?")
+
+
+def test_tree_inputs_match_compiled_trees():
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    ct = compile_tree(paths)
+    pos, mask = tree_inputs(100, 1, ct.parents)
+    assert pos.tolist() == (100 + ct.positions).tolist()
+    causal = np.triu(np.full(mask.shape, -np.inf, np.float32), 1)   # the graph adds causality itself
+    assert np.array_equal(mask + causal, ct.mask + causal)
+    pos3, mask3 = tree_inputs(10, 3, ct.parents)                       # round 1: the prompt is pending
+    assert pos3.tolist()[:3] == [10, 11, 12] and pos3.tolist()[3:] == (12 + ct.depth).tolist()
+    assert (mask3[:, :3] == 0).all() and np.array_equal(mask3[3:, 3:], mask[1:, 1:])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_oracle_chain_and_tree_equal_target_only(tiny_engines, tree):
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    prompt = _prompt(gen)
+    ref = _run(plain_decode, gen, prompt, 30)
+    proposer = Oracle(ref, gen.engine.vocab_size, tree)
+    stats = Stats()
+    out = _run(lambda *a: speculative_decode(*a, proposer=proposer, control=FixedK(3)), gen, prompt, 30, stats)
+    assert out == ref
+    assert stats.rounds <= 30 // 3 + 1 and stats.acceptance_by_position[:3] == [1.0, 1.0, 1.0]
+
+
+def _run(decode, gen, prompt, n, stats=None, sampling=SamplingParams(), rng=None) -> list[int]:
+    out: list[int] = []
+    rounds = decode(gen.engine, prompt, sampling, rng or np.random.default_rng(0), stats or Stats())
+    for toks in rounds:
+        out += toks
+        if len(out) >= n:
+            break
+    rounds.close()
+    return out[:n]
+
+
+def test_stats_say_not_exact_on_width_inexact_engines(tiny_engines):
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    prompt = _prompt(gen)
+    ref = _run(plain_decode, gen, prompt, 8)
+    for width_exact in (True, False):
+        stats = Stats()
+        _run(lambda *a: speculative_decode(*a, proposer=Oracle(ref, 384, False), control=FixedK(2),
+                                           width_exact=width_exact), gen, prompt, 8, stats)
+        assert stats.exact is width_exact and stats.proposer == "oracle"
+
+
+# --- sampling: speculative output has the target's distribution ------------------------------------
+
+def target_joint(gen: Generator, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """Exact P(t1, t2) [V, V] under `params`, from one-token passes of the target engine."""
+    eng, V = gen.engine, gen.engine.vocab_size
+    eng.rewind(0)
+    p1 = probs_from_logits(eng.forward(np.array(prompt, np.int64)), params)[0].astype(np.float64)
+    eng.commit(len(prompt))
+    joint = np.zeros((V, V))
+    for t1 in np.flatnonzero(p1):
+        eng.rewind(len(prompt))
+        joint[t1] = p1[t1] * probs_from_logits(eng.forward(np.array([t1])), params)[0]
+    return joint
+
+
+def first_two_counts(gen: Generator, prompt: list[int], params: SamplingParams, decode, n: int) -> np.ndarray:
+    V = gen.engine.vocab_size
+    counts = np.zeros((V, V))
+    rng = np.random.default_rng(12345)
+    for _ in range(n):
+        t1, t2 = _run(decode, gen, prompt, 2, sampling=params, rng=rng)
+        counts[t1, t2] += 1
+    return counts
+
+
+def assert_same_distribution(counts: np.ndarray, joint: np.ndarray) -> None:
+    n = counts.sum()
+    assert counts[joint == 0].sum() == 0, "a token pair the target cannot produce was emitted"
+    exp = joint[joint > 0].ravel() * n
+    obs = counts[joint > 0].ravel()
+    small = exp < 5                                          # pool sparse cells for the chi-square approximation
+    exp = np.append(exp[~small], exp[small].sum())
+    obs = np.append(obs[~small], obs[small].sum())
+    keep = exp > 0
+    p = sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    assert p > ALPHA, f"speculative sampling differs from the target: chi-square p = {p:.2g}"
+
+
+def test_sampled_speculation_has_the_target_distribution(tiny_engines):
+    """One-hot chains from an oracle of the greedy path: accepted with prob p(x), otherwise the
+    residual p without x; both the full-accept (bonus) and reject paths occur often here."""
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    prompt = _prompt(gen)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    ref = _run(plain_decode, gen, prompt, 4)
+    joint = target_joint(gen, prompt, params)
+    proposer = Oracle(ref, 384, tree=False)
+    counts = first_two_counts(gen, prompt, params, lambda *a: speculative_decode(
+        *a, proposer=proposer, control=FixedK(2)), 1500)
+    assert_same_distribution(counts, joint)
+
+
+# --- the adaptive controller ------------------------------------------------------------------------
+
+def _feed(ctl: AdaptiveK, acc, cost, rounds: int) -> list[int]:
+    """acc: a list of bools (fixed outcome per position) or a float (i.i.d. acceptance rate)."""
+    ks, rng = [], np.random.default_rng(0)
+    for _ in range(rounds):
+        k = ctl.k()
+        ks.append(k)
+        a = np.array(acc[:k], bool) if isinstance(acc, list) else np.cumprod(rng.random(k) < acc).astype(bool)
+        ctl.observe(asked=k, width=1 + k, result=SimpleNamespace(acceptance=a), draft_s=1e-5 * k,
+                    verify_s=cost(1 + k), first=False)
+    return ks
+
+
+def test_adaptive_k_goes_long_when_drafts_are_right_and_passes_cheap():
+    ctl = AdaptiveK(k_max=12)
+    ks = _feed(ctl, [True] * 12, lambda w: 0.010 * (1 + 0.05 * (w - 1)), 60)
+    assert ks[-1] == 12
+
+
+def test_adaptive_k_switches_off_when_speculation_does_not_pay_and_retries():
+    ctl = AdaptiveK(k_max=8, width_exact=False)
+    ks = _feed(ctl, [False] * 8, lambda w: 0.010 * (1 + 0.3 * (w - 1)), 200)
+    first_off = ks.index(0)
+    assert first_off < 10                                   # learns quickly that drafts are wrong
+    assert sum(k > 0 for k in ks) < 30                      # mostly off ...
+    assert any(k > 0 for k in ks[first_off + 16:])          # ... but retried after the backoff
+    assert ctl.backoff > AdaptiveK.BACKOFF0                 # and backs off longer each time it loses
+
+
+def test_adaptive_k_prefers_short_drafts_when_wide_passes_are_expensive():
+    cheap, dear = AdaptiveK(k_max=8), AdaptiveK(k_max=8, width_exact=False)
+    k_cheap = _feed(cheap, 0.7, lambda w: 0.01 * (1 + 0.02 * (w - 1)), 120)[-40:]
+    k_dear = _feed(dear, 0.7, lambda w: 0.01 * (1 + 0.3 * (w - 1)), 120)[-40:]
+    assert np.mean(k_dear) < 4 < np.mean(k_cheap)            # optimum at alpha = 0.7: k = 2 vs k = 8
+
+
+def test_make_decoder_maps_names_once(tiny_engines):
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    assert make_decoder("off", gen.manifest) is plain_decode
+    auto = make_decoder("auto", gen.manifest)               # no draft engine in this set
+    assert auto.proposer.name == "prompt-lookup" and isinstance(auto.control, AdaptiveK)
+    assert isinstance(make_decoder("prompt-lookup", gen.manifest,
+                                   config=__import__("specrt.runtime.speculative", fromlist=["x"])
+                                   .SpeculativeConfig(draft_tokens=3)).control, FixedK)
+    for bad in ("nope", "Prompt-Lookup"):
+        with pytest.raises(SpecrtError, match="unknown --speculate"):
+            make_decoder(bad, gen.manifest)
+
+
+# --- the real embedded default ------------------------------------------------------------------------
+
+CODE_EDIT = ("Rename the variable `total` to `acc` in this function and return the code only:\n\n"
+             "def summarize(values):\n    total = 0\n    for v in values:\n        total += v\n"
+             "    mean = total / len(values)\n    return total, mean\n")
+
+
+@pytest.mark.real
+def test_real_default_prompt_lookup_equals_plain_greedy(default_engines):
+    gen = Generator.load(default_engines, "fp32")
+    plain = gen.generate(CODE_EDIT, max_new_tokens=64)
+    spec = gen.generate(CODE_EDIT, max_new_tokens=64, decode=make_decoder("prompt-lookup", gen.manifest))
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.exact and spec.stats.tau > 1.5
