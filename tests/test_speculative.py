@@ -200,9 +200,8 @@ def test_make_decoder_maps_names_once(tiny_engines):
 
 # --- the real embedded default ------------------------------------------------------------------------
 
-CODE_EDIT = ("Rename the variable `total` to `acc` in this function and return the code only:\n\n"
-             "def summarize(values):\n    total = 0\n    for v in values:\n        total += v\n"
-             "    mean = total / len(values)\n    return total, mean\n")
+CODE_EDIT = ("Rewrite this code with better names:\n\ndef f(a, b):\n    c = a + b\n    d = c * 2\n    return d\n\n"
+             "def g(x):\n    y = f(x, x)\n    return y\n")  # SmolLM2 echoes the code: long lookup matches
 
 
 @pytest.mark.real
