@@ -166,6 +166,11 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
     _guard(run)
 
 
+from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
+
+app.command(name="bench")(_bench)
+
+
 def main():  # pragma: no cover
     app()
 

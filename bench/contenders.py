@@ -1,0 +1,112 @@
+"""Mode names -> contenders: our decode strategies at each precision, and the peers.
+
+Our names are `<strategy>-<precision>`: `plain-fp32`, `prompt-lookup-int4`, `auto-fp32`, ...
+where the strategy is 'plain' or a name from runtime.speculative.MODES (the one place that maps a
+name to a proposer; new proposers such as 'medusa' appear here by themselves). Peers are named in
+peers.PEERS. `plain-fp32` is the reference: speedups and output agreement are measured against it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SpecrtError
+from ..manifest import Manifest
+from .peers import PEERS, Checkpoint, Clock, Trace, Unavailable
+
+REFERENCE = "plain-fp32"
+
+
+def spec_modes() -> tuple[str, ...]:
+    """Speculative strategies the runtime offers ('off' is our 'plain')."""
+    try:
+        from ..runtime.speculative import MODES
+    except ImportError:
+        return ()
+    return tuple(m for m in MODES if m != "off")
+
+
+def our_names(manifest: Manifest) -> list[str]:
+    precs = [e.precision for e in manifest.engines.values() if e.role == "target"]
+    return [f"{s}-{p}" for s in ("plain",) + spec_modes() for p in precs]
+
+
+def default_modes(manifest: Manifest) -> list[str]:
+    """Plain at every precision, each proposer the set supports at fp32, auto at fp32 and int4, all peers."""
+    precs = [e.precision for e in manifest.engines.values() if e.role == "target"]
+    roles = {e.role for e in manifest.engines.values()}
+    needs = {"draft": "draft", "medusa": "medusa"}
+    spec = [m for m in spec_modes() if m != "auto" and needs.get(m, "target") in roles]
+    out = [f"plain-{p}" for p in precs] + [f"{m}-fp32" for m in spec]
+    out += [f"auto-{p}" for p in ("fp32", "int4") if p in precs and "auto" in spec_modes()]
+    return out + list(PEERS)
+
+
+def parse_modes(text: str | None, manifest: Manifest) -> list[str]:
+    """'a,b,c' (or None for the default list) -> names, reference first; unknown names are an error."""
+    known = our_names(manifest) + list(PEERS)
+    names = default_modes(manifest) if not text else [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise SpecrtError("--modes is empty; pass e.g. plain-fp32,plain-int4,genai-fp32")
+    for m in names:
+        if m not in known:
+            raise SpecrtError(f"unknown mode {m!r}; choose from: {', '.join(known)}")
+    if REFERENCE not in known:
+        raise SpecrtError(f"the engine set has no fp32 target, which the bench needs as its reference; "
+                          f"rebuild it with `specrt engines --precisions fp32,...`")
+    return [REFERENCE] + [m for m in dict.fromkeys(names) if m != REFERENCE]
+
+
+class Ours:
+    """One of our strategies on one target precision, through the public Generator API."""
+
+    def __init__(self, name: str, manifest: Manifest, threads: int):
+        self.name, self.manifest, self.threads = name, manifest, threads
+        self.strategy, _, self.precision = name.rpartition("-")
+
+    def load(self, log=print) -> None:
+        from ..runtime.generate import Generator, plain_decode
+
+        self.gen = Generator(self.manifest, self.precision, self.threads)
+        if self.strategy == "plain":
+            self.decode = plain_decode
+        else:
+            from ..runtime.speculative import make_decoder
+
+            try:
+                self.decode = make_decoder(self.strategy, self.manifest, self.precision, threads=self.threads)
+            except SpecrtError as e:
+                raise Unavailable(str(e)) from None
+
+    def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
+        from ..runtime.tokenizer import Message
+
+        clock, inner = Clock(), self.decode
+
+        def timed(engine, prompt, sampling, rng, stats):  # stamps each round's tokens as they leave the loop
+            rounds = inner(engine, prompt, sampling, rng, stats)
+            try:
+                for tokens in rounds:
+                    clock.add(tokens)
+                    yield tokens
+            finally:
+                rounds.close()
+
+        s = self.gen.stream([Message(r, c) for r, c in messages], max_new_tokens=max_new_tokens, decode=timed)
+        for _ in s:
+            pass
+        r, total = s.result, clock.trace().total_s
+        n = len(r.token_ids)
+        spec = self.strategy != "plain"
+        return Trace(list(r.token_ids), clock.times[:n], total, tau=r.stats.tau if spec else 1.0,
+                     acceptance=tuple(r.stats.acceptance_by_position) if spec else ())
+
+
+def make(name: str, manifest: Manifest, ck: Checkpoint):
+    return PEERS[name](ck) if name in PEERS else Ours(name, manifest, ck.threads)
+
+
+def checkpoint(manifest: Manifest, threads: int, assistant: Path | None) -> Checkpoint:
+    src = manifest.raw.get("source", {})
+    return Checkpoint(src.get("kind", "hf"), Path(src.get("path", manifest.root)), str(src.get("sha256", "unknown")),
+                      tuple(manifest.eos_token_ids), manifest.root.parent / ".cache" / "peers", threads, assistant)

@@ -1,0 +1,118 @@
+"""results.json -> report.md (tables) and PNG plots (speedup per category and mode; acceptance per
+draft position). Pure formatting: every figure is computed in runner.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _f(v, fmt: str = "{:.1f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def markdown(res: dict, command: str) -> str:
+    meta, rows = res["meta"], res["summary"]
+    cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != "all")) + ["all"]
+    cell = {(r["mode"], r["category"]): r for r in rows}
+    v = meta["versions"]
+    out = [
+        f"# specrt bench — {meta['engine_set']}" + ("  (quick)" if meta["quick"] else ""),
+        "",
+        f"- command: `{command}`",
+        f"- {meta['date']}; CPU: {meta['cpu']} ({meta['cores']} cores), **{meta['threads']} threads** for every "
+        f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; bench time {meta['bench_s']:.0f} s",
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "
+        f"speedup = geometric mean over prompts against `{meta['reference']}` of this run; "
+        "agreement = prompts whose greedy tokens equal the reference's, and the earliest divergence index",
+        "",
+        "## tok/s (speedup) per category",
+        "",
+        "| mode | " + " | ".join(cats) + " |",
+        "|---|" + "---:|" * len(cats),
+    ]
+    for m in res["modes"]:
+        cells = []
+        for c in cats:
+            r = cell.get((m, c))
+            cells.append("–" if r is None else f"{r['tok_s']:.1f} ({_f(r['speedup'], '{:.2f}')}x)")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    out += ["", "## All prompts", "",
+            "| mode | tok/s | speedup | tau | TTFT ms | gap p50 ms | gap p99 ms | identical | first divergence | "
+            "acceptance by position |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for m in res["modes"]:
+        r = cell[(m, "all")]
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance"][:8]) or "–"
+        out.append(f"| {m} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | "
+                   f"{_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'], '{:.1f}')} | {_f(r['gap_p99_ms'], '{:.1f}')} | "
+                   f"{r['identical']} | {_f(r['first_divergence'], '{}')} | {acc} |")
+    out += ["", "## Per (mode, category)", "",
+            "| mode | category | tok/s | speedup | tau | TTFT ms | gap p50/p99 ms | identical | first divergence |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["category"] == "all":
+            continue
+        out.append(f"| {r['mode']} | {r['category']} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | "
+                   f"{_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
+                   f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
+    if res["notes"]:
+        out += ["", "## Skipped", ""] + [f"- {n}" for n in res["notes"]]
+    out += ["", "Plots: `speedup.png` (speedup per category and mode), `acceptance.png` (acceptance rate per "
+            "draft position).", ""]
+    return "\n".join(out)
+
+
+def plots(res: dict, out: Path) -> list[str]:
+    """Writes the PNGs; returns notes (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["plots skipped: matplotlib is not installed (pip install 'specrt[bench]')"]
+    rows = res["summary"]
+    cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != "all")) + ["all"]
+    modes = res["modes"]
+    cell = {(r["mode"], r["category"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cats) * max(1, len(modes)) / 4), 4.5))
+    w = 0.8 / max(1, len(modes))
+    for i, m in enumerate(modes):
+        ys = [(cell.get((m, c)) or {}).get("speedup") or 0 for c in cats]
+        ax.bar([j + i * w - 0.4 + w / 2 for j in range(len(cats))], ys, w, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(cats)), cats)
+    ax.set_ylabel(f"speedup vs {res['meta']['reference']}")
+    ax.set_title(f"{res['meta']['engine_set']}: tok/s speedup ({res['meta']['threads']} threads)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = 0
+    for m in modes:
+        acc = (cell.get((m, "all")) or {}).get("acceptance") or []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+            drawn += 1
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("acceptance per draft position (all prompts)" + ("" if drawn else ": no speculative mode ran"))
+    if drawn:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    plt.close(fig)
+    return []
+
+
+def write(res: dict, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    res["notes"] = res["notes"] + plots(res, out)
+    res["meta"]["command"] = command
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "report.md").write_text(markdown(res, command))

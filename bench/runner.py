@@ -1,0 +1,198 @@
+"""The benchmark loop: every contender on every prompt, repetitions interleaved, then figures.
+
+1. resolve modes -> contenders; load each (a peer that cannot run is skipped with a note)
+2. warm up each contender once (first prompt, a few tokens): builds caches, page-ins, thread pools
+3. for rep in reps: for case in prompts: for contender in (rotated) order: run, record a Trace
+   (interleaving spreads machine noise over all modes alike; the rotation removes order bias)
+4. figures per (mode, category) and per mode over all prompts, against `plain-fp32` of the same run
+
+Figures: tok/s = new tokens / wall time of the call, prefill included; per case the median over
+reps, per category the mean of case medians; speedup = geometric mean over cases of
+median(mode) / median(plain-fp32); TTFT median; gaps between streamed tokens (a speculative round
+delivers several tokens at once, so gaps within it are 0) as p50/p99 of all gaps pooled; tau and
+acceptance per draft position where the contender reports them; agreement = the index of the
+first token that differs from plain-fp32's greedy output (None = identical).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecrtError
+from ..manifest import load_manifest
+from . import contenders
+from .peers import Unavailable
+from .prompts import DEFAULT_PROMPTS, PromptCase, load_prompts, select
+
+QUICK_MAX_NEW_TOKENS = 32
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    engines: Path
+    prompts: Path = DEFAULT_PROMPTS
+    modes: str | None = None  # comma-separated; None = contenders.default_modes
+    categories: tuple[str, ...] | None = None
+    reps: int = 3
+    threads: int = 0  # 0 = all cores, resolved to a number every contender gets
+    quick: bool = False  # 1 prompt per category, max_new_tokens capped at 32
+    per_category: int | None = None
+    max_new_tokens: int | None = None  # cap every prompt's budget
+    hf_assistant: Path | None = None
+
+
+def first_divergence(ref: list[int], out: list[int]) -> int | None:
+    """Index of the first token where `out` differs from `ref` (a length mismatch counts); None = equal."""
+    for i, (a, b) in enumerate(zip(ref, out)):
+        if a != b:
+            return i
+    return None if len(ref) == len(out) else min(len(ref), len(out))
+
+
+def _cases(cfg: BenchConfig) -> list[PromptCase]:
+    cases = load_prompts(cfg.prompts)
+    per_cat = cfg.per_category if cfg.per_category is not None else (1 if cfg.quick else None)
+    cap = cfg.max_new_tokens if cfg.max_new_tokens is not None else (QUICK_MAX_NEW_TOKENS if cfg.quick else None)
+    return select(cases, categories=cfg.categories, per_category=per_cat, max_new_tokens=cap)
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    if cfg.reps < 1:
+        raise SpecrtError(f"--reps must be >= 1, got {cfg.reps}")
+    manifest = load_manifest(Path(cfg.engines))
+    cases = _cases(cfg)
+    names = contenders.parse_modes(cfg.modes, manifest)
+    threads = cfg.threads or os.cpu_count() or 1
+    ck = contenders.checkpoint(manifest, threads, cfg.hf_assistant)
+    ck.cache.mkdir(parents=True, exist_ok=True)
+    from ..runtime.tokenizer import Message, TextCodec
+
+    codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,
+                      manifest.eos_token_ids)
+    prompt_ids = {c.id: codec.encode(codec.render_chat([Message(r, t) for r, t in c.messages])) for c in cases}
+
+    # 1-2. load and warm up; a contender that cannot run here is a note, not a failure
+    live, notes = [], []
+    for name in names:
+        t0 = time.perf_counter()
+        c = contenders.make(name, manifest, ck)
+        try:
+            c.load(log=log)
+            c.run(prompt_ids[cases[0].id], cases[0].messages, WARMUP_TOKENS)
+        except Unavailable as e:
+            if name == contenders.REFERENCE:
+                raise SpecrtError(f"the reference {name} cannot run: {e}") from None
+            notes.append(f"{name}: skipped ({e})")
+            log(f"skip {name}: {e}")
+            continue
+        live.append(c)
+        log(f"loaded {name} in {time.perf_counter() - t0:.1f}s")
+
+    # 3. interleaved repetitions
+    runs = []
+    t_start = time.perf_counter()
+    for rep in range(cfg.reps):
+        for ci, case in enumerate(cases):
+            k = (rep * len(cases) + ci) % len(live)
+            for c in live[k:] + live[:k]:
+                tr = c.run(prompt_ids[case.id], case.messages, case.max_new_tokens)
+                runs.append({"mode": c.name, "case": case.id, "category": case.category, "rep": rep,
+                             "prompt_tokens": len(prompt_ids[case.id]), "new_tokens": len(tr.token_ids),
+                             "total_s": tr.total_s, "tok_s": len(tr.token_ids) / tr.total_s if tr.total_s else 0.0,
+                             "ttft_s": tr.t_tokens[0] if tr.t_tokens else None,
+                             "gaps_s": np.diff(tr.t_tokens).tolist(), "tau": tr.tau,
+                             "acceptance": list(tr.acceptance), "token_ids": tr.token_ids})
+        log(f"rep {rep + 1}/{cfg.reps} done ({time.perf_counter() - t_start:.0f}s)")
+
+    # agreement against the reference's greedy output (first repetition)
+    ref = {r["case"]: r["token_ids"] for r in runs if r["mode"] == contenders.REFERENCE and r["rep"] == 0}
+    for r in runs:
+        r["first_divergence"] = first_divergence(ref[r["case"]], r["token_ids"])
+    summary = summarize(runs, [c.name for c in live], cases)
+    return {"meta": _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start), "notes": notes,
+            "modes": [c.name for c in live], "cases": [c.as_dict() for c in cases], "summary": summary,
+            "runs": runs}
+
+
+def _median_by_case(runs: list[dict], key: str) -> dict[str, float]:
+    by: dict[str, list[float]] = {}
+    for r in runs:
+        by.setdefault(r["case"], []).append(r[key])
+    return {k: statistics.median(v) for k, v in by.items()}
+
+
+def _figures(runs: list[dict], ref_runs: list[dict]) -> dict:
+    tok = _median_by_case(runs, "tok_s")
+    ref = _median_by_case(ref_runs, "tok_s")
+    speed = [tok[c] / ref[c] for c in tok if ref.get(c)]
+    gaps = [g for r in runs for g in r["gaps_s"]]
+    ttft = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
+    taus = [r["tau"] for r in runs if r["tau"] is not None]
+    acc_rows = [r["acceptance"] for r in runs if r["acceptance"]]
+    width = max((len(a) for a in acc_rows), default=0)
+    acceptance = [round(statistics.mean(a[i] for a in acc_rows if len(a) > i), 4) for i in range(width)]
+    div = {r["case"]: r["first_divergence"] for r in runs if r["rep"] == 0}
+    diverged = [d for d in div.values() if d is not None]
+    return {
+        "cases": len(tok), "tok_s": round(statistics.mean(tok.values()), 2),
+        "speedup": round(float(np.exp(np.mean(np.log(speed)))), 3) if speed else None,
+        "tau": round(statistics.mean(taus), 3) if taus else None, "acceptance": acceptance,
+        "ttft_ms": round(1000 * statistics.median(ttft), 1) if ttft else None,
+        "gap_p50_ms": round(1000 * float(np.percentile(gaps, 50)), 2) if gaps else None,
+        "gap_p99_ms": round(1000 * float(np.percentile(gaps, 99)), 2) if gaps else None,
+        "identical": f"{len(div) - len(diverged)}/{len(div)}",
+        "first_divergence": min(diverged) if diverged else None,
+        "new_tokens": round(statistics.mean(r["new_tokens"] for r in runs), 1),
+    }
+
+
+def summarize(runs: list[dict], modes: list[str], cases: list[PromptCase]) -> list[dict]:
+    """One row per (mode, category) plus (mode, 'all')."""
+    cats = list(dict.fromkeys(c.category for c in cases))
+    ref = [r for r in runs if r["mode"] == contenders.REFERENCE]
+    rows = []
+    for m in modes:
+        mine = [r for r in runs if r["mode"] == m]
+        for cat in cats + ["all"]:
+            sel = [r for r in mine if cat in ("all", r["category"])]
+            rsel = [r for r in ref if cat in ("all", r["category"])]
+            if sel:
+                rows.append({"mode": m, "category": cat, **_figures(sel, rsel)})
+    return rows
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("specrt", "onnxruntime", "onnxruntime-genai", "llama-cpp-python", "torch", "transformers", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _meta(cfg: BenchConfig, manifest, threads: int, cases, bench_s: float) -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": str(manifest.root), "engine_set": manifest.name,
+            "prompts": str(cfg.prompts), "cases": len(cases), "reps": cfg.reps, "quick": cfg.quick,
+            "threads": threads, "cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "versions": _versions(), "bench_s": round(bench_s, 1), "reference": contenders.REFERENCE}
