@@ -19,6 +19,8 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from ..errors import SpecrtError
+
 PRECISIONS = ("fp32", "int8", "int4")
 
 
@@ -49,15 +51,20 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     """Replace specrt.CachedAttention calls by GroupQueryAttention; drops the function body."""
     props = {p.key: p.value for p in model.metadata_props}
     heads, kv_heads = int(props["specrt.num_heads"]), int(props["specrt.num_kv_heads"])
+    head_dim = int(props["specrt.head_dim"])
+    if head_dim % 16:
+        raise SpecrtError(f"head_dim {head_dim} is not a multiple of 16, which ONNX Runtime's fused rotary "
+                          "attention requires; this model cannot be built for onnxruntime")
     for node in model.graph.node:
         if node.domain == "specrt" and node.op_type == "CachedAttention":
-            q, k, v, pk, pv, seqlens, total, bias = node.input
+            qkv, pk, pv, seqlens, total, cos, sin, pos, bias = node.input
             del node.input[:]
-            # GQA inputs: ..., cos_cache, sin_cache, position_ids (unused: RoPE is applied before), attention_bias
-            node.input.extend([q, k, v, pk, pv, seqlens, total, "", "", "", bias])
+            # GQA: query holds packed QKV (key/value empty); RoPE at explicit position_ids (trees).
+            node.input.extend([qkv, "", "", pk, pv, seqlens, total, cos, sin, pos, bias])
             node.domain, node.op_type = "com.microsoft", "GroupQueryAttention"
             node.attribute.extend([helper.make_attribute("num_heads", heads),
-                                   helper.make_attribute("kv_num_heads", kv_heads)])
+                                   helper.make_attribute("kv_num_heads", kv_heads),
+                                   helper.make_attribute("do_rotary", 1)])
     del model.functions[:]
     kept = [o for o in model.opset_import if o.domain not in ("specrt", "com.microsoft")]
     del model.opset_import[:]

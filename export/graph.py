@@ -36,6 +36,10 @@ OPSET = 17
 FUNCTION_DOMAIN = "specrt"
 ATTENTION_OP = "CachedAttention"
 INT64_MAX = np.iinfo(np.int64).max
+# The signature of com.microsoft.GroupQueryAttention (packed QKV, do_rotary=1, shared buffer), so
+# build/ can swap the function for the fused kernel one-to-one.
+ATTENTION_INPUTS = ("packed_qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+                    "cos_cache", "sin_cache", "position_ids", "attention_bias")
 
 
 class _Graph:
@@ -60,7 +64,7 @@ class _Graph:
 
 
 def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
-    """Reference attention over a shared static cache, in standard ops (see module docstring)."""
+    """Reference RoPE + attention over a shared static cache, in standard ops (see module docstring)."""
     n, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     rep = n // kv
     g = _Graph()
@@ -71,21 +75,29 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
             consts[name] = g.op("Constant", [], name=name, value=numpy_helper.from_array(np.array(v, dt), name))
         return consts[name]
 
-    shape_q = g.op("Shape", ["query"])
-    b = g.op("Gather", [shape_q, c("i0", 0)], axis=0)
-    s = g.op("Gather", [shape_q, c("i1", 1)], axis=0)
+    s = g.op("Gather", [g.op("Shape", ["packed_qkv"]), c("i1", 1)], axis=0)
+    q, k, v = g.op("Split", ["packed_qkv", c("split_qkv", [n * d, kv * d, kv * d])], n_out=3, axis=2)
+    # RoPE (rotate-half) at explicit positions: cos/sin rows [B, 1, S, D/2] broadcast over heads.
+    ax1 = c("ax1", [1])
+    cos = g.op("Unsqueeze", [g.op("Gather", ["cos_cache", "position_ids"], axis=0), ax1])
+    sin = g.op("Unsqueeze", [g.op("Gather", ["sin_cache", "position_ids"], axis=0), ax1])
 
-    def heads(x: str, h: int) -> str:  # [B, S, h*D] -> [B, h, S, D]
-        r = g.op("Reshape", [x, c(f"shape_{x}", [0, 0, h, d])])
-        return g.op("Transpose", [r], perm=[0, 2, 1, 3])
+    def heads(x: str, h: int, rotate: bool) -> str:  # [B, S, h*D] -> [B, h, S, D]
+        x4 = g.op("Transpose", [g.op("Reshape", [x, c(f"shape_h{h}", [0, 0, h, d])])], perm=[0, 2, 1, 3])
+        if not rotate:
+            return x4
+        x1, x2 = g.op("Split", [x4, c("split_half", [d // 2, d // 2])], n_out=2, axis=3)
+        lo = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
+        hi = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
+        return g.op("Concat", [lo, hi], axis=3)
 
-    q4, k4, v4 = heads("query", n), heads("key", kv), heads("value", kv)
+    q4, k4, v4 = heads(q, n, True), heads(k, kv, True), heads(v, kv, False)
     # Write positions: start_b = seqlens_k[b] + 1 - S, then start_b + [0, S).
     one = c("one", 1)
     start = g.op("Sub", [g.op("Add", [g.op("Cast", ["seqlens_k"], to=TensorProto.INT64), one]), s])
     ar = g.op("Range", [c("zero", 0), s, one])
-    qpos = g.op("Add", [g.op("Unsqueeze", [start, c("ax1", [1])]), g.op("Unsqueeze", [ar, c("ax0", [0])])])  # [B,S]
-    idx = g.op("Expand", [g.op("Unsqueeze", [qpos, c("ax13", [1, 3])]), g.op("Shape", [k4])])
+    slot = g.op("Add", [g.op("Unsqueeze", [start, ax1]), g.op("Unsqueeze", [ar, c("ax0", [0])])])  # [B,S]
+    idx = g.op("Expand", [g.op("Unsqueeze", [slot, c("ax13", [1, 3])]), g.op("Shape", [k4])])
     g.op("ScatterElements", ["past_key", idx, k4], axis=2, name="present_key")
     g.op("ScatterElements", ["past_value", idx, v4], axis=2, name="present_value")
     # Attend over [0, T): the slice is what keeps cost proportional to the real length.
@@ -106,17 +118,16 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
 
     scores = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [repeat(kt)], perm=[0, 1, 3, 2])]),
                           c("scale", 1.0 / np.sqrt(d), np.float32)])
-    # Causal over absolute positions: key j visible to query i of batch b iff j <= start_b + i.
+    # Causal over cache slots: key j visible to query i of batch b iff j <= start_b + i.
     j = g.op("Range", [c("zero_b", 0), g.op("Squeeze", [t]), one])
-    allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [j, c("ax01", [0, 1])]), g.op("Unsqueeze", [qpos, c("ax2b", [2])])])
+    allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [j, c("ax01", [0, 1])]), g.op("Unsqueeze", [slot, c("ax2b", [2])])])
     causal = g.op("Where", [allowed, c("f0", 0.0, np.float32), c("ninf", -np.inf, np.float32)])
-    scores = g.op("Add", [g.op("Add", [scores, g.op("Unsqueeze", [causal, c("ax1b", [1])])]), "attention_bias"])
+    scores = g.op("Add", [g.op("Add", [scores, g.op("Unsqueeze", [causal, ax1])]), "attention_bias"])
     probs = g.op("Softmax", [scores], axis=-1)
     out = g.op("Transpose", [g.op("MatMul", [probs, repeat(vt)])], perm=[0, 2, 1, 3])
     g.op("Reshape", [out, c("shape_out", [0, 0, n * d])], name="output")
     return helper.make_function(
-        FUNCTION_DOMAIN, ATTENTION_OP,
-        inputs=["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "attention_bias"],
+        FUNCTION_DOMAIN, ATTENTION_OP, inputs=list(ATTENTION_INPUTS),
         outputs=["output", "present_key", "present_value"],
         nodes=g.nodes, opset_imports=[helper.make_opsetid("", OPSET)],
     )
@@ -134,8 +145,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
     # The transpose is folded into a constant so weight-only quantizers see a const MatMul weight.
     lm_head = g.const("lm_head.weight_t", lm.T)
     cos_t, sin_t = spec.rope_tables(max_context)
-    cos = g.op("Unsqueeze", [g.op("Gather", [g.const("rope.cos", cos_t), "position_ids"]), i64("ax_head", [2])])
-    sin = g.op("Unsqueeze", [g.op("Gather", [g.const("rope.sin", sin_t), "position_ids"]), i64("ax_head2", [2])])
+    cos, sin = g.const("rope.cos", cos_t), g.const("rope.sin", sin_t)  # [max_context, D/2]
     eps = g.const("rms_eps", np.array(spec.rms_norm_eps, np.float32))
     two = g.const("two", np.array(2.0, np.float32))
 
@@ -143,13 +153,6 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         var = g.op("ReduceMean", [g.op("Pow", [x, two])], axes=[-1], keepdims=1)
         normed = g.op("Div", [x, g.op("Sqrt", [g.op("Add", [var, eps])])])
         return g.op("Mul", [normed, g.const(weight, w(weight))])
-
-    def rope(x: str, heads: int) -> str:  # rotate-half RoPE on [B, S, heads*D]
-        x4 = g.op("Reshape", [x, i64(f"shape_rope{heads}_{g._n}", [0, 0, heads, d])])
-        x1, x2 = g.op("Split", [x4, i64(f"split_rope_{g._n}", [d // 2, d // 2])], n_out=2, axis=3)
-        lo = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
-        hi = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
-        return g.op("Reshape", [g.op("Concat", [lo, hi], axis=3), i64(f"shape_unrope_{g._n}", [0, 0, heads * d])])
 
     # The tree mask covers the new tokens only; pad it with zeros over the past: [B, 1, S, T].
     s = g.op("Gather", [g.op("Shape", ["input_ids"]), i64("idx1", 1)], axis=0)
@@ -168,11 +171,10 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         if spec.qkv_bias:
             bqkv = np.concatenate([w(p + f"self_attn.{k}_proj.bias") for k in "qkv"])
             qkv = g.op("Add", [qkv, g.const(p + "self_attn.qkv_proj.bias", bqkv)])
-        q, k, v = g.op("Split", [qkv, i64(f"split_qkv{i}", [n * d, kv * d, kv * d])], n_out=3, axis=2)
         attn, _, _ = g.op(
             ATTENTION_OP,
-            [rope(q, n), rope(k, kv), v, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
-             "seqlens_k", "total_sequence_length", bias],
+            [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
+             cos, sin, "position_ids", bias],
             n_out=3, domain=FUNCTION_DOMAIN, name=f"layers.{i}.attn",
         )
         g.nodes[-1].output[1], g.nodes[-1].output[2] = f"present.{i}.key", f"present.{i}.value"
