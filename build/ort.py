@@ -21,7 +21,7 @@ from onnx import helper
 
 from ..errors import SpecrtError
 
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", "int8", "int4", "int4-fp32")
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,27 @@ class OrtPrecision:
     width_exact_expected: bool  # K-token pass equals K one-token passes to ~1e-4
 
 
-# int8 uses 8-bit MatMulNBits with int8 compute: per-channel quantize_dynamic produced garbage
-# here and 8-bit blocks with fp32 compute ran at ~2 tok/s (measured on this project's CPU).
+# Weight-only blocks (32, asymmetric) through MatMulNBits, the lm_head included (it is a fifth of
+# SmolLM2's weights). int8 uses int8 compute: per-channel quantize_dynamic produced garbage here and
+# 8-bit blocks with fp32 compute ran at ~2 tok/s. int4 uses int8 compute too (what makes it fast;
+# a 5-token pass then costs ~1.1x a step), which is not width-exact; int4-fp32 keeps fp32 compute,
+# slower but width-exact, so speculative output equals that engine's own plain output.
 ORT_PRECISIONS = {
     "fp32": OrtPrecision("fp32", None, 0, True),
     "int8": OrtPrecision("int8", 8, 4, False),
-    "int4": OrtPrecision("int4", 4, 0, True),
+    "int4": OrtPrecision("int4", 4, 4, False),
+    "int4-fp32": OrtPrecision("int4-fp32", 4, 0, True),
 }
+
+
+BUILD_FORMAT = 2  # bump when the rewrites below change what an engine contains
+
+
+def build_key(prec: OrtPrecision) -> str:
+    """Short hash of everything that decides a built engine, for caching."""
+    import hashlib
+
+    return hashlib.sha256(f"{BUILD_FORMAT}:{prec!r}".encode()).hexdigest()[:10]
 
 
 def precision(name: str) -> OrtPrecision:
@@ -77,8 +91,9 @@ def quantize(model: onnx.ModelProto, prec: OrtPrecision) -> onnx.ModelProto:
         return model
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    quantizer = MatMulNBitsQuantizer(model, bits=prec.bits, block_size=32, is_symmetric=False, nodes_to_exclude=["logits"],
+    for name in ("onnxruntime.quantization", "onnxruntime.quantization.matmul_nbits_quantizer"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(model, bits=prec.bits, block_size=32, is_symmetric=False,
                                      accuracy_level=prec.accuracy_level or None)
     quantizer.process()
     return quantizer.model.model

