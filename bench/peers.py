@@ -93,7 +93,12 @@ def hf_folder(ck: Checkpoint) -> Path:
     tmp = ck.cache / f".tmp-hf-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     kw = {"gguf_file": ck.path.name}
-    AutoModelForCausalLM.from_pretrained(str(ck.path.parent), dtype=torch.float32, **kw).save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), dtype=torch.float32, **kw)
+    # the weights are already dequantized to fp32; the "gguf quantizer" left on the model only blocks saving
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(str(ck.path.parent), **kw).save_pretrained(tmp)
     tmp.rename(out)
     return out
