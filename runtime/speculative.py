@@ -120,46 +120,59 @@ class FixedK:
 
 
 class AdaptiveK:
-    """Choose k each round to maximise the expected tokens per second of the round:
+    """Choose k each round to maximise the expected tokens per second of a round with a draft:
 
-        k* = argmax_k E(k) / T(k),   E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i,   T(k) = t(1 + k) + d k
+        k* = argmax_k E(k) / T(k),   E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i,   T(k) = t(w_k) + d k
 
     alpha_i = P(draft position i accepted | position i - 1 accepted), an EMA over this request's
-    rounds; t(w) = a + b (w - 1) is the target's cost of a w-token pass, a least-squares fit of the
-    measured passes with exponential forgetting (prior b/a until several widths were seen: cheap on
-    width-exact fp32 kernels, ~0.22 per token on int8-activation ones); d = draft seconds per token.
-    k = 0 is plain decoding (E = 1, T = a). When no k > 0 beats it, speculation is off for `backoff`
-    rounds (doubling to 256 while it keeps losing), then retried from the optimistic prior alpha.
+    rounds. t(w) is the target's measured cost of a w-token pass: an EMA per width where seen, else
+    a least-squares line a + b (w - 1) over recent passes (prior b/a until several widths were seen:
+    ~0.1 on width-exact fp32 kernels, ~0.22 on int8-activation ones). w_k: the pass width a k-draft
+    gives (1 + k for chains, more for trees), d: draft seconds per token. Everything is conditional
+    on a draft existing: an empty draft (no prompt-lookup match) is a plain round and costs nothing.
+    k = 0 is plain decoding (E = 1, T = t(1)); a plain round is forced every PROBE rounds so t(1)
+    stays measured. When no k > 0 beats plain, speculation is off for `backoff` rounds (doubling to
+    256 while it keeps losing), then retried from the optimistic prior alpha.
     """
 
-    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX = 0.6, 0.2, 0.95, 1.03, 16, 256
+    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE = 0.6, 0.2, 0.95, 1.03, 16, 256, 32
 
-    def __init__(self, k_max: int, width_exact: bool = True):
+    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64):
         self.k_max = k_max
         self.beta = 0.1 if width_exact else 0.22
-        self.sums = np.zeros(5)          # decayed [n, sum x, sum x^2, sum t, sum x t], x = width - 1
-        self.d = 0.0                     # draft seconds per drafted token (EMA)
+        self.sums = np.zeros(5)                  # decayed [n, sum x, sum x^2, sum t, sum x t], x = width - 1
+        self.t = np.zeros(max_width + 1)         # EMA pass seconds per width ...
+        self.seen = np.zeros(max_width + 1)      # ... and how many passes back it
+        self.width = 1.0 + np.arange(k_max + 1)  # w_k, k = 0..k_max
+        self.d = 0.0                             # draft seconds per drafted token (EMA)
         self.start()
 
     def start(self) -> None:
         self.alpha = np.full(self.k_max, self.ALPHA0)
-        self.off, self.backoff, self.on_rounds, self._k = 0, self.BACKOFF0, 0, min(4, self.k_max)
+        self.off, self.backoff, self.on_rounds, self.since_plain = 0, self.BACKOFF0, 0, 0
+        self._k = min(4, self.k_max)
 
-    def pass_cost(self) -> tuple[float, float]:
-        """(a, b) of t(w) = a + b (w - 1), seconds; (1, beta) in relative units before any pass."""
+    def pass_cost(self, w: np.ndarray) -> np.ndarray:
+        """Seconds of passes of widths w (relative units before any pass was measured)."""
         n, sx, sxx, st, sxt = self.sums
         if n < 1e-9:
-            return 1.0, self.beta
+            return 1.0 + self.beta * (w - 1)
         mx = sx / n
         var = sxx / n - mx * mx
-        if var < 0.5 or n < 4:           # (nearly) one width seen: keep the prior slope, fit the scale
+        if var < 0.5 or n < 4:                   # (nearly) one width seen: keep the prior slope, fit the scale
             a = st / (n + self.beta * sx)
-            return a, self.beta * a
-        b = max((sxt / n - mx * st / n) / var, 0.0)
-        return max(st / n - b * mx, 1e-6), b
+            b = self.beta * a
+        else:
+            b = max((sxt / n - mx * st / n) / var, 0.0)
+            a = max(st / n - b * mx, 1e-6)
+        line = a + b * (w - 1)
+        wi = np.clip(np.rint(w).astype(int), 1, self.t.size - 1)
+        return np.where(self.seen[wi] >= 2, self.t[wi], line)
 
     def k(self) -> int:
-        return 0 if self.off > 0 else self._k
+        if self.off > 0 or self.since_plain >= self.PROBE:
+            return 0
+        return self._k
 
     def observe(self, *, asked: int, width: int, result, draft_s: float, verify_s: float, first: bool) -> None:
         acc = result.acceptance
@@ -167,14 +180,20 @@ class AdaptiveK:
             reached = np.concatenate([[True], acc[:-1]])
             idx = np.flatnonzero(reached)
             self.alpha[idx] += self.RATE * (acc[idx] - self.alpha[idx])
-        if not first:                    # the prefill round's costs say nothing about a decode pass
-            x = width - 1
-            self.sums = self.sums * self.DECAY + (1.0, x, x * x, verify_s, x * verify_s)
-            if asked > 0:
-                self.d += 0.2 * (draft_s / asked - self.d)
+        if first:                                # the prefill round's costs say nothing about a decode pass
+            return
+        x = width - 1
+        self.sums = self.sums * self.DECAY + (1.0, x, x * x, verify_s, x * verify_s)
+        w = min(width, self.t.size - 1)
+        self.t[w] = verify_s if self.seen[w] == 0 else self.t[w] + self.RATE * (verify_s - self.t[w])
+        self.seen[w] += 1
+        self.since_plain = 0 if width == 1 else self.since_plain + 1
+        if asked > 0 and acc.size:
+            self.d += self.RATE * (draft_s / asked - self.d)
+            self.width[asked] += self.RATE * (width - self.width[asked])
         if self.off > 0:
             self.off -= 1
-            if self.off == 0:            # retry: forget the acceptance that made us stop
+            if self.off == 0:                    # retry: forget the acceptance that made us stop
                 self.alpha[:] = self.ALPHA0
             return
         self._k = self._best()
@@ -186,12 +205,12 @@ class AdaptiveK:
             self.on_rounds = on
 
     def _best(self) -> int:
-        a, b = self.pass_cost()
+        cost = self.pass_cost(self.width)                              # [k_max + 1], k = 0..k_max
         ks = np.arange(1, self.k_max + 1)
         gain = 1.0 + np.cumsum(np.cumprod(self.alpha))                 # E(k), k = 1..k_max
-        rate = gain / (a + (b + self.d) * ks)
+        rate = gain / (cost[1:] + self.d * ks)
         best = int(rate.argmax())
-        return int(ks[best]) if rate[best] > self.MARGIN / a else 0
+        return int(ks[best]) if rate[best] > self.MARGIN / cost[0] else 0
 
 
 @dataclass(frozen=True)
@@ -250,7 +269,7 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
         roles = {e.role for e in manifest.engines.values()}
         mode = "medusa" if "medusa" in roles else "draft" if "draft" in roles else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
-    control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, width_exact=target.width_exact)
+    control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, target.width_exact)
 
     def decode(engine, prompt, sampling, rng, stats):
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,
