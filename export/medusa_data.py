@@ -48,7 +48,7 @@ DOC_TEMPLATES = (
 class DataConfig:
     heads: int = 4
     max_new_tokens: int = 160
-    doc_prompts: int = 240
+    doc_prompts: int = 300
     code_chunks: int = 240
     code_tokens: int = 256
     batch: int = 32
@@ -71,8 +71,20 @@ def mtbench_questions() -> list[tuple[int, str]]:
     return out
 
 
+BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "bench" / "data" / "default.jsonl"
+
+
+def bench_texts() -> str:
+    """The benchmark's prompt file as text: its MT-bench questions and stdlib names stay out of training."""
+    return BENCH_PROMPTS.read_text(encoding="utf-8") if BENCH_PROMPTS.is_file() else ""
+
+
 def heldout_mtbench_ids() -> list[int]:
-    return sorted({i for i, _ in mtbench_questions() if i % 5 == 0})
+    """Never trained on: every 5th question, and every question the benchmark asks."""
+    bench = bench_texts()
+    qs = mtbench_questions()
+    used = {i for i, t in qs if json.dumps(t)[1:-1] in bench}
+    return sorted({i for i, _ in qs if i % 5 == 0} | used)
 
 
 def _doc_items():
@@ -90,7 +102,8 @@ def _doc_items():
 
 
 def doc_prompts(n: int, rng: np.random.Generator) -> list[str]:
-    items = list(_doc_items())
+    bench = bench_texts()
+    items = [it for it in _doc_items() if it[0] not in bench and it[0].rpartition(".")[2] not in bench]
     pick = rng.permutation(len(items))[:n]
     return [DOC_TEMPLATES[i % len(DOC_TEMPLATES)].format(name=items[j][0], doc=items[j][1]) for i, j in enumerate(pick)]
 
@@ -134,8 +147,10 @@ def build_dataset(src, cache: Path, cfg: DataConfig = DataConfig(), log=print) -
         tok.pad_token = tok.eos_token
     rng = np.random.default_rng(cfg.seed)
     eos = set(np.atleast_1d(model.generation_config.eos_token_id or tok.eos_token_id).tolist())
-    chats = [(t, qid % 5 == 0) for qid, t in mtbench_questions()][: cfg.mtbench_limit or None]
+    held_ids = set(heldout_mtbench_ids())
+    chats = [(t, qid in held_ids) for qid, t in mtbench_questions()][: cfg.mtbench_limit or None]
     chats += [(t, i % 10 == 0) for i, t in enumerate(doc_prompts(cfg.doc_prompts, rng))]
+    chats.sort(key=lambda c: len(c[0]))  # batches of similar length waste little on padding
     hidden, labels, held = [], [], []
     t0, done = time.time(), 0
     for b in range(0, len(chats), cfg.batch):
