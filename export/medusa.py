@@ -32,7 +32,7 @@ HEADS_FORMAT = 1
 
 @dataclass(frozen=True)
 class TrainConfig:
-    vocab: int = 8192            # reduced vocabulary size (0 = the full vocabulary)
+    vocab: int = 4096            # reduced vocabulary size (0 = the full vocabulary)
     batch: int = 256
     lr: float = 1e-3
     weight_decay: float = 0.0

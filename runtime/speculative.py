@@ -28,14 +28,17 @@ from .generate import Stats, plain_decode
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.medusa import Medusa, MedusaHeads
 from .sampling import SamplingParams, probs_from_logits
-from .verify import verify, verify_greedy
+from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
 MODES = ("off", "prompt-lookup", "draft", "medusa", "auto")
 
 
 def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                       stats: Stats, *, proposer: Proposer, control, width_exact: bool = True) -> Iterator[list[int]]:
+                       stats: Stats, *, proposer: Proposer, control, width_exact: bool = True,
+                       accept=verify) -> Iterator[list[int]]:
+    """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
+    explicit, lossy opt-in, which Stats.exact reports)."""
     ctx = Context(prompt, engine.max_context + 1)
     ctx.target = engine
     engine.rewind(0)
@@ -59,7 +62,7 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             if sampling.greedy:
                 result = verify_greedy(logits.argmax(axis=1), draft)
             else:
-                result = verify(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
+                result = accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
             # 3. commit the pending tokens and the accepted path; rejected nodes are overwritten later
             t2 = time.perf_counter()
             path = None if draft.parents is None else np.concatenate([np.arange(P), P + result.path])
@@ -216,9 +219,11 @@ class AdaptiveK:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     draft_tokens: int | None = None         # fixed k; None = adaptive
+    lossy_typical: bool = False             # Medusa's typical acceptance when sampling: NOT lossless
     ngram_sizes: tuple[int, ...] = (4, 3, 2)
     lookup_max_tokens: int = 16
     draft_max_tokens: int = 8
+    draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
 
 
 def _prompt_lookup(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
@@ -233,7 +238,7 @@ def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: Speculat
     e = next((d for d in drafts if d.precision == precision), drafts[0])
     eng = OrtEngine(manifest.root / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,
                     head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context, threads=threads)
-    return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens)
+    return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 
 def _medusa(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
@@ -273,7 +278,8 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
 
     def decode(engine, prompt, sampling, rng, stats):
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,
-                                  width_exact=target.width_exact)
+                                  width_exact=target.width_exact,
+                                  accept=verify_typical if config.lossy_typical else verify)
 
     decode.proposer, decode.control = proposer, control
     return decode

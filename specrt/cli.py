@@ -104,6 +104,9 @@ def generate(
     speculate: str = typer.Option("off", "--speculate",
                                   help="off | prompt-lookup | draft | medusa | auto (medusa if the set has heads, "
                                        "else draft if it has one, else prompt-lookup). Greedy output is unchanged on width-exact (fp32) engines."),
+    lossy_typical: bool = typer.Option(False, "--lossy-typical",
+                                       help="LOSSY: Medusa's typical acceptance when sampling (output no longer "
+                                            "follows the model's distribution; stats say exact=false)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fix the draft length K (default: adaptive, per round)."),
 ):
@@ -122,7 +125,7 @@ def generate(
 
         gen = Generator.load(engines_dir, precision, threads)
         decode = make_decoder(speculate, gen.manifest, precision, threads=threads,
-                              config=SpeculativeConfig(draft_tokens=draft_tokens))
+                              config=SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical))
         s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
                        decode=decode)
         for delta in s:
@@ -153,8 +156,8 @@ def train_medusa(
     work: Path = typer.Option(Path("engines/.cache/medusa"), "--work",
                               help="Dataset cache and resumable checkpoints."),
     heads: int = typer.Option(4, "--heads", help="Number of Medusa heads (draft depth)."),
-    vocab: int = typer.Option(8192, "--vocab", help="Reduced vocabulary the heads score (0 = full)."),
-    max_new_tokens: int = typer.Option(160, "--max-new-tokens", help="Target continuation length per prompt."),
+    vocab: int = typer.Option(4096, "--vocab", help="Reduced vocabulary the heads score (0 = full)."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Target continuation length per prompt."),
     budget_minutes: float = typer.Option(25.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
     epochs: int = typer.Option(4, "--epochs", help="Stop earlier after this many epochs."),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads."),

@@ -79,15 +79,22 @@ def test_loop_tree_inputs_match_the_compiler():
     assert (((mask == 0) & causal) == (t.mask == 0)).all()
 
 
-def test_greedy_medusa_equals_target_greedy(tiny_dir, tiny_heads, tmp_path):
+@pytest.fixture(scope="module")
+def medusa_gen(tiny_dir, tiny_heads, tmp_path_factory):
     from specrt.pipeline import EngineSetRequest, make_engine_set
     from specrt.runtime.generate import Generator
+
+    path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-medusa", ("fp32",), 256,
+                                            tmp_path_factory.mktemp("engines"),
+                                            medusa_heads=tiny_heads["out"] / "heads.npz"), log=lambda m: None)
+    return Generator.load(path, "fp32", threads=1)
+
+
+def test_greedy_medusa_equals_target_greedy(medusa_gen):
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import make_decoder
 
-    path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-medusa", ("fp32",), 256, tmp_path,
-                                            medusa_heads=tiny_heads["out"] / "heads.npz"), log=lambda m: None)
-    gen = Generator.load(path, "fp32", threads=1)
+    gen = medusa_gen
     assert gen.manifest.engine("medusa").raw["medusa"]["training"]["heads"] == 3
     taus = []
     for prompt in ("def add(a, b):", "The quick brown fox", "Hello, how are you?"):
@@ -99,3 +106,17 @@ def test_greedy_medusa_equals_target_greedy(tiny_dir, tiny_heads, tmp_path):
             assert med.stats.proposer == "medusa"
             taus.append(med.stats.tau)
     assert max(taus) > 1.0  # the heads were accepted at least sometimes
+
+
+def test_sampling_is_exact_unless_lossy_typical_is_asked(medusa_gen):
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import SpeculativeConfig, make_decoder
+
+    m = medusa_gen.manifest
+    sp = SamplingParams(temperature=0.8, seed=3)
+    exact = medusa_gen.generate("def add(a, b):", max_new_tokens=24, sampling=sp,
+                                decode=make_decoder("medusa", m, "fp32", threads=1))
+    lossy = medusa_gen.generate("def add(a, b):", max_new_tokens=24, sampling=sp,
+                                decode=make_decoder("medusa", m, "fp32", threads=1,
+                                                    config=SpeculativeConfig(lossy_typical=True)))
+    assert exact.stats.exact and not lossy.stats.exact
