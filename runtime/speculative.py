@@ -138,7 +138,7 @@ class AdaptiveK:
     256 while it keeps losing), then retried from the optimistic prior alpha.
     """
 
-    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE = 0.6, 0.2, 0.95, 1.03, 16, 256, 32
+    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE = 0.5, 0.3, 0.95, 1.03, 16, 256, 32
 
     def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64):
         self.k_max = k_max
@@ -153,7 +153,7 @@ class AdaptiveK:
     def start(self) -> None:
         self.alpha = np.full(self.k_max, self.ALPHA0)
         self.off, self.backoff, self.on_rounds, self.since_plain = 0, self.BACKOFF0, 0, 0
-        self._k = min(4, self.k_max)
+        self._k = max(self._best(), 1)
 
     def pass_cost(self, w: np.ndarray) -> np.ndarray:
         """Seconds of passes of widths w (relative units before any pass was measured)."""
