@@ -26,9 +26,10 @@ def spec_modes() -> tuple[str, ...]:
     return tuple(m for m in MODES if m != "off")
 
 
-def our_names(manifest: Manifest) -> list[str]:
+def our_modes(manifest: Manifest) -> dict[str, tuple[str, str]]:
+    """name -> (strategy, precision); built from the parts, never split (both may contain '-')."""
     precs = [e.precision for e in manifest.engines.values() if e.role == "target"]
-    return [f"{s}-{p}" for s in ("plain",) + spec_modes() for p in precs]
+    return {f"{s}-{p}": (s, p) for s in ("plain",) + spec_modes() for p in precs}
 
 
 def default_modes(manifest: Manifest) -> list[str]:
@@ -44,7 +45,7 @@ def default_modes(manifest: Manifest) -> list[str]:
 
 def parse_modes(text: str | None, manifest: Manifest) -> list[str]:
     """'a,b,c' (or None for the default list) -> names, reference first; unknown names are an error."""
-    known = our_names(manifest) + list(PEERS)
+    known = list(our_modes(manifest)) + list(PEERS)
     names = default_modes(manifest) if not text else [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise SpecrtError("--modes is empty; pass e.g. plain-fp32,plain-int4,genai-fp32")
@@ -57,17 +58,23 @@ def parse_modes(text: str | None, manifest: Manifest) -> list[str]:
     return [REFERENCE] + [m for m in dict.fromkeys(names) if m != REFERENCE]
 
 
+_GENERATORS: dict[tuple, object] = {}
+
+
 class Ours:
     """One of our strategies on one target precision, through the public Generator API."""
 
     def __init__(self, name: str, manifest: Manifest, threads: int):
         self.name, self.manifest, self.threads = name, manifest, threads
-        self.strategy, _, self.precision = name.rpartition("-")
+        self.strategy, self.precision = our_modes(manifest)[name]
 
     def load(self, log=print) -> None:
         from ..runtime.generate import Generator, plain_decode
 
-        self.gen = Generator(self.manifest, self.precision, self.threads)
+        key = (str(self.manifest.root), self.precision, self.threads)
+        if key not in _GENERATORS:  # strategies on one precision share weights and cache (each call rewinds)
+            _GENERATORS[key] = Generator(self.manifest, self.precision, self.threads)
+        self.gen = _GENERATORS[key]
         if self.strategy == "plain":
             self.decode = plain_decode
         else:
@@ -106,7 +113,8 @@ def make(name: str, manifest: Manifest, ck: Checkpoint):
     return PEERS[name](ck) if name in PEERS else Ours(name, manifest, ck.threads)
 
 
-def checkpoint(manifest: Manifest, threads: int, assistant: Path | None) -> Checkpoint:
+def checkpoint(manifest: Manifest, threads: int, assistant: Path | None, context: int) -> Checkpoint:
     src = manifest.raw.get("source", {})
     return Checkpoint(src.get("kind", "hf"), Path(src.get("path", manifest.root)), str(src.get("sha256", "unknown")),
-                      tuple(manifest.eos_token_ids), manifest.root.parent / ".cache" / "peers", threads, assistant)
+                      tuple(manifest.eos_token_ids), manifest.root.parent / ".cache" / "peers", threads, assistant,
+                      context)

@@ -51,6 +51,7 @@ class Checkpoint:
     cache: Path  # engines/.cache/peers
     threads: int
     assistant: Path | None = None  # HF checkpoint of a smaller model with the same vocab (hf-assisted)
+    context: int = 4096  # the longest prompt + max_new_tokens the bench will ask for
 
 
 @dataclass
@@ -104,6 +105,14 @@ def hf_folder(ck: Checkpoint) -> Path:
     return out
 
 
+def _file_key(path: Path) -> str:
+    """A cheap cache key for a GGUF we have no hash of (size + mtime + name)."""
+    import hashlib
+
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+
 class GenaiPeer:
     """onnxruntime-genai: builder output cached per (checkpoint, precision); CPU, `threads` intra-op."""
 
@@ -154,8 +163,9 @@ class GenaiPeer:
 class LlamaCppPeer:
     """llama-cpp-python on the GGUF itself (its own quantized kernels); optional prompt lookup."""
 
-    def __init__(self, ck: Checkpoint, prompt_lookup: bool, n_ctx: int = 4096):
-        self.ck, self.pld, self.n_ctx = ck, prompt_lookup, n_ctx
+    def __init__(self, ck: Checkpoint, prompt_lookup: bool):
+        # n_ctx sized to the bench: logits_all keeps n_ctx x vocab floats (0.8 GB at 4096 x 49152)
+        self.ck, self.pld, self.n_ctx = ck, prompt_lookup, ck.context + 2 * PLD_TOKENS
         self.name = "llamacpp-pld" if prompt_lookup else "llamacpp"
 
     def load(self, log=print) -> None:
@@ -205,16 +215,14 @@ class LlamaCppPeer:
 _HF_MODELS: dict[str, object] = {}  # one loaded copy per checkpoint, shared by hf / hf-pld / hf-assisted
 
 
-def _hf_model(kind: str, path: Path):
-    key = f"{kind}:{path}"
-    if key not in _HF_MODELS:
+def _hf_model(path: Path):
+    """fp32 model from a HF folder (a GGUF goes through the cached dequantized folder: loads in seconds)."""
+    if str(path) not in _HF_MODELS:
         import torch
         from transformers import AutoModelForCausalLM
 
-        kw = {"gguf_file": path.name} if kind == "gguf" else {}
-        where = path.parent if kind == "gguf" else path
-        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **kw).eval()
-    return _HF_MODELS[key]
+        _HF_MODELS[str(path)] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return _HF_MODELS[str(path)]
 
 
 class HFPeer:
@@ -232,13 +240,15 @@ class HFPeer:
         if self.variant == "assisted" and self.ck.assistant is None:
             raise Unavailable("hf-assisted needs a smaller checkpoint with the same vocabulary: pass --hf-assistant DIR")
         torch.set_num_threads(self.ck.threads)
-        self._torch, self.model = torch, _hf_model(self.ck.kind, self.ck.path)
+        self._torch, self.model = torch, _hf_model(hf_folder(self.ck))
         self.extra = {}
         if self.variant == "pld":
             self.extra = {"prompt_lookup_num_tokens": PLD_TOKENS}
         elif self.variant == "assisted":
             a = self.ck.assistant
-            self.extra = {"assistant_model": _hf_model("gguf" if a.suffix == ".gguf" else "hf", a)}
+            if a.suffix == ".gguf":
+                a = hf_folder(Checkpoint("gguf", a, _file_key(a), (), self.ck.cache, self.ck.threads))
+            self.extra = {"assistant_model": _hf_model(a)}
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
         torch, eos = self._torch, list(self.ck.eos_ids)

@@ -22,7 +22,8 @@ def markdown(res: dict, command: str) -> str:
         f"- command: `{command}`",
         f"- {meta['date']}; CPU: {meta['cpu']} ({meta['cores']} cores), **{meta['threads']} threads** for every "
         f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; bench time {meta['bench_s']:.0f} s",
-        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
+        + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",
         f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "
         f"speedup = geometric mean over prompts against `{meta['reference']}` of this run; "
         "agreement = prompts whose greedy tokens equal the reference's, and the earliest divergence index",

@@ -71,13 +71,25 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     cases = _cases(cfg)
     names = contenders.parse_modes(cfg.modes, manifest)
     threads = cfg.threads or os.cpu_count() or 1
-    ck = contenders.checkpoint(manifest, threads, cfg.hf_assistant)
-    ck.cache.mkdir(parents=True, exist_ok=True)
+    # OpenMP runtimes (llama.cpp, torch) spin-wait between parallel regions by default; on a shared
+    # machine that spinning starves everyone (llama.cpp measured 10x slower on a loaded 2-core box).
+    # Passive waiting costs a wake-up per token (microseconds). Read before the peers load OpenMP;
+    # export OMP_WAIT_POLICY=ACTIVE to measure the spinning default.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from ..runtime.tokenizer import Message, TextCodec
 
     codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,
                       manifest.eos_token_ids)
     prompt_ids = {c.id: codec.encode(codec.render_chat([Message(r, t) for r, t in c.messages])) for c in cases}
+    context = max(len(prompt_ids[c.id]) + c.max_new_tokens for c in cases)
+    limit = manifest.engine("target", "fp32").max_context
+    for c in cases:
+        if len(prompt_ids[c.id]) + c.max_new_tokens > limit:
+            raise SpecrtError(f"prompt {c.id!r} needs {len(prompt_ids[c.id])} + {c.max_new_tokens} tokens but the "
+                              f"engines hold {limit}; shorten it, lower --max-new-tokens or rebuild with a larger "
+                              "--max-context")
+    ck = contenders.checkpoint(manifest, threads, cfg.hf_assistant, context)
+    ck.cache.mkdir(parents=True, exist_ok=True)
 
     # 1-2. load and warm up; a contender that cannot run here is a note, not a failure
     live, notes = [], []
@@ -195,4 +207,5 @@ def _meta(cfg: BenchConfig, manifest, threads: int, cases, bench_s: float) -> di
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": str(manifest.root), "engine_set": manifest.name,
             "prompts": str(cfg.prompts), "cases": len(cases), "reps": cfg.reps, "quick": cfg.quick,
             "threads": threads, "cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "versions": _versions(), "bench_s": round(bench_s, 1), "reference": contenders.REFERENCE}
+            "versions": _versions(), "bench_s": round(bench_s, 1), "reference": contenders.REFERENCE,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
