@@ -24,8 +24,9 @@ import numpy as np
 
 Path = tuple[int, ...]
 
-# A 24-node default over 4 heads, shaped by the measured head accuracies (see heads/README.md):
-# most nodes go to the first two depths where heads are right most often.
+# A generic 24-node shape over 4 heads (most nodes at the shallow depths, where heads are right
+# most often), for tests and hand use; engine sets carry the tree chosen from their heads' measured
+# accuracies and the target's measured pass costs (specrt/pipeline.py).
 DEFAULT_TREE: tuple[Path, ...] = (
     (0,), (1,), (2,), (3,),
     (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),
@@ -119,22 +120,16 @@ def tree_from_accuracies(acc: np.ndarray, size: int) -> tuple[Path, ...]:
     return tuple(chosen)
 
 
-def choose_tree(acc: np.ndarray, pass_cost, max_size: int = 48, draft_cost: float = 0.0) -> tuple[tuple[Path, ...], dict]:
-    """The tree size that maximises expected tokens per second of a round.
+def choose_tree(order, values, pass_cost, max_size: int = 48, draft_cost: float = 0.0) -> tuple[tuple[Path, ...], dict]:
+    """The prefix of a greedy node order that maximises expected tokens per second of a round.
 
-    acc [heads, k] per-rank head accuracies; pass_cost(w) = seconds of a w-token target pass;
-    E(n) = 1 + sum of the n chosen paths' values (the expected accepted length under head
-    independence), rate(n) = E(n) / (pass_cost(n + 1) + draft_cost). Returns (paths, figures)."""
-    best, figures = None, []
-    for n in range(1, max_size + 1):
-        paths = tree_from_accuracies(acc, n)
-        if len(paths) < n:
-            break
-        a = np.asarray(acc, np.float64)
-        value = [float(np.prod([a[d, r] for d, r in enumerate(p)])) for p in paths]
-        e = 1.0 + sum(value)
-        rate = e / (pass_cost(n + 1) + draft_cost)
-        figures.append({"nodes": n, "expected_tokens": round(e, 3), "rate": round(rate, 2)})
-        if best is None or rate > best[1]:
-            best = (paths, rate, n)
-    return best[0], {"nodes": best[2], "curve": figures}
+    order: paths in the order a greedy builder adds them (every prefix is a tree); values[i] =
+    P(path i is accepted), measured; pass_cost(w) = seconds of a w-token target pass.
+    E(n) = 1 + sum(values[:n]) tokens per round, rate(n) = E(n) / (pass_cost(n + 1) + draft_cost)."""
+    order = [tuple(p) for p in order][:max_size]
+    e = 1.0 + np.cumsum(np.asarray(values, np.float64)[: len(order)])
+    rate = np.array([e[n - 1] / (pass_cost(n + 1) + draft_cost) for n in range(1, len(order) + 1)])
+    n = int(rate.argmax()) + 1
+    curve = [{"nodes": i + 1, "expected_tokens": round(float(e[i]), 3), "rate": round(float(rate[i]), 2)}
+             for i in range(len(order))]
+    return tuple(order[:n]), {"nodes": n, "expected_tokens": round(float(e[n - 1]), 3), "curve": curve}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.runtime.tree import DEFAULT_TREE, compile_tree, tree_from_accuracies
+from specrt.runtime.tree import DEFAULT_TREE, choose_tree, compile_tree, tree_from_accuracies
 
 NEG = -np.inf
 
@@ -54,6 +54,15 @@ def test_tree_from_accuracies_is_prefix_closed_and_greedy():
     assert paths[:3] == ((0,), (0, 0), (1,))  # 0.6, 0.24, 0.2
     assert len(paths) == 6
     compile_tree(paths)  # raises if a prefix is missing
+
+
+def test_choose_tree_trades_expected_tokens_for_pass_cost():
+    order = [(0,), (1,), (0, 0), (2,)]
+    values = [0.5, 0.2, 0.3, 0.01]
+    flat = choose_tree(order, values, lambda w: 1.0)[0]          # width is free: take every useful node
+    assert flat == tuple(order)
+    steep = choose_tree(order, values, lambda w: float(w))        # each node costs a whole pass
+    assert steep[0] == ((0,),) and steep[1]["expected_tokens"] == 1.5
 
 
 def test_tree_pass_equals_branch_by_branch(tiny_engines):
