@@ -133,12 +133,14 @@ class AdaptiveK:
     ~0.1 on width-exact fp32 kernels, ~0.22 on int8-activation ones). w_k: the pass width a k-draft
     gives (1 + k for chains, more for trees), d: draft seconds per token. Everything is conditional
     on a draft existing: an empty draft (no prompt-lookup match) is a plain round and costs nothing.
-    k = 0 is plain decoding (E = 1, T = t(1)); a plain round is forced every PROBE rounds so t(1)
-    stays measured. When no k > 0 beats plain, speculation is off for `backoff` rounds (doubling to
-    256 while it keeps losing), then retried from the optimistic prior alpha.
+    k = 0 is plain decoding (E = 1, T = t(1)); a plain round is forced early and then every PROBE
+    rounds so t(1) is measured, not extrapolated. When no k > 0 beats plain, speculation is off for
+    `backoff` rounds (doubling to 256 while it keeps losing), then retried for EXPLORE rounds from
+    the prior alpha before it is judged again (stale costs and acceptance must be re-measured).
     """
 
-    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE = 0.5, 0.3, 0.95, 1.03, 16, 256, 32
+    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE, EXPLORE = 0.5, 0.3, 0.95, 1.03, 16, 256, 32, 3
+    COST_RATE = 0.1                              # pass times are noisy (shared CPUs): average over ~10
 
     def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64):
         self.k_max = k_max
@@ -153,6 +155,7 @@ class AdaptiveK:
     def start(self) -> None:
         self.alpha = np.full(self.k_max, self.ALPHA0)
         self.off, self.backoff, self.on_rounds, self.since_plain = 0, self.BACKOFF0, 0, 0
+        self.explore = self.EXPLORE              # speculate this many rounds before judging
         self._k = max(self._best(), 1)
 
     def pass_cost(self, w: np.ndarray) -> np.ndarray:
@@ -170,10 +173,10 @@ class AdaptiveK:
             a = max(st / n - b * mx, 1e-6)
         line = a + b * (w - 1)
         wi = np.clip(np.rint(w).astype(int), 1, self.t.size - 1)
-        return np.where(self.seen[wi] >= 2, self.t[wi], line)
+        return np.where(self.seen[wi] >= 3, self.t[wi], line)
 
     def k(self) -> int:
-        if self.off > 0 or self.since_plain >= self.PROBE:
+        if self.off > 0 or self.since_plain >= self.PROBE or (self.seen[1] < 2 and self.since_plain >= 2):
             return 0
         return self._k
 
@@ -183,12 +186,15 @@ class AdaptiveK:
             reached = np.concatenate([[True], acc[:-1]])
             idx = np.flatnonzero(reached)
             self.alpha[idx] += self.RATE * (acc[idx] - self.alpha[idx])
+            # positions past this draft drift toward the deepest one measured, so k can grow (or
+            # shrink) beyond what was tried instead of trusting a stale estimate forever
+            self.alpha[acc.size:] += 0.1 * (self.alpha[acc.size - 1] - self.alpha[acc.size:])
         if first:                                # the prefill round's costs say nothing about a decode pass
             return
         x = width - 1
         self.sums = self.sums * self.DECAY + (1.0, x, x * x, verify_s, x * verify_s)
         w = min(width, self.t.size - 1)
-        self.t[w] = verify_s if self.seen[w] == 0 else self.t[w] + self.RATE * (verify_s - self.t[w])
+        self.t[w] = verify_s if self.seen[w] == 0 else self.t[w] + self.COST_RATE * (verify_s - self.t[w])
         self.seen[w] += 1
         self.since_plain = 0 if width == 1 else self.since_plain + 1
         if asked > 0 and acc.size:
@@ -196,8 +202,13 @@ class AdaptiveK:
             self.width[asked] += self.RATE * (width - self.width[asked])
         if self.off > 0:
             self.off -= 1
-            if self.off == 0:                    # retry: forget the acceptance that made us stop
-                self.alpha[:] = self.ALPHA0
+            if self.off == 0:                    # retry: forget the acceptance that made us stop and
+                self.alpha[:] = self.ALPHA0      # measure again: costs and the text may have changed
+                self.explore, self._k = self.EXPLORE, max(self._best(), 1)
+            return
+        if self.explore > 0:
+            self.explore -= 1
+            self._k = max(self._best(), 1)
             return
         self._k = self._best()
         if self._k == 0:
