@@ -41,6 +41,9 @@ DOC_TEMPLATES = (
     "Explain what `{name}` does in Python and show a short example.",
     "How do I use `{name}`? The docs say: {doc}",
     "Write a Python function that uses `{name}` and explain it step by step.",
+    "What are common mistakes people make with `{name}`? Give tips to avoid them.",
+    "Compare `{name}` with an alternative way to do the same thing in Python.",
+    "I am new to Python. In simple words, what is `{name}` for? {doc}",
 )
 
 
@@ -54,6 +57,17 @@ class DataConfig:
     batch: int = 32
     seed: int = 0
     mtbench_limit: int = 0       # 0 = every MT-bench turn (smoke tests use a few)
+    mtbench: bool = True         # include MT-bench prompts (a second part may add only doc prompts)
+    temperature: float = 0.0     # 0 = greedy continuations; > 0 samples (more varied data per prompt)
+    templates: int = len(DOC_TEMPLATES)  # how many of DOC_TEMPLATES the doc prompts cycle through
+
+
+def default_parts(heads: int = 4, max_new_tokens: int = 96) -> list[DataConfig]:
+    """What `specrt train-medusa` generates: greedy continuations, then sampled ones (T = 0.5) of
+    more doc prompts and more code; together ~150k positions, ~25 minutes on 2 shared cores."""
+    return [DataConfig(heads=heads, max_new_tokens=max_new_tokens, templates=3),
+            DataConfig(heads=heads, max_new_tokens=max_new_tokens, doc_prompts=420, code_chunks=300, seed=1,
+                       temperature=0.5, batch=40)]
 
 
 def mtbench_questions(turns: int = 2) -> list[tuple[int, str]]:
@@ -101,11 +115,11 @@ def _doc_items():
                 yield f"{mod_name}.{name}", doc.split("\n\n")[0].replace("\n", " ")[:300], obj
 
 
-def doc_prompts(n: int, rng: np.random.Generator) -> list[str]:
+def doc_prompts(n: int, rng: np.random.Generator, templates: int = len(DOC_TEMPLATES)) -> list[str]:
     bench = bench_texts()
     items = [it for it in _doc_items() if it[0] not in bench and it[0].rpartition(".")[2] not in bench]
     pick = rng.permutation(len(items))[:n]
-    return [DOC_TEMPLATES[i % len(DOC_TEMPLATES)].format(name=items[j][0], doc=items[j][1]) for i, j in enumerate(pick)]
+    return [DOC_TEMPLATES[i % templates].format(name=items[j][0], doc=items[j][1]) for i, j in enumerate(pick)]
 
 
 def code_texts(n: int, rng: np.random.Generator) -> list[str]:
@@ -151,8 +165,8 @@ def build_dataset(src, cache: Path, cfg: DataConfig = DataConfig(), log=print) -
     # training: both turns of a question (each as a standalone prompt); held out: first turns only
     chats = [(t, qid in held_ids) for qid, t in mtbench_questions(1) if qid in held_ids]
     chats += [(t, False) for qid, t in mtbench_questions() if qid not in held_ids]
-    chats = chats[: cfg.mtbench_limit or None]
-    chats += [(t, i % 10 == 0) for i, t in enumerate(doc_prompts(cfg.doc_prompts, rng))]
+    chats = chats[: cfg.mtbench_limit or None] if cfg.mtbench else []
+    chats += [(t, i % 10 == 0) for i, t in enumerate(doc_prompts(cfg.doc_prompts, rng, cfg.templates))]
     chats.sort(key=lambda c: len(c[0]))  # batches of similar length waste little on padding
     hidden, labels, held = [], [], []
     t0, done = time.time(), 0
@@ -162,7 +176,10 @@ def build_dataset(src, cache: Path, cfg: DataConfig = DataConfig(), log=print) -
                  for t, _ in part]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            seqs = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False,
+            torch.manual_seed(cfg.seed + b)
+            sample = {"do_sample": True, "temperature": cfg.temperature, "top_k": 0} if cfg.temperature > 0 else \
+                {"do_sample": False}
+            seqs = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, **sample,
                                   pad_token_id=tok.pad_token_id)
         P = enc["input_ids"].shape[1]
         for row, text, (_, is_held) in zip(seqs.tolist(), texts, part):

@@ -170,15 +170,15 @@ def train_medusa(
         import torch
 
         from .export.medusa import TrainConfig, train_heads
-        from .export.medusa_data import DataConfig, build_dataset
+        from .export.medusa_data import build_dataset, default_parts
         from .export.sources import load, resolve
 
         torch.set_num_threads(threads)
         src = resolve(source)
         say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731
-        data = build_dataset(src, work, DataConfig(heads=heads, max_new_tokens=max_new_tokens), log=say)
+        data = [build_dataset(src, work, part, log=say) for part in default_parts(heads, max_new_tokens)]
         lm_head = load(src)[0].lm_head.weight.detach().numpy()
-        run_dir = work / f"run-{data.stem}-h{heads}-v{vocab}"
+        run_dir = work / f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}"
         train_heads(data, lm_head, run_dir, TrainConfig(vocab=vocab, max_epochs=epochs, budget_s=budget_minutes * 60,
                                                         threads=threads), log=say)
         dest = out or Path("heads") / f"{Path(source).stem if '/' in source else source}.npz"

@@ -60,10 +60,12 @@ def test_heads_engine_matches_numpy(tiny_heads, tmp_path):
     lm = np.random.default_rng(0).standard_normal((384, H)).astype(np.float32)
     export_heads_onnx(heads, lm, tmp_path / "m.onnx", topk=3)
     h = np.random.default_rng(1).standard_normal((1, H)).astype(np.float32)
-    cand = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["candidates"], {"hidden": h})[0][0]
-    f = {k: heads[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2")}
-    a = h @ f["w1"] + f["b1"][:, None]
-    y = h + (a / (1 + np.exp(-a))) @ f["w2"] + f["b2"][:, None]            # [K, 1, H]
+    tok = np.array([7])
+    cand = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["candidates"], {"hidden": h, "token": tok})[0][0]
+    f = {k: heads[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2", "a")}
+    x = h + (lm[tok] @ f["a"]).astype(np.float16).astype(np.float32)      # the table is stored in float16
+    a = x @ f["w1"] + f["b1"][:, None]
+    y = x + (a / (1 + np.exp(-a))) @ f["w2"] + f["b2"][:, None]            # [K, 1, H]
     ref = heads["vocab"][np.argsort(-(y[:, 0] @ lm[heads["vocab"]].T), axis=1)[:, :3]]
     assert (cand == ref).all()
 

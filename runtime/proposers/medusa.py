@@ -3,7 +3,8 @@
 The heads ride on the verification pass: that pass already computes the final-norm hidden state of
 every token it feeds, so after verification the hidden state h of the last accepted position
 (the one whose logits chose the next token) is free. Head k on h guesses the token k places past
-that next token; the tree (data: a list of paths, runtime/tree.py) combines each head's top
+that next token (token-input heads also read that next token itself, which the target has already
+chosen: it is the last context token); the tree (data: a list of paths, runtime/tree.py) combines each head's top
 candidates into n nodes, verified in one target pass of n + 1 tokens.
 
   round r:   pass [pending, nodes...] -> verify -> accept path -> h = hidden[last accepted]
@@ -28,7 +29,7 @@ from .base import EMPTY, Context
 
 
 class MedusaHeads:
-    """The heads engine: hidden [H] -> candidates [K, topk] token ids, best first."""
+    """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first."""
 
     def __init__(self, onnx_path: Path, threads: int = 1):
         so = ort.SessionOptions()
@@ -38,10 +39,14 @@ class MedusaHeads:
         shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
         self.heads, self.topk = int(shape[1]), int(shape[2])
         self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)
+        self._t = np.zeros(1, np.int64)
+        self._feed = {"hidden": self._h}
+        if any(i.name == "token" for i in self.session.get_inputs()):
+            self._feed["token"] = self._t
 
-    def __call__(self, hidden: np.ndarray) -> np.ndarray:
-        self._h[0] = hidden
-        return self.session.run(["candidates"], {"hidden": self._h})[0][0]
+    def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
+        self._h[0], self._t[0] = hidden, token
+        return self.session.run(["candidates"], self._feed)[0][0]
 
 
 class Medusa:
@@ -71,7 +76,7 @@ class Medusa:
         if k <= 0 or self._h is None:
             return EMPTY
         tree = self.trees[min(k, self.max_tokens)]
-        return Draft(tree.tokens(self.heads(self._h)), tree.parents)
+        return Draft(tree.tokens(self.heads(self._h, int(ctx.ids[-1]))), tree.parents)
 
     def observe(self, result: VerifyResult) -> None:
         # pass index of the last accepted position: the last pending token, or node path[-1]
