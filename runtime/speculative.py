@@ -139,7 +139,7 @@ class AdaptiveK:
     the prior alpha before it is judged again (stale costs and acceptance must be re-measured).
     """
 
-    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE, EXPLORE = 0.5, 0.3, 0.95, 1.03, 16, 256, 32, 3
+    ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE, EXPLORE = 0.5, 0.3, 0.95, 1.1, 16, 256, 32, 3
     COST_RATE = 0.1                              # pass times are noisy (shared CPUs): average over ~10
 
     def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64):

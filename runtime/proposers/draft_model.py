@@ -35,6 +35,8 @@ class DraftModel:
         self._q: np.ndarray | None = None     # [max_tokens, V], allocated on the first sampled request
         self._sample = False
         self._base = 0                        # context length when the last draft was proposed
+        engine.forward(np.zeros(1, np.int64))  # ORT initialises lazily: pay it here, not in the first TTFT
+        engine.rewind(0)
 
     def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
         self.engine.rewind(0)
