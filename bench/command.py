@@ -21,7 +21,7 @@ def bench(
                                              help="Comma-separated subset of chat,code,summarize,qa,math,translation."),
     reps: int = typer.Option(3, "--reps", help="Repetitions per prompt and mode (tok/s is their median)."),
     threads: int = typer.Option(0, "--threads", help="CPU threads for every contender (0 = all cores)."),
-    quick: bool = typer.Option(False, "--quick", help="1 prompt per category, at most 32 new tokens (~2 minutes)."),
+    quick: bool = typer.Option(False, "--quick", help="1 prompt per category, at most 32 new tokens, core modes unless --modes (a few minutes)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="Use the first N prompts per category."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap every prompt's max_new_tokens."),
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",

@@ -32,8 +32,14 @@ def our_modes(manifest: Manifest) -> dict[str, tuple[str, str]]:
     return {f"{s}-{p}": (s, p) for s in ("plain",) + spec_modes() for p in precs}
 
 
-def default_modes(manifest: Manifest) -> list[str]:
-    """Plain at every precision, each proposer the set supports at fp32, auto at fp32 and int4, all peers."""
+QUICK = ("plain-fp32", "plain-int4", "auto-fp32", "genai-fp32", "genai-int4", "llamacpp", "hf")
+
+
+def default_modes(manifest: Manifest, quick: bool = False) -> list[str]:
+    """Plain at every precision, each proposer the set supports at fp32, auto at fp32 and int4, all peers.
+    quick: the core comparison only (QUICK, where the set has it), so --quick stays near two minutes."""
+    if quick:
+        return [m for m in QUICK if m in PEERS or m in our_modes(manifest)]
     precs = [e.precision for e in manifest.engines.values() if e.role == "target"]
     roles = {e.role for e in manifest.engines.values()}
     needs = {"draft": "draft", "medusa": "medusa"}
@@ -43,10 +49,10 @@ def default_modes(manifest: Manifest) -> list[str]:
     return out + list(PEERS)
 
 
-def parse_modes(text: str | None, manifest: Manifest) -> list[str]:
+def parse_modes(text: str | None, manifest: Manifest, quick: bool = False) -> list[str]:
     """'a,b,c' (or None for the default list) -> names, reference first; unknown names are an error."""
     known = list(our_modes(manifest)) + list(PEERS)
-    names = default_modes(manifest) if not text else [m.strip() for m in text.split(",") if m.strip()]
+    names = default_modes(manifest, quick) if not text else [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise SpecrtError("--modes is empty; pass e.g. plain-fp32,plain-int4,genai-fp32")
     for m in names:

@@ -43,7 +43,7 @@ class BenchConfig:
     categories: tuple[str, ...] | None = None
     reps: int = 3
     threads: int = 0  # 0 = all cores, resolved to a number every contender gets
-    quick: bool = False  # 1 prompt per category, max_new_tokens capped at 32
+    quick: bool = False  # 1 prompt per category, max_new_tokens capped at 32, core modes (contenders.QUICK)
     per_category: int | None = None
     max_new_tokens: int | None = None  # cap every prompt's budget
     hf_assistant: Path | None = None
@@ -69,7 +69,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         raise SpecrtError(f"--reps must be >= 1, got {cfg.reps}")
     manifest = load_manifest(Path(cfg.engines))
     cases = _cases(cfg)
-    names = contenders.parse_modes(cfg.modes, manifest)
+    names = contenders.parse_modes(cfg.modes, manifest, cfg.quick)
     threads = cfg.threads or os.cpu_count() or 1
     # OpenMP runtimes (llama.cpp, torch) spin-wait between parallel regions by default; on a shared
     # machine that spinning starves everyone (llama.cpp measured 10x slower on a loaded 2-core box).
