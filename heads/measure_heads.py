@@ -46,8 +46,11 @@ def main() -> None:
     H, nodes = e.hidden_size, len(e.raw["medusa"]["tree"])
     h1 = np.random.default_rng(0).standard_normal((1, H)).astype(np.float32)
     hs = np.random.default_rng(0).standard_normal((nodes + 1, H)).astype(np.float32)
-    print(f"heads engine, batch 1:            {best(lambda: sess.run(['candidates'], {'hidden': h1})):.2f} ms")
-    print(f"heads engine, batch {nodes + 1} (in-graph): {best(lambda: sess.run(['candidates'], {'hidden': hs})):.2f} ms")
+    tok = any(i.name == "token" for i in sess.get_inputs())
+    feed1 = {"hidden": h1, **({"token": np.ones(1, np.int64)} if tok else {})}
+    feeds = {"hidden": hs, **({"token": np.ones(nodes + 1, np.int64)} if tok else {})}
+    print(f"heads engine, batch 1:            {best(lambda: sess.run(['candidates'], feed1)):.2f} ms")
+    print(f"heads engine, batch {nodes + 1} (in-graph): {best(lambda: sess.run(['candidates'], feeds)):.2f} ms")
     import onnx
     from onnx import numpy_helper
 
@@ -55,9 +58,11 @@ def main() -> None:
     w1, b1, w2, b2, et = w["w1"], w["b1"], w["w2"], w["b2"], w["e_sub_t"]
     k = e.raw["medusa"]["topk"]
 
+    xin = h1 + (w["token_table"][1].astype(np.float32) if "token_table" in w else 0)
+
     def numpy_heads():
-        x = h1 @ w1 + b1
-        y = h1 + (x / (1 + np.exp(-x))) @ w2 + b2           # [K, 1, H]
+        x = xin @ w1 + b1
+        y = xin + (x / (1 + np.exp(-x))) @ w2 + b2          # [K, 1, H]
         z = y[:, 0] @ et
         return np.argpartition(-z, k, axis=1)[:, :k]
 

@@ -56,6 +56,8 @@ def engines(
     medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads",
                                                help="Medusa heads file (specrt train-medusa). Default: the committed "
                                                     "heads/<source>.npz when there is one; 'none' = no heads."),
+    medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes",
+                                          help="Medusa tree size (0 = chosen from head accuracies and measured pass costs)."),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
 
@@ -79,7 +81,8 @@ def engines(
 
         heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
                  else default_heads(src))
-        path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads))
+        path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
+                                                medusa_tree_nodes))
         typer.echo(str(path))
 
     _guard(run)
@@ -159,7 +162,12 @@ def train_medusa(
     vocab: int = typer.Option(4096, "--vocab", help="Reduced vocabulary the heads score (0 = full)."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Target continuation length per prompt."),
     budget_minutes: float = typer.Option(25.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
-    epochs: int = typer.Option(4, "--epochs", help="Stop earlier after this many epochs."),
+    epochs: int = typer.Option(3, "--epochs", help="Stop earlier after this many epochs."),
+    lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (cosine decay)."),
+    parts: int = typer.Option(1, "--parts", help="Data parts: 1 = greedy continuations (the shipped heads), "
+                                                 "2 = + sampled ones (more data, ~25 more minutes; not yet measured)."),
+    plain_medusa: bool = typer.Option(False, "--plain-medusa",
+                                      help="Medusa-1 heads on the hidden state only (no pending-token input)."),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
 ):
     """Train Medusa heads on the target's own continuations (target frozen; resumable; held-out report)."""
@@ -176,11 +184,12 @@ def train_medusa(
         torch.set_num_threads(threads)
         src = resolve(source)
         say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731
-        data = [build_dataset(src, work, part, log=say) for part in default_parts(heads, max_new_tokens)]
+        data = [build_dataset(src, work, part, log=say) for part in default_parts(heads, max_new_tokens)[:parts]]
         lm_head = load(src)[0].lm_head.weight.detach().numpy()
-        run_dir = work / f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}"
-        train_heads(data, lm_head, run_dir, TrainConfig(vocab=vocab, max_epochs=epochs, budget_s=budget_minutes * 60,
-                                                        threads=threads), log=say)
+        cfg = TrainConfig(vocab=vocab, max_epochs=epochs, lr=lr, budget_s=budget_minutes * 60, threads=threads,
+                          token_input=not plain_medusa)
+        run_dir = work / f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}-lr{lr}-t{int(cfg.token_input)}"
+        train_heads(data, lm_head, run_dir, cfg, log=say)
         dest = out or Path("heads") / f"{Path(source).stem if '/' in source else source}.npz"
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(run_dir / "heads.npz", dest)

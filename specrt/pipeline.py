@@ -36,6 +36,7 @@ class EngineSetRequest:
     draft_source: str | None = None  # a smaller model with the same tokenizer: entries draft-<prec>
     draft_precisions: tuple[str, ...] = ("fp32",)
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
+    medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
 
 
 def _say(msg: str) -> None:
@@ -65,7 +66,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     if req.medusa_heads is not None:
         if not Path(req.medusa_heads).is_file():
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
-        key += [file_sha256(Path(req.medusa_heads))]
+        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     old = final / "manifest.json"
     if old.is_file():
@@ -91,7 +92,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
             for p in precs:
                 engines[f"{role}-{p}"] = _build_engine(role, p, rcache, rfacts, tmp, log)
         if req.medusa_heads is not None:
-            engines["medusa-fp32"] = _build_medusa(Path(req.medusa_heads), cache, facts, tmp, log)
+            engines["medusa-fp32"] = _build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
+                                                   req.medusa_tree_nodes)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = {
@@ -144,7 +146,7 @@ def default_heads(source: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log) -> dict:
+def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int = 0) -> dict:
     """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa")."""
     import onnx
     from onnx import numpy_helper
@@ -168,14 +170,18 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log) ->
         order = tree_from_accuracies(np.array(report["rank_acc"]), 48)
         values = [float(np.prod([report["rank_acc"][d][r] for d, r in enumerate(p)])) for p in order]
     tree, choice = choose_tree(order, values, lambda w: float(np.interp(w, *zip(*cost))))
-    log(f"Medusa tree: {choice['nodes']} nodes, expected {choice['expected_tokens']} tokens per round "
-        f"at measured pass costs")
+    if nodes > 0:  # a fixed size asked for (the measured choice stays in the manifest for comparison)
+        tree, choice["nodes_asked"] = tuple(tuple(p) for p in order[:nodes]), nodes
+        choice["expected_tokens"] = round(1.0 + float(np.sum(values[:nodes])), 3)
+    log(f"Medusa tree: {len(tree)} nodes (measured best: {choice['nodes']}), expected "
+        f"{choice['expected_tokens']} tokens per round")
     info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compile_tree(tree).max_rank)
     s = facts["spec"]
     return {"role": "medusa", "file": "medusa-fp32.onnx", "backend": "onnxruntime", "precision": "fp32",
             "num_layers": 0, "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "hidden_size": s["hidden_size"],
             "vocab_size": s["vocab_size"], "max_context": facts["max_context"],
-            "inputs": {"hidden": ["batch", s["hidden_size"], "float32"]},
+            "inputs": {"hidden": ["batch", s["hidden_size"], "float32"],
+                       **({"token": ["batch", "int64"]} if info["token_input"] else {})},
             "outputs": {"candidates": ["batch", info["heads"], info["topk"], "int64"],
                         "scores": ["batch", info["heads"], info["topk"], "float32"]},
             "medusa": {**info, "tree": [list(p) for p in tree], "tree_choice": choice,
