@@ -58,11 +58,37 @@ def markdown(res: dict, command: str) -> str:
         out.append(f"| {r['mode']} | {r['category']} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | "
                    f"{_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
                    f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
+    out += _per_prompt(res)
     if res["notes"]:
         out += ["", "## Skipped", ""] + [f"- {n}" for n in res["notes"]]
     out += ["", "Plots: `speedup.png` (speedup per category and mode), `acceptance.png` (acceptance rate per "
             "draft position).", ""]
     return "\n".join(out)
+
+
+def _per_prompt(res: dict) -> list[str]:
+    """Median tok/s per prompt and mode, and issue 2's goal: ours >= genai at the same precision, every prompt."""
+    import statistics
+
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in res["runs"]:
+        by.setdefault((r["mode"], r["case"]), []).append(r["tok_s"])
+    med = {k: statistics.median(v) for k, v in by.items()}
+    cases = [c["id"] for c in res["cases"]]
+    out = ["", "## tok/s per prompt (median of reps)", "", "| prompt | " + " | ".join(res["modes"]) + " |",
+           "|---|" + "---:|" * len(res["modes"])]
+    for c in cases:
+        out.append(f"| {c} | " + " | ".join(_f(med.get((m, c))) for m in res["modes"]) + " |")
+    goals = [(f"plain-{p}", f"genai-{p}") for p in ("fp32", "int4")]
+    lines = []
+    for ours, peer in goals:
+        if ours in res["modes"] and peer in res["modes"]:
+            wins = [c for c in cases if med[(ours, c)] >= med[(peer, c)]]
+            lost = [c for c in cases if c not in wins]
+            lines.append(f"- {ours} >= {peer} on {len(wins)}/{len(cases)} prompts"
+                         + (f" (behind on: {', '.join(lost)})" if lost else ""))
+    return out + (["", "Goal (issue 2): ours >= onnxruntime-genai at the same precision on every prompt:", ""] + lines
+                  if lines else [])
 
 
 def plots(res: dict, out: Path) -> list[str]:
