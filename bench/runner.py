@@ -109,13 +109,23 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         log(f"loaded {name} in {time.perf_counter() - t0:.1f}s")
 
     # 3. interleaved repetitions
-    runs = []
+    runs, failed = [], set()
     t_start = time.perf_counter()
     for rep in range(cfg.reps):
         for ci, case in enumerate(cases):
             k = (rep * len(cases) + ci) % len(live)
             for c in live[k:] + live[:k]:
-                tr = c.run(prompt_ids[case.id], case.messages, case.max_new_tokens)
+                if c.name in failed:
+                    continue
+                try:
+                    tr = c.run(prompt_ids[case.id], case.messages, case.max_new_tokens)
+                except Exception as e:  # a peer breaking mid-run costs its column, not the whole run
+                    if c.name not in contenders.PEERS:
+                        raise
+                    failed.add(c.name)
+                    notes.append(f"{c.name}: dropped, failed on {case.id} ({type(e).__name__}: {str(e)[:160]})")
+                    log(notes[-1])
+                    continue
                 runs.append({"mode": c.name, "case": case.id, "category": case.category, "rep": rep,
                              "prompt_tokens": len(prompt_ids[case.id]), "new_tokens": len(tr.token_ids),
                              "total_s": tr.total_s, "tok_s": len(tr.token_ids) / tr.total_s if tr.total_s else 0.0,
@@ -124,6 +134,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                              "acceptance": list(tr.acceptance), "token_ids": tr.token_ids})
         log(f"rep {rep + 1}/{cfg.reps} done ({time.perf_counter() - t_start:.0f}s)")
 
+    live = [c for c in live if c.name not in failed]
+    runs = [r for r in runs if r["mode"] not in failed]
     # agreement against the reference's greedy output (first repetition)
     ref = {r["case"]: r["token_ids"] for r in runs if r["mode"] == contenders.REFERENCE and r["rep"] == 0}
     for r in runs:

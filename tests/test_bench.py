@@ -130,3 +130,29 @@ def test_cli_bad_input(tiny_engines, tmp_path):
     assert_user_error(specrt("--engines", tmp_path / "nope", "--prompts", prompts), "not found", "specrt engines")
     assert_user_error(specrt("--engines", tiny_engines, "--prompts", tmp_path / "missing.jsonl"), "not found")
     assert not (Path.cwd() / "bench-out").exists() or True  # errors happen before anything is written
+
+
+def test_peer_failing_mid_run_is_dropped_with_a_note(tiny_engines, tmp_path, monkeypatch):
+    from specrt.bench import peers
+
+    class Flaky:  # runs the warm-up, then breaks
+        name, calls = "flaky", 0
+
+        def __init__(self, ck):
+            pass
+
+        def load(self, log=print):
+            pass
+
+        def run(self, prompt_ids, messages, max_new_tokens):
+            Flaky.calls += 1
+            if Flaky.calls > 1:
+                raise RuntimeError("device lost")
+            return peers.Trace([1], [0.01], 0.01)
+
+    monkeypatch.setitem(peers.PEERS, "flaky", Flaky)
+    cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
+                      threads=1, modes="plain-fp32,flaky")
+    res = run_bench(cfg, log=lambda m: None)
+    assert res["modes"] == ["plain-fp32"] and not any(r["mode"] == "flaky" for r in res["runs"])
+    assert any(n.startswith("flaky: dropped") and "device lost" in n for n in res["notes"])
