@@ -57,6 +57,10 @@ def test_first_divergence():
 def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     """Ours (plain, prompt lookup) and a transformers peer run; a missing peer is a note, not a crash."""
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as if not installed
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the bench sets it; restored after the test
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the HF peer must not shrink other tests' pool
     prompts = write_prompts(tmp_path / "p.jsonl")
     cfg = BenchConfig(engines=tiny_engines, prompts=prompts, quick=True, reps=2, threads=1,
                       modes="plain-fp32,plain-int4,prompt-lookup-fp32,auto-fp32,genai-fp32,llamacpp,hf,hf-pld")
