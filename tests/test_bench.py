@@ -155,6 +155,7 @@ def test_peer_failing_mid_run_is_dropped_with_a_note(tiny_engines, tmp_path, mon
             return peers.Trace([1], [0.01], 0.01)
 
     monkeypatch.setitem(peers.PEERS, "flaky", Flaky)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
                       threads=1, modes="plain-fp32,flaky")
     res = run_bench(cfg, log=lambda m: None)
