@@ -285,6 +285,8 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
         roles = {e.role for e in manifest.engines.values()}
         mode = "medusa" if "medusa" in roles else "draft" if "draft" in roles else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
+    if k is None and not getattr(proposer, "adaptive", True):  # it sized its drafts at build time (Medusa tree)
+        k = proposer.max_tokens
     control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, target.width_exact)
 
     def decode(engine, prompt, sampling, rng, stats):
