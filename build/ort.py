@@ -101,11 +101,16 @@ def quantize(model: onnx.ModelProto, prec: OrtPrecision) -> onnx.ModelProto:
 
 def build_ort_engine(src_onnx: Path, dst_onnx: Path, prec: OrtPrecision) -> dict:
     """Write an optimized ORT engine at dst_onnx (+ .data beside it). Returns facts for the manifest."""
-    model = onnx.load(str(src_onnx))
-    model = quantize(fuse_attention(model), prec)
-    tmp = dst_onnx.with_suffix(".raw.onnx")
-    onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=tmp.name + ".data", size_threshold=1024)
+    quantized = prec.bits is not None
+    # fp32 rewrites only the graph: the weights stay where export wrote them (no 2x copy in memory).
+    model = quantize(fuse_attention(onnx.load(str(src_onnx), load_external_data=quantized)), prec)
+    if quantized:
+        tmp = dst_onnx.with_suffix(".raw.onnx")
+        onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=tmp.name + ".data", size_threshold=1024)
+    else:  # beside the source, so its external-data references resolve
+        tmp = src_onnx.parent / f".raw-{os.getpid()}-{dst_onnx.name}"
+        onnx.save_model(model, str(tmp))
     del model
     import onnxruntime as ort
 
@@ -114,9 +119,12 @@ def build_ort_engine(src_onnx: Path, dst_onnx: Path, prec: OrtPrecision) -> dict
     so.optimized_model_filepath = str(dst_onnx)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst_onnx.name + ".data")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
-    os.remove(tmp)
-    os.remove(str(tmp) + ".data")
+    try:
+        ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
+    finally:
+        os.remove(tmp)
+        if quantized:
+            os.remove(str(tmp) + ".data")
     ops: dict[str, int] = {}
     for node in onnx.load(str(dst_onnx), load_external_data=False).graph.node:
         ops[node.op_type] = ops.get(node.op_type, 0) + 1

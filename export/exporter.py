@@ -41,10 +41,9 @@ def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -
 
     log("writing ONNX")
     weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    proto = build_decoder(spec, weights, max_context)
+    proto = build_decoder(spec, weights, max_context, data_path=out_dir / "model.onnx.data")
     del weights, model
-    onnx.save_model(proto, str(out_dir / "model.onnx"), save_as_external_data=True,
-                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    onnx.save_model(proto, str(out_dir / "model.onnx"))
     del proto
     tokenizer.save_pretrained(str(out_dir))
 

@@ -26,6 +26,8 @@ is what makes attention cost follow the real context length instead of max_conte
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -43,12 +45,25 @@ ATTENTION_INPUTS = ("packed_qkv", "past_key", "past_value", "seqlens_k", "total_
 
 
 class _Graph:
-    """Tiny node/initializer accumulator so the decoder below reads like the model."""
+    """Tiny node/initializer accumulator so the decoder below reads like the model.
 
-    def __init__(self) -> None:
+    With `data_path`, weights go straight to that external-data file as they are made, so export
+    memory stays at the checkpoint plus one tensor (a 1.5B model in fp32 would otherwise hold the
+    torch weights, the fused copies and the protobuf copy at once: > 22 GB).
+    """
+
+    MIN_EXTERNAL = 1024  # bytes; smaller tensors stay inline
+
+    def __init__(self, data_path: Path | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._n = 0
+        self._data = open(data_path, "wb") if data_path is not None else None
+        self._data_name = data_path.name if data_path is not None else ""
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", name: str = "", **attrs):
         self._n += 1
@@ -59,7 +74,19 @@ class _Graph:
 
     def const(self, name: str, array: np.ndarray) -> str:
         array = array if array.flags.c_contiguous else array.copy()  # ascontiguousarray would turn 0-d into 1-d
-        self.inits.append(numpy_helper.from_array(array, name))
+        if self._data is None or array.nbytes < self.MIN_EXTERNAL:
+            self.inits.append(numpy_helper.from_array(array, name))
+            return name
+        offset = self._data.seek(0, 2)
+        pad = -offset % 64  # aligned, like onnx's own external-data writer
+        self._data.write(b"\0" * pad)
+        self._data.write(array.tobytes())
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self._data_name), ("offset", str(offset + pad)), ("length", str(array.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        self.inits.append(t)
         return name
 
 
@@ -133,9 +160,12 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
     )
 
 
-def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context: int) -> onnx.ModelProto:
-    """weights: the Hugging Face state dict as float32 numpy arrays (names as in transformers)."""
-    g = _Graph()
+def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context: int,
+                  data_path: Path | None = None) -> onnx.ModelProto:
+    """weights: the Hugging Face state dict as float32 numpy arrays (names as in transformers).
+    data_path: stream weights to this external-data file (save the model beside it, without
+    save_as_external_data); None keeps them inline (tiny models, tests)."""
+    g = _Graph(data_path)
     n, kv, d, h = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
     w = lambda name: weights[name]
     i64 = lambda name, v: g.const(name, np.array(v, np.int64))
@@ -211,6 +241,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, cache))
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, cache))
+    g.close()
     graph = helper.make_graph(g.nodes, "specrt_decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(
         graph, functions=[_attention_function(spec)], producer_name="specrt",
