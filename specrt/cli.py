@@ -198,6 +198,10 @@ def train_medusa(
     _guard(run)
 
 
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 @app.command()
 def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder.")):
     """Show an engine set's manifest: engines, precisions, parity figures."""
@@ -216,8 +220,8 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         for e in m.engines.values():
             p = e.raw.get("parity", {})
             t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
-                      f"{p.get('max_abs_logit_diff_vs_torch', float('nan')):.2g}",
-                      f"{p.get('greedy_agreement_vs_torch', float('nan')):.0%}", str(e.width_exact))
+                      _fmt(p.get("max_abs_logit_diff_vs_torch"), ".2g"),
+                      _fmt(p.get("greedy_agreement_vs_torch"), ".0%"), str(e.width_exact) if p else "-")
         console = Console(width=None if sys.stdout.isatty() else 160)  # pipes get the full table
         console.print(t)
         src = m.raw.get("source", {})
