@@ -29,7 +29,6 @@ class OrtPrecision:
     name: str
     bits: int | None  # weight bits; None = fp32
     accuracy_level: int  # MatMulNBits compute type: 0 = fp32 (width-exact), 4 = int8 activations
-    width_exact_expected: bool  # K-token pass equals K one-token passes to ~1e-4
 
 
 # Weight-only blocks (32, asymmetric) through MatMulNBits, the lm_head included (it is a fifth of
@@ -38,10 +37,10 @@ class OrtPrecision:
 # a 5-token pass then costs ~1.1x a step), which is not width-exact; int4-fp32 keeps fp32 compute,
 # slower but width-exact, so speculative output equals that engine's own plain output.
 ORT_PRECISIONS = {
-    "fp32": OrtPrecision("fp32", None, 0, True),
-    "int8": OrtPrecision("int8", 8, 4, False),
-    "int4": OrtPrecision("int4", 4, 4, False),
-    "int4-fp32": OrtPrecision("int4-fp32", 4, 0, True),
+    "fp32": OrtPrecision("fp32", None, 0),
+    "int8": OrtPrecision("int8", 8, 4),
+    "int4": OrtPrecision("int4", 4, 4),
+    "int4-fp32": OrtPrecision("int4-fp32", 4, 0),
 }
 
 
