@@ -28,6 +28,7 @@ from .generate import Stats, plain_decode
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.medusa import Medusa, MedusaHeads
 from .sampling import SamplingParams, probs_from_logits
+from .tree import ancestry
 from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
@@ -87,14 +88,9 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
 
 @lru_cache(maxsize=64)
 def _tree_layout(parents: bytes, P: int) -> tuple[np.ndarray, np.ndarray]:
-    par = np.frombuffer(parents, np.int64)
-    n = par.size
-    depth = np.zeros(n, np.int64)
-    anc = np.eye(n, dtype=bool)                 # anc[i, j]: node j is i or an ancestor of i
-    for i, p in enumerate(par.tolist()):
-        if p >= 0:
-            depth[i], anc[i] = depth[p] + 1, anc[i] | anc[p]
-    offsets = np.concatenate([np.arange(P), P + depth])           # a root child sits right after the pending
+    depth, anc = ancestry(np.frombuffer(parents, np.int64))      # depth 1 = a root child
+    n = depth.size
+    offsets = np.concatenate([np.arange(P), P - 1 + depth])       # a root child sits right after the pending
     mask = np.zeros((P + n, P + n), np.float32)                   # pending tokens: causal (the graph adds it)
     mask[P:, P:] = np.where(anc, 0.0, -np.inf)                    # nodes see the pending tokens and ancestors
     return offsets, mask

@@ -64,6 +64,19 @@ class CompiledTree:
         return candidates[self.depth - 1, self.rank]
 
 
+def ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """parents [n] (parents before children, -1 = root) -> depth [n] (1 for a root child) and
+    anc [n, n] bool, anc[i, j] = node j is node i or one of its ancestors. Shared by the tree
+    compiler and the speculative loop, which lays out any Draft tree the same way."""
+    n = len(parents)
+    depth = np.ones(n, np.int64)
+    anc = np.eye(n, dtype=bool)
+    for i, p in enumerate(np.asarray(parents).tolist()):
+        if p >= 0:
+            depth[i], anc[i] = depth[p] + 1, anc[i] | anc[p]
+    return depth, anc
+
+
 def compile_tree(paths) -> CompiledTree:
     """paths: iterable of non-empty tuples of ranks >= 0 -> CompiledTree (nodes sorted by depth, then path)."""
     ps = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
@@ -77,14 +90,12 @@ def compile_tree(paths) -> CompiledTree:
             raise ValueError(f"tree path {p} has no parent {p[:-1]} in the tree; add every prefix of a path")
     n = len(ps)
     parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ps], np.int64)
-    depth = np.array([len(p) for p in ps], np.int64)
+    depth, anc = ancestry(parents)
     rank = np.array([p[-1] for p in ps], np.int64)
-    # ancestor-or-self matrix over pass indices: row i + 1 inherits its parent's row, plus itself
+    # over pass indices: the root (index 0) is visible to every row, node i is pass index i + 1
     see = np.zeros((n + 1, n + 1), bool)
     see[:, 0] = True
-    for i in range(n):
-        see[i + 1] = see[parents[i] + 1]
-        see[i + 1, i + 1] = True
+    see[1:, 1:] = anc
     mask = np.where(see, 0.0, -np.inf).astype(np.float32)
     positions = np.concatenate([[0], depth]).astype(np.int64)
     is_parent = np.zeros(n, bool)
