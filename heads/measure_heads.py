@@ -72,8 +72,7 @@ def main() -> None:
     y = np.random.default_rng(0).standard_normal((K, H)).astype(np.float32)
     print(f"full-vocab lm_head for {K} heads:   {best(lambda: y @ full, 5):.2f} ms")
     t = m.engine("target", "fp32")
-    eng = OrtEngine(m.root / t.file, num_layers=t.num_layers, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-                    vocab_size=t.vocab_size, max_context=t.max_context, threads=a.threads)
+    eng = OrtEngine.from_entry(m.root, t, a.threads)
     eng.forward(np.ones(64, np.int64))
     eng.commit(64)
     print(f"target decode pass (1 token):     {best(lambda: eng.forward(np.ones(1, np.int64)), 10):.2f} ms")

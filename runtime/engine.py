@@ -27,11 +27,13 @@ class ContextFullError(SpecrtError):
 class OrtEngine:
     def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0,
-                 with_hidden: bool = False):
+                 with_hidden: bool = False, session_config: dict[str, str] | None = None):
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+        for key, value in (session_config or {}).items():  # what build/ chose for this engine
+            so.add_session_config_entry(key, value)
         self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, max_pass_tokens
         self.length = 0
@@ -49,6 +51,13 @@ class OrtEngine:
                 self._io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
                 self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
         self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
+
+    @classmethod
+    def from_entry(cls, root: Path, entry, threads: int = 0, **kwargs) -> "OrtEngine":
+        """The engine a manifest entry (specrt.manifest.EngineEntry) describes, under engine-set folder root."""
+        return cls(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+                   head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context,
+                   threads=threads, session_config=entry.raw.get("session_config"), **kwargs)
 
     def enable_hidden(self) -> None:
         """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""

@@ -82,9 +82,7 @@ class Generator:
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
         e = self.entry
-        self.engine = OrtEngine(manifest.root / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,
-                                head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context,
-                                threads=threads)
+        self.engine = OrtEngine.from_entry(manifest.root, e, threads)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 

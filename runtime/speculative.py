@@ -243,8 +243,7 @@ def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: Speculat
         raise SpecrtError(f"engine set '{manifest.root}' has no draft engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT` or use --speculate prompt-lookup")
     e = next((d for d in drafts if d.precision == precision), drafts[0])
-    eng = OrtEngine(manifest.root / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,
-                    head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context, threads=threads)
+    eng = OrtEngine.from_entry(manifest.root, e, threads)
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 

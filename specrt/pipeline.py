@@ -46,7 +46,7 @@ def _say(msg: str) -> None:
 
 
 def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
-    from .build.ort import precision
+    from .build.ort import build_key, precision
     from .export.sources import fingerprint, resolve
 
     for p in req.precisions + (req.draft_precisions if req.draft_source else ()):
@@ -58,7 +58,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     final = req.out_root / req.name
     log(f"fingerprinting {src.path.name}")
     fp = fingerprint(src)
-    key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, SCHEMA_VERSION]
+
+    recipes = sorted(build_key(precision(p)) for p in req.precisions + req.draft_precisions)  # a changed recipe rebuilds
+    key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, recipes, SCHEMA_VERSION]
     if dsrc is not None:
         log(f"fingerprinting {dsrc.path.name}")
         dfp = fingerprint(dsrc)
@@ -134,7 +136,7 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
         _link(f, tmp / f.name)
     info = json.loads((bdir / f"{role}-{p}.json").read_text())
     log(f"checking {role}-{p} against PyTorch")
-    parity = check_engine(tmp / built.name, facts, cache / "golden.npz")
+    parity = check_engine(tmp / built.name, facts, cache / "golden.npz", info.get("session_config"))
     entry = _entry(facts, p, built.name, info, parity)
     entry["role"], entry["tokenizer_sha256"] = role, file_sha256(cache / "tokenizer.json")
     return entry
@@ -153,6 +155,7 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     from onnx.external_data_helper import load_external_data_for_tensor
 
     from .export.medusa import export_heads_onnx, load_heads
+    from .build.ort import precision
     from .runtime.tree import choose_tree, compile_tree, tree_from_accuracies
 
     log(f"building Medusa heads engine from {heads_path}")
@@ -163,7 +166,8 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     lm_head = numpy_helper.to_array(t).T                       # [V, H]
     report = heads["report"]
     targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
-    cost = _pass_costs(tmp / ("target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]), facts)
+    target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
+    cost = _pass_costs(tmp / target, facts, precision(target[len("target-"):-len(".onnx")]).session_config)
     if "tree_order" in report:
         order, values = report["tree_order"], report["tree_values"]
     else:  # heads trained without the joint measurement: assume independent heads
@@ -191,14 +195,19 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
                        "rank_acc": report.get("rank_acc")}}
 
 
-def _pass_costs(path: Path, facts: dict, widths=(1, 2, 4, 8, 12, 16, 24, 32, 48)) -> list[tuple[int, float]]:
-    """Seconds of a w-token decode pass of the target after a 64-token context: the minimum of
-    interleaved repetitions (a shared machine's noise only adds time), made non-decreasing in w."""
+def _engine(path: Path, facts: dict, session_config=None):
     from .runtime.engine import OrtEngine
 
     s = facts["spec"]
-    eng = OrtEngine(path, num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],
-                    vocab_size=s["vocab_size"], max_context=facts["max_context"])
+    return OrtEngine(path, num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],
+                     vocab_size=s["vocab_size"], max_context=facts["max_context"], session_config=dict(session_config or {}))
+
+
+def _pass_costs(path: Path, facts: dict, session_config=(),
+                widths=(1, 2, 4, 8, 12, 16, 24, 32, 48)) -> list[tuple[int, float]]:
+    """Seconds of a w-token decode pass of the target after a 64-token context: the minimum of
+    interleaved repetitions (a shared machine's noise only adds time), made non-decreasing in w."""
+    eng = _engine(path, facts, session_config)
     widths = [w for w in widths if 64 + w <= facts["max_context"]]
     eng.forward(np.ones(64, np.int64))
     eng.commit(64)
@@ -241,15 +250,13 @@ def _cached_export(src, cache: Path, max_context: int, log) -> dict:
     return facts
 
 
-def check_engine(path: Path, facts: dict, golden_path: Path) -> dict:
+def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None) -> dict:
     """Engine vs PyTorch golden tensors: max |Δlogit|, greedy agreement, and width-exactness
     (one K-token pass against K one-token passes; int8-activation kernels fail this)."""
     from .export.exporter import first_divergence
-    from .runtime.engine import OrtEngine
 
-    spec, g = facts["spec"], np.load(golden_path)
-    eng = OrtEngine(path, num_layers=spec["num_layers"], num_kv_heads=spec["num_kv_heads"],
-                    head_dim=spec["head_dim"], vocab_size=spec["vocab_size"], max_context=facts["max_context"])
+    g = np.load(golden_path)
+    eng = _engine(path, facts, session_config)
     ids, ref = g["input_ids"], g["logits"]
     logits = eng.forward(ids, num_logits=len(ids)).copy()
     eng.commit(len(ids))
@@ -287,6 +294,7 @@ def _entry(facts: dict, prec: str, file: str, info: dict, parity: dict) -> dict:
                     "hidden_states": ["batch", "seq", s["hidden_size"], "float32"],
                     "present.{i}.key|value": "shares the past buffer"},
         "source_sha256": facts["source"]["sha256"], "parity": parity, "build": info,
+        "session_config": info.get("session_config", {}),  # ORT session entries the runtime applies
     }
 
 

@@ -16,7 +16,12 @@ def _engine_for(tmp_path, arch, seed):
 
     ckpt = make_checkpoint(tmp_path / arch, arch, seed=seed)
     facts = export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", 128, log=lambda m: None)
-    build_ort_engine(tmp_path / "exp" / "model.onnx", tmp_path / "fp32.onnx", precision("fp32"))
+    built = build_ort_engine(tmp_path / "exp" / "model.onnx", tmp_path / "fp32.onnx", precision("fp32"))
+    # every residual Add went into a SkipSimplifiedLayerNormalization (2 per layer); only the first norm stays
+    ops = built["op_counts"]
+    assert ops["SkipSimplifiedLayerNormalization"] == 2 * facts["spec"]["num_layers"], ops
+    assert ops.get("SimplifiedLayerNormalization") == 1, ops
+    assert ops.get("Add", 0) == (facts["spec"]["num_layers"] if facts["spec"]["qkv_bias"] else 0), ops  # Qwen2's qkv bias
     s = facts["spec"]
     eng = OrtEngine(tmp_path / "fp32.onnx", num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"],
                     head_dim=s["head_dim"], vocab_size=s["vocab_size"], max_context=128)
