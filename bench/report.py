@@ -25,7 +25,8 @@ def markdown(res: dict, command: str) -> str:
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
         + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",
         f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "
-        f"speedup = geometric mean over prompts against `{meta['reference']}` of this run; "
+        f"speedup = geometric mean over prompts against `{meta['reference']}` of this run; decode speedup = the "
+        "same with prefill left out ((new tokens - 1) / time after the first token); "
         "agreement = prompts whose greedy tokens equal the reference's, and the earliest divergence index",
         "",
         "## tok/s (speedup) per category",
@@ -40,23 +41,24 @@ def markdown(res: dict, command: str) -> str:
             cells.append("–" if r is None else f"{r['tok_s']:.1f} ({_f(r['speedup'], '{:.2f}')}x)")
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     out += ["", "## All prompts", "",
-            "| mode | tok/s | speedup | tau | TTFT ms | gap p50 ms | gap p99 ms | identical | first divergence | "
-            "acceptance by position |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| mode | tok/s | speedup | decode speedup | tau | TTFT ms | gap p50 ms | gap p99 ms | identical | "
+            "first divergence | acceptance by position |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for m in res["modes"]:
         r = cell[(m, "all")]
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"][:8]) or "–"
-        out.append(f"| {m} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | "
-                   f"{_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'], '{:.1f}')} | {_f(r['gap_p99_ms'], '{:.1f}')} | "
+        out.append(f"| {m} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | "
+                   f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'], '{:.1f}')} | {_f(r['gap_p99_ms'], '{:.1f}')} | "
                    f"{r['identical']} | {_f(r['first_divergence'], '{}')} | {acc} |")
     out += ["", "## Per (mode, category)", "",
-            "| mode | category | tok/s | speedup | tau | TTFT ms | gap p50/p99 ms | identical | first divergence |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| mode | category | tok/s | speedup | decode speedup | tau | TTFT ms | gap p50/p99 ms | identical | "
+            "first divergence |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["category"] == "all":
             continue
         out.append(f"| {r['mode']} | {r['category']} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | "
-                   f"{_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
+                   f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
                    f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
     out += _per_prompt(res)
     if res["notes"]:
@@ -137,9 +139,27 @@ def plots(res: dict, out: Path) -> list[str]:
     return []
 
 
+def rerender(results: Path) -> None:
+    """Re-derive the figures of a results.json with this version's summary and rewrite report.md beside it:
+    python -m specrt.bench.report bench-out/results.json"""
+    from .prompts import parse_case
+    from .runner import summarize
+
+    res = json.loads(results.read_text())
+    cases = [parse_case(c, f"{results}: case {i}") for i, c in enumerate(res["cases"])]
+    res["summary"] = summarize(res["runs"], res["modes"], cases)
+    write(res, results.parent, res["meta"]["command"])
+
+
 def write(res: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     res["notes"] = res["notes"] + plots(res, out)
     res["meta"]["command"] = command
     (out / "results.json").write_text(json.dumps(res, indent=1))
     (out / "report.md").write_text(markdown(res, command))
+
+
+if __name__ == "__main__":
+    import sys
+
+    rerender(Path(sys.argv[1]))

@@ -90,6 +90,20 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     assert "| plain-fp32 |" in md and "specrt bench --quick" in md and "Skipped" in md
     for png in ("speedup.png", "acceptance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert rows[("plain-fp32", "all")]["decode_speedup"] == 1.0
+    # the report can be re-derived from results.json alone
+    (out / "report.md").unlink()
+    subprocess.run([sys.executable, "-m", "specrt.bench.report", str(out / "results.json")], check=True)
+    assert "| plain-fp32 |" in (out / "report.md").read_text()
+
+
+def test_decode_speed_leaves_out_the_first_round():
+    from specrt.bench.runner import decode_tok_s
+
+    # 5 tokens: the first round emits 3 at TTFT = 1 s, then one token every 0.5 s; total 2 s
+    run = {"new_tokens": 5, "ttft_s": 1.0, "total_s": 2.0, "gaps_s": [0.0, 0.0, 0.5, 0.5]}
+    assert decode_tok_s(run) == pytest.approx(2 / 1.0)
+    assert decode_tok_s({**run, "new_tokens": 1, "gaps_s": []}) is None   # nothing after the first round
 
 
 def test_cli_quick_writes_report(tiny_engines, tmp_path):
