@@ -26,7 +26,7 @@ def markdown(res: dict, command: str) -> str:
         + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",
         f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "
         f"speedup = geometric mean over prompts against `{meta['reference']}` of this run; decode speedup = the "
-        "same with prefill left out ((new tokens - 1) / time after the first token); "
+        "same with prefill left out (tokens after the first round / time after it); "
         "agreement = prompts whose greedy tokens equal the reference's, and the earliest divergence index",
         "",
         "## tok/s (speedup) per category",

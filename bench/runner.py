@@ -8,8 +8,8 @@
 
 Figures: tok/s = new tokens / wall time of the call, prefill included; per case the median over
 reps, per category the mean of case medians; speedup = geometric mean over cases of
-median(mode) / median(plain-fp32); decode speedup: the same over (new tokens - 1) / (time after
-the first token), i.e. with prefill left out; TTFT median; gaps between streamed tokens (a speculative round
+median(mode) / median(plain-fp32); decode speedup: the same over (tokens after the first round) /
+(time after it), i.e. with prefill left out; TTFT median; gaps between streamed tokens (a speculative round
 delivers several tokens at once, so gaps within it are 0) as p50/p99 of all gaps pooled; tau and
 acceptance per draft position where the contender reports them; agreement = the index of the
 first token that differs from plain-fp32's greedy output (None = identical).
