@@ -282,7 +282,7 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
         # (1.10x vs 1.38x over all categories); `--speculate medusa` still runs them.
         mode = "draft" if "draft" in roles else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
-    if k is None and not getattr(proposer, "adaptive", True):  # it sized its drafts at build time (Medusa tree)
+    if k is None and not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time)
         k = proposer.max_tokens
     control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, target.width_exact)
 

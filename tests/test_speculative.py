@@ -24,7 +24,7 @@ class Oracle:
     """Drafts from a known greedy continuation `ref`: a tree whose first branches are wrong, so the
     accepted path is never the first nodes and commit(path) has to move K/V entries."""
 
-    name, max_tokens = "oracle", 8
+    name, max_tokens, adaptive = "oracle", 8, True
 
     def __init__(self, ref: list[int], vocab: int, tree: bool):
         self.ref, self.vocab, self.tree = ref, vocab, tree

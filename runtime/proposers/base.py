@@ -44,6 +44,9 @@ class Context:
 class Proposer(Protocol):
     name: str        # what --speculate calls it; reported as Stats.proposer
     max_tokens: int  # the most tokens one draft may hold (the adaptive controller's ceiling)
+    # True: the draft length follows the adaptive controller (AdaptiveK, a chain model); False: the
+    # proposer sized its drafts itself (Medusa's tree, chosen at build time) and always gets max_tokens
+    adaptive: bool
 
     def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
         """A new request: forget the previous one (cache, index)."""

@@ -22,6 +22,7 @@ from .base import EMPTY, Context
 
 class PromptLookup:
     name = "prompt-lookup"
+    adaptive = True
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (4, 3, 2), max_tokens: int = 16):
         sizes = tuple(sorted(set(int(n) for n in ngram_sizes), reverse=True))
