@@ -76,16 +76,29 @@ def _raise(message: str):
 
 
 class Detokenizer:
-    """Incremental text deltas: holds back an incomplete UTF-8 character (decoded as U+FFFD)."""
+    """Incremental text deltas in O(1) per token: each push decodes a short window of recent ids, not
+    the whole output (the scheme of vLLM's incremental detokenizer). An incomplete UTF-8 character
+    (decoded as U+FFFD) is held back until the token that completes it arrives.
+
+    prefix..read: ids whose text was already emitted and that stay as context for the next decode
+    (so a tokenizer's leading-space rules see the same neighbours); read..: ids not emitted yet.
+    """
+
+    CONTEXT = 5  # ids kept as left context
 
     def __init__(self, codec: TextCodec):
         self.codec, self.ids, self.emitted = codec, [], ""
+        self._prefix = self._read = 0
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):
+        decode = self.codec.decode
+        before = decode(self.ids[self._prefix:self._read])
+        text = decode(self.ids[self._prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(before):
             return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
+        delta = text[len(before):]
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - self.CONTEXT)
+        self.emitted += delta
         return delta
