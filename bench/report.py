@@ -70,12 +70,10 @@ def markdown(res: dict, command: str) -> str:
 
 def _per_prompt(res: dict) -> list[str]:
     """Median tok/s per prompt and mode, and issue 2's goal: ours >= genai at the same precision, every prompt."""
-    import statistics
+    from .runner import median_by_case
 
-    by: dict[tuple[str, str], list[float]] = {}
-    for r in res["runs"]:
-        by.setdefault((r["mode"], r["case"]), []).append(r["tok_s"])
-    med = {k: statistics.median(v) for k, v in by.items()}
+    med = {(m, case): v for m in res["modes"]
+           for case, v in median_by_case([r for r in res["runs"] if r["mode"] == m], "tok_s").items()}
     cases = [c["id"] for c in res["cases"]]
     out = ["", "## tok/s per prompt (median of reps)", "", "| prompt | " + " | ".join(res["modes"]) + " |",
            "|---|" + "---:|" * len(res["modes"])]

@@ -151,7 +151,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             "runs": runs}
 
 
-def _median_by_case(runs: list[dict], key: str) -> dict[str, float]:
+def median_by_case(runs: list[dict], key: str) -> dict[str, float]:
     by: dict[str, list[float]] = {}
     for r in runs:
         by.setdefault(r["case"], []).append(r[key])
@@ -167,16 +167,20 @@ def decode_tok_s(run: dict) -> float | None:
     return n_after / (run["total_s"] - ttft) if ttft is not None and n_after > 0 and run["total_s"] > ttft else None
 
 
+def _decode_by_case(runs: list[dict]) -> dict[str, float]:
+    with_dec = [{**r, "dec": d} for r in runs if (d := decode_tok_s(r)) is not None]
+    return median_by_case(with_dec, "dec")
+
+
 def _geomean_ratio(mine: dict[str, float], ref: dict[str, float]) -> float | None:
     speed = [mine[c] / ref[c] for c in mine if ref.get(c)]
     return round(float(np.exp(np.mean(np.log(speed)))), 3) if speed else None
 
 
 def _figures(runs: list[dict], ref_runs: list[dict]) -> dict:
-    tok = _median_by_case(runs, "tok_s")
-    ref = _median_by_case(ref_runs, "tok_s")
-    dec = _median_by_case([{**r, "dec": decode_tok_s(r)} for r in runs if decode_tok_s(r)], "dec")
-    ref_dec = _median_by_case([{**r, "dec": decode_tok_s(r)} for r in ref_runs if decode_tok_s(r)], "dec")
+    tok = median_by_case(runs, "tok_s")
+    ref = median_by_case(ref_runs, "tok_s")
+    dec, ref_dec = _decode_by_case(runs), _decode_by_case(ref_runs)
     gaps = [g for r in runs for g in r["gaps_s"]]
     ttft = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
     taus = [r["tau"] for r in runs if r["tau"] is not None]

@@ -81,8 +81,7 @@ class Generator:
     def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0):
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        e = self.entry
-        self.engine = OrtEngine.from_entry(manifest.root, e, threads)
+        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 

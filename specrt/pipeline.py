@@ -49,7 +49,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     from .build.ort import build_key, precision
     from .export.sources import fingerprint, resolve
 
-    for p in req.precisions + (req.draft_precisions if req.draft_source else ()):
+    built = req.precisions + (req.draft_precisions if req.draft_source else ())
+    for p in built:
         precision(p)  # validates before any work
     if req.max_context < 16:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least 16 (default 4096)")
@@ -59,7 +60,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     log(f"fingerprinting {src.path.name}")
     fp = fingerprint(src)
 
-    recipes = sorted(build_key(precision(p)) for p in req.precisions + req.draft_precisions)  # a changed recipe rebuilds
+    recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe rebuilds
     key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, recipes, SCHEMA_VERSION]
     if dsrc is not None:
         log(f"fingerprinting {dsrc.path.name}")
