@@ -52,7 +52,8 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
         while True:
             # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
             t0 = time.perf_counter()
-            k = min(control.k(), engine.max_context - ctx.length)
+            bucket = proposer.bucket(ctx)
+            k = min(control.k(bucket), engine.max_context - ctx.length)
             draft = proposer.propose(ctx, k)
             # 2. verify: one target pass over the pending token(s) + the n draft nodes gives p [n + 1, V]
             t1 = time.perf_counter()
@@ -70,7 +71,8 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             engine.commit(P + result.num_accepted, path)
             # 4. observe: the proposer syncs its state, the controller learns acceptance and costs
             proposer.observe(result)
-            control.observe(asked=k, width=P + n, result=result, draft_s=t1 - t0, verify_s=t2 - t1, first=P > 1)
+            control.observe(asked=k, width=P + n, result=result, draft_s=t1 - t0, verify_s=t2 - t1, first=P > 1,
+                            bucket=bucket)
             d = result.acceptance.size
             drafted[:d] += 1
             accepted[:d] += result.acceptance
@@ -111,7 +113,7 @@ class FixedK:
     def start(self) -> None:
         pass
 
-    def k(self) -> int:
+    def k(self, bucket: int = 0) -> int:
         return self.fixed
 
     def observe(self, **_) -> None:
@@ -123,36 +125,52 @@ class AdaptiveK:
 
         k* = argmax_k E(k) / T(k),   E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i,   T(k) = t(w_k) + d k
 
-    alpha_i = P(draft position i accepted | position i - 1 accepted), an EMA over this request's
-    rounds. t(w) is the target's measured cost of a w-token pass: an EMA per width where seen, else
-    a least-squares line a + b (w - 1) over recent passes (prior b/a until several widths were seen:
-    ~0.1 on width-exact fp32 kernels, ~0.22 on int8-activation ones). w_k: the pass width a k-draft
-    gives (1 + k for chains, more for trees), d: draft seconds per token. Everything is conditional
-    on a draft existing: an empty draft (no prompt-lookup match) is a plain round and costs nothing.
-    k = 0 is plain decoding (E = 1, T = t(1)); a plain round is forced early and then every PROBE
-    rounds so t(1) is measured, not extrapolated. When no k > 0 beats plain, speculation is off for
-    `backoff` rounds (doubling to 256 while it keeps losing), then retried for EXPLORE rounds from
-    the prior alpha before it is judged again (stale costs and acceptance must be re-measured).
+    alpha_i = P(draft position i accepted | position i - 1 accepted), from decayed counts of this
+    bucket's recent rounds (hits + PRIOR_N alpha_{i-1}) / (tries + PRIOR_N): a position with little
+    data leans on the one before it, then on ALPHA0. Kept per bucket (the proposer's kind of draft, e.g. prompt lookup's match length; one
+    bucket for most proposers). t(w) is the target's measured cost of a w-token pass: an EMA per
+    width where seen, else a least-squares line a + b (w - 1) over recent passes (prior b/a until
+    several widths were seen: ~0.1 on width-exact fp32 kernels, ~0.22 on int8-activation ones).
+    w_k: the pass width a k-draft gives (1 + k for chains, more for trees), d: draft seconds per
+    token. Everything is conditional on a draft existing: an empty draft (no prompt-lookup match) is
+    a plain round and costs nothing. k = 0 is plain decoding (E = 1, T = t(1)); a plain round is
+    forced early and then every PROBE rounds so t(1) is measured, not extrapolated. When no k > 0
+    beats plain for a bucket, that bucket is off for `backoff` rounds (doubling to 256 while it keeps
+    losing), then retried for EXPLORE of its rounds from the prior alpha before it is judged again
+    (stale costs and acceptance must be re-measured).
     """
 
     ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE, EXPLORE = 0.5, 0.3, 0.95, 1.1, 16, 256, 32, 3
-    COST_RATE = 0.1                              # pass times are noisy (shared CPUs): average over ~10
+    KEEP, PRIOR_N = 0.85, 1.0                   # acceptance counts: a window of ~7 rounds per bucket
+    COST_RATE, TRUST = 0.1, 10                   # pass times are noisy (shared CPUs): average over ~10,
+    # and trust a width's own average over the fitted line only after TRUST passes of that width
 
-    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64):
-        self.k_max = k_max
+    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64, buckets: int = 1):
+        self.k_max, self.buckets = k_max, buckets
         self.beta = 0.1 if width_exact else 0.22
         self.sums = np.zeros(5)                  # decayed [n, sum x, sum x^2, sum t, sum x t], x = width - 1
         self.t = np.zeros(max_width + 1)         # EMA pass seconds per width ...
         self.seen = np.zeros(max_width + 1)      # ... and how many passes back it
         self.width = 1.0 + np.arange(k_max + 1)  # w_k, k = 0..k_max
         self.d = 0.0                             # draft seconds per drafted token (EMA)
-        self.start()
+        self.reset()
 
     def start(self) -> None:
-        self.alpha = np.full(self.k_max, self.ALPHA0)
-        self.off, self.backoff, self.on_rounds, self.since_plain = 0, self.BACKOFF0, 0, 0
-        self.explore = self.EXPLORE              # speculate this many rounds before judging
-        self._k = max(self._best(), 1)
+        """A new request. Acceptance per bucket carries over from earlier requests when there are
+        several buckets (a match length's hit rate is a property of the model more than of the
+        text: the mix of match lengths is what differs between texts); one pooled profile is reset."""
+        self.since_plain = 0
+        if self.buckets == 1:
+            self.reset()
+
+    def reset(self) -> None:
+        B = self.buckets
+        self.hits, self.tries = np.zeros((B, self.k_max)), np.zeros((B, self.k_max))
+        self.off, self.on_rounds = np.zeros(B, np.int64), np.zeros(B, np.int64)
+        self.backoff = np.full(B, self.BACKOFF0)
+        self.explore = np.full(B, self.EXPLORE)  # speculate this many rounds of a bucket before judging it
+        self.since_plain = 0
+        self._k = np.maximum(self._best(), 1)
 
     def pass_cost(self, w: np.ndarray) -> np.ndarray:
         """Seconds of passes of widths w (relative units before any pass was measured)."""
@@ -169,22 +187,22 @@ class AdaptiveK:
             a = max(st / n - b * mx, 1e-6)
         line = a + b * (w - 1)
         wi = np.clip(np.rint(w).astype(int), 1, self.t.size - 1)
-        return np.where(self.seen[wi] >= 3, self.t[wi], line)
+        return np.where(self.seen[wi] >= self.TRUST, self.t[wi], line)
 
-    def k(self) -> int:
-        if self.off > 0 or self.since_plain >= self.PROBE or (self.seen[1] < 2 and self.since_plain >= 2):
+    def k(self, bucket: int = 0) -> int:
+        if self.off[bucket] > 0 or self.since_plain >= self.PROBE or (self.seen[1] < 2 and self.since_plain >= 2):
             return 0
-        return self._k
+        return int(self._k[bucket])
 
-    def observe(self, *, asked: int, width: int, result, draft_s: float, verify_s: float, first: bool) -> None:
+    def observe(self, *, asked: int, width: int, result, draft_s: float, verify_s: float, first: bool,
+                bucket: int = 0) -> None:
         acc = result.acceptance
         if acc.size:
-            reached = np.concatenate([[True], acc[:-1]])
-            idx = np.flatnonzero(reached)
-            self.alpha[idx] += self.RATE * (acc[idx] - self.alpha[idx])
-            # positions past this draft drift toward the deepest one measured, so k can grow (or
-            # shrink) beyond what was tried instead of trusting a stale estimate forever
-            self.alpha[acc.size:] += 0.1 * (self.alpha[acc.size - 1] - self.alpha[acc.size:])
+            reached = np.flatnonzero(np.concatenate([[True], acc[:-1]]))
+            self.hits[bucket] *= self.KEEP
+            self.tries[bucket] *= self.KEEP
+            self.tries[bucket, reached] += 1.0
+            self.hits[bucket, reached] += acc[reached]
         if first:                                # the prefill round's costs say nothing about a decode pass
             return
         x = width - 1
@@ -196,38 +214,49 @@ class AdaptiveK:
         if asked > 0 and acc.size:
             self.d += self.RATE * (draft_s / asked - self.d)
             self.width[asked] += self.RATE * (width - self.width[asked])
-        if self.off > 0:
-            self.off -= 1
-            if self.off == 0:                    # retry: forget the acceptance that made us stop and
-                self.alpha[:] = self.ALPHA0      # measure again: costs and the text may have changed
-                self.explore, self._k = self.EXPLORE, max(self._best(), 1)
-            return
-        if self.explore > 0:
-            self.explore -= 1
-            self._k = max(self._best(), 1)
-            return
-        self._k = self._best()
-        if self._k == 0:
-            self.off, self.backoff, self.on_rounds = self.backoff, min(2 * self.backoff, self.BACKOFF_MAX), 0
-        elif (on := self.on_rounds + 1) >= 32:
-            self.on_rounds, self.backoff = 0, self.BACKOFF0
-        else:
-            self.on_rounds = on
+            if self.explore[bucket] > 0:
+                self.explore[bucket] -= 1
+        was_off = self.off > 0
+        self.off[was_off] -= 1
+        back = was_off & (self.off == 0)         # retry: forget the acceptance that made us stop and
+        self.hits[back] = self.tries[back] = 0.0  # measure again: costs and the text may have changed
+        self.explore[back] = self.EXPLORE
+        best = self._best()
+        exploring = self.explore > 0
+        self._k = np.where(exploring, np.maximum(best, 1), best)
+        judged = ~was_off & ~exploring           # buckets that were on and have been measured
+        lost = judged & (best == 0)
+        self.off[lost] = self.backoff[lost]
+        self.backoff[lost] = np.minimum(2 * self.backoff[lost], self.BACKOFF_MAX)
+        self.on_rounds[lost] = 0
+        if asked > 0 and acc.size and judged[bucket] and not lost[bucket]:
+            self.on_rounds[bucket] += 1
+            if self.on_rounds[bucket] >= 32:     # a long winning streak forgives earlier losses
+                self.on_rounds[bucket], self.backoff[bucket] = 0, self.BACKOFF0
 
-    def _best(self) -> int:
+    @property
+    def alpha(self) -> np.ndarray:
+        """[buckets, k_max] estimated acceptance per draft position."""
+        a, prior = np.empty_like(self.hits), np.full(self.buckets, self.ALPHA0)
+        for i in range(self.k_max):  # positions past the deepest measured one follow it, not ALPHA0
+            prior = a[:, i] = (self.hits[:, i] + self.PRIOR_N * prior) / (self.tries[:, i] + self.PRIOR_N)
+        return a
+
+    def _best(self) -> np.ndarray:
+        """The best k per bucket (0 = plain decoding beats every draft length)."""
         cost = self.pass_cost(self.width)                              # [k_max + 1], k = 0..k_max
         ks = np.arange(1, self.k_max + 1)
-        gain = 1.0 + np.cumsum(np.cumprod(self.alpha))                 # E(k), k = 1..k_max
+        gain = 1.0 + np.cumsum(np.cumprod(self.alpha, axis=1), axis=1)  # E(k) [B, k_max], k = 1..k_max
         rate = gain / (cost[1:] + self.d * ks)
-        best = int(rate.argmax())
-        return int(ks[best]) if rate[best] > self.MARGIN / cost[0] else 0
+        best = rate.argmax(axis=1)
+        return np.where(rate[np.arange(self.buckets), best] > self.MARGIN / cost[0], ks[best], 0)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     draft_tokens: int | None = None         # fixed k; None = adaptive
     lossy_typical: bool = False             # Medusa's typical acceptance when sampling: NOT lossless
-    ngram_sizes: tuple[int, ...] = (4, 3, 2)
+    ngram_sizes: tuple[int, ...] = (6, 4, 3, 2, 1)
     lookup_max_tokens: int = 16
     draft_max_tokens: int = 8
     draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
@@ -284,7 +313,8 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
     if k is None and not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time)
         k = proposer.max_tokens
-    control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, target.width_exact)
+    control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, target.width_exact,
+                                                                          buckets=proposer.buckets)
 
     def decode(engine, prompt, sampling, rng, stats):
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,

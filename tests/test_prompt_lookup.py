@@ -11,17 +11,18 @@ from specrt.errors import SpecrtError
 from specrt.runtime.proposers import Context, PromptLookup
 
 
-def naive(ids: list[int], sizes: tuple[int, ...], k: int) -> list[int]:
-    """The most recent earlier occurrence of the longest suffix n-gram; what followed it."""
+def naive(ids: list[int], sizes: tuple[int, ...], k: int) -> tuple[int, list[int]]:
+    """The most recent earlier occurrence of the longest suffix n-gram: (bucket = index of its
+    size in descending order, what followed it); (len(sizes), []) without a match."""
     L = len(ids)
-    for n in sorted(sizes, reverse=True):
+    for b, n in enumerate(sorted(sizes, reverse=True)):
         if L < n:
             continue
         suffix = ids[L - n:]
         for end in range(L - 1, n - 1, -1):       # end < L: a continuation exists
             if ids[end - n:end] == suffix:
-                return ids[end:min(end + k, L)]
-    return []
+                return b, ids[end:min(end + k, L)]
+    return len(sizes), []
 
 
 def test_copies_what_followed_the_suffix():
@@ -37,6 +38,7 @@ def test_longer_ngram_wins_and_most_recent_occurrence():
     pl = PromptLookup(ngram_sizes=(3, 2), max_tokens=4)
     pl.start(ctx)
     assert pl.propose(ctx, 1).tokens.tolist() == [40]        # 3-gram (1, 2, 3) beats 2-gram (2, 3) -> 50
+    assert pl.bucket(ctx) == 0 and pl.buckets == 3           # buckets: sizes 3, 2, and "no match"
     pl2 = PromptLookup(ngram_sizes=(2,), max_tokens=4)
     pl2.start(ctx)
     assert pl2.propose(ctx, 1).tokens.tolist() == [50]       # most recent (2, 3)
@@ -47,6 +49,7 @@ def test_no_match_is_an_empty_draft_and_bad_config_is_an_error():
     pl = PromptLookup()
     pl.start(ctx)
     assert pl.propose(ctx, 5).tokens.size == 0
+    assert pl.bucket(ctx) == len(pl.ngram_sizes)
     with pytest.raises(SpecrtError):
         PromptLookup(ngram_sizes=(0,))
     with pytest.raises(SpecrtError):
@@ -66,7 +69,9 @@ def test_incremental_index_equals_naive_scan(prompt, chunks, k):
     for chunk in [[]] + chunks:
         ctx.extend(np.array(chunk, np.int64))
         ids += chunk
-        assert pl.propose(ctx, k).tokens.tolist() == naive(ids, sizes, k)
+        bucket, expect = naive(ids, sizes, k)
+        assert pl.bucket(ctx) == bucket
+        assert pl.propose(ctx, k).tokens.tolist() == expect
 
 
 def test_greedy_prompt_lookup_equals_plain_on_tiny_engine(tiny_engines):

@@ -11,7 +11,7 @@ from scipy import stats as sps
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator, Stats, plain_decode
-from specrt.runtime.proposers import Context
+from specrt.runtime.proposers import Context, OneBucket
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.speculative import AdaptiveK, FixedK, make_decoder, speculative_decode, tree_inputs
 from specrt.runtime.tree import compile_tree
@@ -20,7 +20,7 @@ from specrt.runtime.verify import Draft
 ALPHA = 1e-6   # per goodness-of-fit assertion; seeds are fixed, so CI is deterministic
 
 
-class Oracle:
+class Oracle(OneBucket):
     """Drafts from a known greedy continuation `ref`: a tree whose first branches are wrong, so the
     accepted path is never the first nodes and commit(path) has to move K/V entries."""
 
@@ -183,6 +183,23 @@ def test_adaptive_k_prefers_short_drafts_when_wide_passes_are_expensive():
     k_cheap = _feed(cheap, 0.7, lambda w: 0.01 * (1 + 0.02 * (w - 1)), 120)[-40:]
     k_dear = _feed(dear, 0.7, lambda w: 0.01 * (1 + 0.3 * (w - 1)), 120)[-40:]
     assert np.mean(k_dear) < 4 < np.mean(k_cheap)            # optimum at alpha = 0.7: k = 2 vs k = 8
+
+
+def test_adaptive_k_sizes_each_bucket_for_its_own_acceptance_and_keeps_it_across_requests():
+    ctl = AdaptiveK(k_max=8, buckets=2)                     # e.g. long and short prompt-lookup matches
+    rng = np.random.default_rng(0)
+    for _ in range(3):                                      # three requests
+        ctl.start()
+        for r in range(80):
+            b = r % 2
+            k = ctl.k(b)
+            acc = np.ones(k, bool) if b == 0 else np.zeros(min(k, 1), bool)  # bucket 1: always wrong
+            ctl.observe(asked=k, width=1 + k, result=SimpleNamespace(acceptance=acc), draft_s=1e-5 * k,
+                        verify_s=0.01 * (1 + 0.05 * k) * (1 + 0.01 * rng.random()), first=False, bucket=b)
+        assert ctl.k(0) == 8 or ctl.since_plain >= AdaptiveK.PROBE   # the sure bucket drafts long ...
+        assert ctl.off[1] > 0 and ctl.off[0] == 0                      # ... the wrong one is off alone
+    ctl.start()                                             # a new request starts from what was learned
+    assert ctl._k[0] == 8 and ctl.off[1] > 0
 
 
 def test_make_decoder_maps_names_once(tiny_engines):

@@ -47,6 +47,12 @@ class Proposer(Protocol):
     # True: the draft length follows the adaptive controller (AdaptiveK, a chain model); False: the
     # proposer sized its drafts itself (Medusa's tree, chosen at build time) and always gets max_tokens
     adaptive: bool
+    # Drafts of different kinds are right at different rates (a 6-token prompt-lookup match is a
+    # surer guess than a 1-token one): the controller keeps acceptance per bucket, 0..buckets - 1
+    buckets: int
+
+    def bucket(self, ctx: Context) -> int:
+        """The bucket of the draft the next propose(ctx, k) would make; called just before it."""
 
     def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
         """A new request: forget the previous one (cache, index)."""
@@ -56,6 +62,15 @@ class Proposer(Protocol):
 
     def observe(self, result: VerifyResult) -> None:
         """What the target kept of the last draft (called once per propose, before ctx grows)."""
+
+
+class OneBucket:
+    """For proposers whose drafts are all of one kind: the controller keeps one acceptance profile."""
+
+    buckets = 1
+
+    def bucket(self, ctx: Context) -> int:
+        return 0
 
 
 EMPTY = Draft(np.zeros(0, np.int64))

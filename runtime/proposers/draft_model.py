@@ -20,10 +20,10 @@ from ...errors import SpecrtError
 from ..engine import OrtEngine
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
+from .base import EMPTY, Context, OneBucket
 
 
-class DraftModel:
+class DraftModel(OneBucket):
     name = "draft"
     adaptive = True
 

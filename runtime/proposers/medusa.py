@@ -25,7 +25,7 @@ import onnxruntime as ort
 from ...errors import SpecrtError
 from ..tree import compile_tree
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
+from .base import EMPTY, Context, OneBucket
 
 
 class MedusaHeads:
@@ -49,7 +49,7 @@ class MedusaHeads:
         return self.session.run(["candidates"], self._feed)[0][0]
 
 
-class Medusa:
+class Medusa(OneBucket):
     name = "medusa"
     # the tree was sized at build time from measured head accuracies and pass costs; AdaptiveK's
     # chain model (per-position acceptance, width = k + 1) misjudges a tree and was measured

@@ -8,6 +8,11 @@ Index: for each n-gram size, a dict from the n-gram (tuple of ids) to the end of
 occurrence, maintained incrementally: each round adds only the n-grams ending in the new tokens
 (O(new tokens), never O(context) per round). An n-gram is indexed once a token follows it, so a
 hit always has a continuation. Larger n is tried first: a longer match is a more specific guess.
+
+Buckets: the draft's bucket is the index of the n-gram size that matched (len(sizes) = no match).
+A 6-token match is right far more often than a 1-token one, so the adaptive controller keeps
+acceptance per match size and sizes each draft for its kind: long drafts after long matches, short
+or none after short ones (one acceptance profile for all matches was measured mixing them up).
 """
 
 from __future__ import annotations
@@ -24,30 +29,45 @@ class PromptLookup:
     name = "prompt-lookup"
     adaptive = True
 
-    def __init__(self, ngram_sizes: tuple[int, ...] = (4, 3, 2), max_tokens: int = 16):
+    def __init__(self, ngram_sizes: tuple[int, ...] = (6, 4, 3, 2, 1), max_tokens: int = 16):
         sizes = tuple(sorted(set(int(n) for n in ngram_sizes), reverse=True))
         if not sizes or sizes[-1] < 1:
             raise SpecrtError(f"prompt-lookup n-gram sizes must be >= 1, got {ngram_sizes}; e.g. (4, 3, 2)")
         if max_tokens < 1:
             raise SpecrtError(f"prompt-lookup max_tokens must be >= 1, got {max_tokens}")
         self.ngram_sizes, self.max_tokens = sizes, max_tokens
+        self.buckets = len(sizes) + 1
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self._indexed = 0  # n-grams ending at e < _indexed are in the index
+        self._match = (-1, 0, None)  # (context length, bucket, end) of the last lookup
 
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
         self._index = {n: {} for n in self.ngram_sizes}
         self._indexed = 0
+        self._match = (-1, 0, None)
+
+    def bucket(self, ctx: Context) -> int:
+        return self._lookup(ctx)[0]
 
     def propose(self, ctx: Context, k: int) -> Draft:
-        self._catch_up(ctx)
-        ids, length = ctx.ids, ctx.length
-        for n in self.ngram_sizes:
-            if length < n:
-                continue
-            end = self._index[n].get(tuple(ids[length - n:].tolist()))
-            if end is not None:
-                return Draft(ids[end: min(end + k, length)])
-        return EMPTY
+        _, end = self._lookup(ctx)
+        if end is None or k < 1:
+            return EMPTY
+        return Draft(ctx.ids[end: min(end + k, ctx.length)])
+
+    def _lookup(self, ctx: Context) -> tuple[int, int | None]:
+        """(bucket, end of the most recent occurrence of the longest matching suffix), once per length."""
+        if self._match[0] != ctx.length:
+            self._catch_up(ctx)
+            ids, length = ctx.ids, ctx.length
+            found = (len(self.ngram_sizes), None)
+            for b, n in enumerate(self.ngram_sizes):
+                end = self._index[n].get(tuple(ids[length - n:].tolist())) if length >= n else None
+                if end is not None:
+                    found = (b, end)
+                    break
+            self._match = (ctx.length, *found)
+        return self._match[1:]
 
     def observe(self, result: VerifyResult) -> None:
         pass  # the index catches up with the context at the next propose
