@@ -24,6 +24,10 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="1 prompt per category, at most 32 new tokens, core modes unless --modes (a few minutes)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="Use the first N prompts per category."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap every prompt's max_new_tokens."),
+    load_order: str = typer.Option("listed", "--load-order",
+                                   help="listed (the order of --modes / the default list) or reversed. ONNX Runtime "
+                                        "sessions created later decoded up to ~10% faster here, so compare two "
+                                        "contenders in both orders (BENCHMARKS.md, 'load order')."),
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",
                                                 help="HF folder or GGUF of a smaller model with the same vocabulary, "
                                                      "for transformers' assistant_model (hf-assisted)."),
@@ -44,11 +48,13 @@ def bench(
         for name, v in (("--per-category", per_category), ("--max-new-tokens", max_new_tokens)):
             if v is not None and v < 1:
                 raise SpecrtError(f"{name} must be >= 1, got {v}")
+        if load_order not in ("listed", "reversed"):
+            raise SpecrtError(f"--load-order must be 'listed' or 'reversed', got '{load_order}'")
         if hf_assistant is not None and not hf_assistant.exists():
             raise SpecrtError(f"--hf-assistant '{hf_assistant}' not found; pass a HF folder or a .gguf file")
         cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,
                           reps=reps, threads=threads, quick=quick, per_category=per_category,
-                          max_new_tokens=max_new_tokens, hf_assistant=hf_assistant)
+                          max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order)
         res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
         command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
         write(res, out, command)

@@ -22,6 +22,7 @@ def markdown(res: dict, command: str) -> str:
         f"- command: `{command}`",
         f"- {meta['date']}; CPU: {meta['cpu']} ({meta['cores']} cores), **{meta['threads']} threads** for every "
         f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; bench time {meta['bench_s']:.0f} s",
+        f"- load order (sessions created later decoded faster here): {', '.join(res.get('load_order', res['modes']))}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
         + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",
         f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "

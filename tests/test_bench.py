@@ -65,7 +65,7 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     cfg = BenchConfig(engines=tiny_engines, prompts=prompts, quick=True, reps=2, threads=1,
                       modes="plain-fp32,plain-int4,prompt-lookup-fp32,auto-fp32,genai-fp32,llamacpp,hf,hf-pld")
     res = run_bench(cfg, log=lambda m: None)
-    assert res["modes"][0] == "plain-fp32"
+    assert res["modes"][0] == "plain-fp32" and res["load_order"] == res["modes"]
     assert {"plain-fp32", "plain-int4", "prompt-lookup-fp32", "auto-fp32", "hf", "hf-pld"} <= set(res["modes"])
     notes = " ".join(res["notes"])
     assert "genai-fp32: skipped" in notes and "onnxruntime-genai is not installed" in notes
@@ -88,6 +88,7 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     assert json.loads((out / "results.json").read_text())["meta"]["threads"] == 1
     md = (out / "report.md").read_text()
     assert "| plain-fp32 |" in md and "specrt bench --quick" in md and "Skipped" in md
+    assert "- load order (sessions created later decoded faster here): plain-fp32, plain-int4," in md
     for png in ("speedup.png", "acceptance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert rows[("plain-fp32", "all")]["decode_speedup"] == 1.0
@@ -95,6 +96,15 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     (out / "report.md").unlink()
     subprocess.run([sys.executable, "-m", "specrt.bench.report", str(out / "results.json")], check=True)
     assert "| plain-fp32 |" in (out / "report.md").read_text()
+
+
+def test_reversed_load_order_keeps_the_tables_in_listed_order(tiny_engines, tmp_path):
+    cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
+                      threads=1, modes="plain-fp32,plain-int4,prompt-lookup-fp32", load_order="reversed")
+    res = run_bench(cfg, log=lambda m: None)
+    assert res["load_order"] == ["prompt-lookup-fp32", "plain-int4", "plain-fp32"]
+    assert res["modes"] == ["plain-fp32", "plain-int4", "prompt-lookup-fp32"]
+    assert [r["mode"] for r in res["summary"] if r["category"] == "all"] == res["modes"]
 
 
 def test_decode_speed_leaves_out_the_first_round():
@@ -145,6 +155,8 @@ def test_cli_bad_input(tiny_engines, tmp_path):
                       "unknown mode 'warp-drive'", "plain-int4")
     assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--categories", "poetry"),
                       "unknown category 'poetry'")
+    assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--load-order", "sideways"),
+                      "--load-order must be 'listed' or 'reversed'")
     assert_user_error(specrt("--engines", tmp_path / "nope", "--prompts", prompts), "not found", "specrt engines")
     assert_user_error(specrt("--engines", tiny_engines, "--prompts", tmp_path / "missing.jsonl"), "not found")
     assert not (Path.cwd() / "bench-out").exists() or True  # errors happen before anything is written
