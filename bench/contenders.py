@@ -59,8 +59,8 @@ def parse_modes(text: str | None, manifest: Manifest, quick: bool = False) -> li
         if m not in known:
             raise SpecrtError(f"unknown mode {m!r}; choose from: {', '.join(known)}")
     if REFERENCE not in known:
-        raise SpecrtError(f"the engine set has no fp32 target, which the bench needs as its reference; "
-                          f"rebuild it with `specrt engines --precisions fp32,...`")
+        raise SpecrtError("the engine set has no fp32 target, which the bench needs as its reference; "
+                          "rebuild it with `specrt engines --precisions fp32,...`")
     return [REFERENCE] + [m for m in dict.fromkeys(names) if m != REFERENCE]
 
 

@@ -20,7 +20,6 @@ MAX_ABS_LOGIT_DIFF = 1e-2  # fp32 export vs PyTorch; measured ~1e-5 on SmolLM2
 
 def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -> dict:
     import onnx
-    import torch
 
     from .graph import build_decoder
     from .spec import DecoderSpec

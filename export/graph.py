@@ -217,7 +217,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         down = g.op("MatMul", [act, g.const(p + "mlp.down_proj.weight_t", w(p + "mlp.down_proj.weight").T)])
         x = g.op("Add", [x, down])
-    hidden = rmsnorm(x, "model.norm.weight")
+    rmsnorm(x, "model.norm.weight")
     g.nodes[-1].output[0] = "hidden_states"
     n_keep = g.op("Unsqueeze", [g.op("Neg", ["num_logits_to_keep"]), i64("ax0b", [0])])
     last = g.op("Slice", ["hidden_states", n_keep, i64("int_max", [INT64_MAX]), i64("ax1c", [1])])

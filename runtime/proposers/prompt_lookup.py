@@ -17,7 +17,6 @@ or none after short ones (one acceptance profile for all matches was measured mi
 
 from __future__ import annotations
 
-import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ...errors import SpecrtError
