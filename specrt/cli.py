@@ -89,6 +89,37 @@ def engines(
 
 
 @app.command()
+def cache(
+    out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets (its .cache is listed)."),
+    prune: bool = typer.Option(False, "--prune", help="Delete the export/build folders no engine set uses "
+                                                        "(old recipes and formats). Do not run it during a build."),
+):
+    """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them); --prune frees the stale ones.
+
+    A build folder is in use while an engine set hard-links its engine files; every change of build recipe
+    or format leaves the old folders behind. Bench peer models and preset downloads are not touched.
+    """
+
+    def run():
+        from .pipeline import cache_entries, prune_cache
+
+        if not (out / ".cache").is_dir():
+            raise SpecrtError(f"no build cache at {out / '.cache'}; build an engine set with `specrt engines --out {out}`")
+        entries = cache_entries(out)
+        for e in entries:
+            typer.echo(f"{e.bytes / 2**30:8.2f} GiB  {'in use' if e.in_use else 'stale ':6}  {e.path}")
+        stale = sum(e.bytes for e in entries if not e.in_use)
+        if prune:
+            freed = prune_cache(out, log=lambda m: typer.secho(m, err=True, dim=True))
+            typer.echo(f"freed {freed / 2**30:.2f} GiB")
+        else:
+            typer.echo(f"{stale / 2**30:.2f} GiB stale; `specrt cache --prune` deletes it (a later build of those "
+                       "recipes would redo the work)")
+
+    _guard(run)
+
+
+@app.command()
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="User message (formatted with the model's chat template)."),
     messages: Optional[Path] = typer.Option(None, "--messages", help='JSON file: [{"role": "user", "content": "..."}, ...].'),

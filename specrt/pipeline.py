@@ -335,3 +335,48 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    bytes: int
+    in_use: bool  # an engine set hard-links files from it (deleting it would cost a rebuild, nothing else)
+
+
+def _linked(folder: Path) -> tuple[int, bool]:
+    """(bytes of the files under folder, whether any of them is hard-linked from elsewhere)."""
+    size, linked = 0, False
+    for f in folder.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            st = f.stat()
+            size += st.st_size
+            linked |= st.st_nlink > 1
+    return size, linked
+
+
+def cache_entries(out_root: Path) -> list[CacheEntry]:
+    """The export and build folders under out_root/.cache. Engine sets hard-link their engines from a
+    build folder, so one that no set links is stale: an old build recipe or format, or a set since
+    rebuilt. An export folder is in use while any of its builds is. (Where hard links are impossible the
+    sets hold copies, nothing in the cache counts as in use, and pruning only costs rebuild time.)"""
+    entries = []
+    for exp in sorted((out_root / ".cache").glob("export-*")):
+        builds = [(b, *_linked(b)) for b in sorted(exp.glob("build-*")) if b.is_dir()]
+        files = [f.stat() for f in exp.iterdir() if f.is_file() and not f.is_symlink()]
+        own_used = any(st.st_nlink > 1 for st in files)  # sets built before build folders linked from here
+        entries.append(CacheEntry(exp, sum(st.st_size for st in files), own_used or any(u for _, _, u in builds)))
+        entries += [CacheEntry(b, size, used) for b, size, used in builds]
+    return entries
+
+
+def prune_cache(out_root: Path, log=print) -> int:
+    """Delete the stale export and build folders of cache_entries; returns the bytes freed."""
+    freed = 0
+    for e in cache_entries(out_root):
+        if not e.in_use and e.path.exists():
+            size = e.bytes if e.path.name.startswith("build-") else _linked(e.path)[0]
+            shutil.rmtree(e.path)
+            freed += size
+            log(f"removed {e.path} ({size / 2**30:.2f} GiB)")
+    return freed

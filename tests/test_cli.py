@@ -140,3 +140,29 @@ def test_generate_json_and_info(tiny_engines):
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 5
     r = specrt("info", tiny_engines)
     assert r.returncode == 0 and "target-fp32" in r.stdout
+
+
+def test_cache_lists_and_prunes_only_what_no_engine_set_uses(tiny_dir, tmp_path):
+    from specrt.pipeline import EngineSetRequest, cache_entries, make_engine_set
+    from specrt.runtime.generate import Generator
+
+    out = tmp_path / "engines"
+    path = make_engine_set(EngineSetRequest(str(tiny_dir), "t", ("fp32",), 128, out), log=lambda m: None)
+    exp = next((out / ".cache").glob("export-*"))
+    stale_build = exp / "build-oldrecipe"                      # a build no set links (an old recipe)
+    stale_build.mkdir()
+    (stale_build / "target-fp32.onnx.data").write_bytes(b"\0" * 4096)
+    old_export = out / ".cache" / "export-0123456789abcdef-ctx128-v0"  # an old export format
+    old_export.mkdir()
+    (old_export / "model.onnx.data").write_bytes(b"\0" * 8192)
+    used = {e.path.name: e.in_use for e in cache_entries(out)}
+    assert used[exp.name] and not used["build-oldrecipe"] and not used[old_export.name]
+    assert sum(used.values()) == 2                             # the export and the build the set links
+
+    r = specrt("cache", "--out", out)
+    assert r.returncode == 0 and "stale" in r.stdout and "in use" in r.stdout and stale_build.exists()
+    r = specrt("cache", "--out", out, "--prune")
+    assert r.returncode == 0 and "freed" in r.stdout
+    assert not stale_build.exists() and not old_export.exists() and exp.exists()
+    assert Generator.load(path).generate("hi", max_new_tokens=2).token_ids   # the set still works
+    assert_user_error(specrt("cache", "--out", tmp_path / "nowhere"), "no build cache", "specrt engines")
