@@ -128,7 +128,9 @@ class Generator:
         detok, out, text = Detokenizer(self.codec), [], ""
         reason = "length" if budget == max_new_tokens else "context"
         rounds = decode(self.engine, ids, sampling, sampling.generator(), stats)
+        produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
         for tokens in rounds:
+            produced += len(tokens)
             if not out:
                 stats.ttft_s = time.perf_counter() - t0
             done = False
@@ -156,6 +158,6 @@ class Generator:
         stats.new_tokens = len(out)
         stats.finish_reason = reason
         stats.tok_s = len(out) / stats.total_s if stats.total_s > 0 else 0.0  # prefill included
-        stats.tau = len(out) / stats.rounds if stats.rounds else 0.0
+        stats.tau = produced / stats.rounds if stats.rounds else 0.0  # a round that only emits EOS still counts 1
         final = detok.emitted if not stop else text
         stream.result = Result(text=final, token_ids=out, stats=stats)

@@ -228,3 +228,18 @@ def test_real_default_prompt_lookup_equals_plain_greedy(default_engines):
     spec = gen.generate(CODE_EDIT, max_new_tokens=64, decode=make_decoder("prompt-lookup", gen.manifest))
     assert spec.token_ids == plain.token_ids
     assert spec.stats.exact and spec.stats.tau > 1.5
+
+
+def test_tau_counts_every_token_the_target_emitted(tiny_engines):
+    """A round that ends in EOS counts its tokens too: 3 rounds emitting 2 + 2 + EOS -> tau 5/3."""
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    eos = gen.manifest.eos_token_ids[0]
+
+    def scripted(engine, prompt, sampling, rng, stats):
+        for tokens in ([5, 6], [7, 8], [eos]):
+            stats.rounds += 1
+            yield tokens
+
+    r = gen.generate("hi", max_new_tokens=12, decode=scripted)
+    assert r.token_ids == [5, 6, 7, 8] and r.stats.finish_reason == "eos"
+    assert r.stats.tau == pytest.approx(5 / 3)            # was 4 / 3: the EOS round counted no token
