@@ -127,11 +127,11 @@ class AdaptiveK:
 
     alpha_i = P(draft position i accepted | position i - 1 accepted), from decayed counts of this
     bucket's recent rounds (hits + PRIOR_N alpha_{i-1}) / (tries + PRIOR_N): a position with little
-    data leans on the one before it, then on ALPHA0. Kept per bucket (the proposer's kind of draft, e.g. prompt lookup's match length; one
-    bucket for most proposers). t(w) is the target's measured cost of a w-token pass: an EMA per
-    width where seen, else a least-squares line a + b (w - 1) over recent passes (prior b/a until
-    several widths were seen: ~0.1 on width-exact fp32 kernels, ~0.22 on int8-activation ones).
-    w_k: the pass width a k-draft gives (1 + k for chains, more for trees), d: draft seconds per
+    data leans on the one before it, then on ALPHA0. Kept per bucket (the proposer's kind of draft,
+    e.g. prompt lookup's match length; one bucket for most proposers). t(w) is the target's measured
+    cost of a w-token pass: an EMA per width once TRUST passes back it, else a least-squares line
+    a + b (w - 1) over recent passes (prior b/a until several widths were seen: ~0.1 on width-exact
+    fp32 kernels, ~0.22 on int8-activation ones). w_k: the pass width a k-draft gives (1 + k for chains, more for trees), d: draft seconds per
     token. Everything is conditional on a draft existing: an empty draft (no prompt-lookup match) is
     a plain round and costs nothing. k = 0 is plain decoding (E = 1, T = t(1)); a plain round is
     forced early and then every PROBE rounds so t(1) is measured, not extrapolated. When no k > 0
@@ -263,7 +263,12 @@ class SpeculativeConfig:
 
 
 def _prompt_lookup(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
-    return PromptLookup(cfg.ngram_sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
+    sizes = cfg.ngram_sizes
+    if cfg.draft_tokens is not None:
+        # a fixed K drafts K tokens after any match; after a 1-token match the first is right ~22% of the
+        # time (measured on the shipped prompts), which only pays with the short drafts AdaptiveK picks
+        sizes = tuple(n for n in sizes if n >= 2) or sizes
+    return PromptLookup(sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
 
 
 def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:

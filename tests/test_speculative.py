@@ -13,7 +13,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator, Stats, plain_decode
 from specrt.runtime.proposers import Context, OneBucket
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
-from specrt.runtime.speculative import AdaptiveK, FixedK, make_decoder, speculative_decode, tree_inputs
+from specrt.runtime.speculative import AdaptiveK, FixedK, SpeculativeConfig, make_decoder, speculative_decode, tree_inputs
 from specrt.runtime.tree import compile_tree
 from specrt.runtime.verify import Draft
 
@@ -210,6 +210,8 @@ def test_make_decoder_maps_names_once(tiny_engines):
     assert isinstance(make_decoder("prompt-lookup", gen.manifest,
                                    config=__import__("specrt.runtime.speculative", fromlist=["x"])
                                    .SpeculativeConfig(draft_tokens=3)).control, FixedK)
+    fixed = make_decoder("prompt-lookup", gen.manifest, config=SpeculativeConfig(draft_tokens=4)).proposer
+    assert fixed.ngram_sizes == (6, 4, 3, 2) and auto.proposer.ngram_sizes == (6, 4, 3, 2, 1)
     for bad in ("nope", "Prompt-Lookup"):
         with pytest.raises(SpecrtError, match="unknown --speculate"):
             make_decoder(bad, gen.manifest)
