@@ -96,8 +96,7 @@ def cache(
 ):
     """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them); --prune frees the stale ones.
 
-    A build folder is in use while an engine set hard-links its engine files; every change of build recipe
-    or format leaves the old folders behind. Bench peer models and preset downloads are not touched.
+    A build folder is in use while an engine set hard-links its engine files; every change of build recipe or format leaves the old folders behind. Bench peer models and preset downloads are not touched.
     """
 
     def run():
