@@ -48,8 +48,6 @@ def bench(
         for name, v in (("--per-category", per_category), ("--max-new-tokens", max_new_tokens)):
             if v is not None and v < 1:
                 raise SpecrtError(f"{name} must be >= 1, got {v}")
-        if load_order not in ("listed", "reversed"):
-            raise SpecrtError(f"--load-order must be 'listed' or 'reversed', got '{load_order}'")
         if hf_assistant is not None and not hf_assistant.exists():
             raise SpecrtError(f"--hf-assistant '{hf_assistant}' not found; pass a HF folder or a .gguf file")
         cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,

@@ -72,6 +72,8 @@ def _cases(cfg: BenchConfig) -> list[PromptCase]:
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     if cfg.reps < 1:
         raise SpecrtError(f"--reps must be >= 1, got {cfg.reps}")
+    if cfg.load_order not in ("listed", "reversed"):
+        raise SpecrtError(f"--load-order must be 'listed' or 'reversed', got '{cfg.load_order}'")
     manifest = load_manifest(Path(cfg.engines))
     cases = _cases(cfg)
     names = contenders.parse_modes(cfg.modes, manifest, cfg.quick)

@@ -131,9 +131,9 @@ class AdaptiveK:
     e.g. prompt lookup's match length; one bucket for most proposers). t(w) is the target's measured
     cost of a w-token pass: an EMA per width once TRUST passes back it, else a least-squares line
     a + b (w - 1) over recent passes (prior b/a until several widths were seen: ~0.1 on width-exact
-    fp32 kernels, ~0.22 on int8-activation ones). w_k: the pass width a k-draft gives (1 + k for chains, more for trees), d: draft seconds per
-    token. Everything is conditional on a draft existing: an empty draft (no prompt-lookup match) is
-    a plain round and costs nothing. k = 0 is plain decoding (E = 1, T = t(1)); a plain round is
+    fp32 kernels, ~0.22 on int8-activation ones). w_k: the pass width a k-draft gives (1 + k for
+    chains, more for trees), d: draft seconds per token. Everything is conditional on a draft
+    existing: an empty draft (no prompt-lookup match) is a plain round and costs nothing. k = 0 is plain decoding (E = 1, T = t(1)); a plain round is
     forced early and then every PROBE rounds so t(1) is measured, not extrapolated. When no k > 0
     beats plain for a bucket, that bucket is off for `backoff` rounds (doubling to 256 while it keeps
     losing), then retried for EXPLORE of its rounds from the prior alpha before it is judged again

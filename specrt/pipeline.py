@@ -344,10 +344,10 @@ class CacheEntry:
     in_use: bool  # an engine set hard-links files from it (deleting it would cost a rebuild, nothing else)
 
 
-def _linked(folder: Path) -> tuple[int, bool]:
-    """(bytes of the files under folder, whether any of them is hard-linked from elsewhere)."""
+def _usage(paths) -> tuple[int, bool]:
+    """(bytes of the regular files among paths, whether any of them is hard-linked from elsewhere)."""
     size, linked = 0, False
-    for f in folder.rglob("*"):
+    for f in paths:
         if f.is_file() and not f.is_symlink():
             st = f.stat()
             size += st.st_size
@@ -362,21 +362,21 @@ def cache_entries(out_root: Path) -> list[CacheEntry]:
     sets hold copies, nothing in the cache counts as in use, and pruning only costs rebuild time.)"""
     entries = []
     for exp in sorted((out_root / ".cache").glob("export-*")):
-        builds = [(b, *_linked(b)) for b in sorted(exp.glob("build-*")) if b.is_dir()]
-        files = [f.stat() for f in exp.iterdir() if f.is_file() and not f.is_symlink()]
-        own_used = any(st.st_nlink > 1 for st in files)  # sets built before build folders linked from here
-        entries.append(CacheEntry(exp, sum(st.st_size for st in files), own_used or any(u for _, _, u in builds)))
-        entries += [CacheEntry(b, size, used) for b, size, used in builds]
+        builds = [CacheEntry(b, *_usage(b.rglob("*"))) for b in sorted(exp.glob("build-*")) if b.is_dir()]
+        own, own_used = _usage(exp.iterdir())  # sets built before build folders linked from the export itself
+        entries.append(CacheEntry(exp, own, own_used or any(b.in_use for b in builds)))
+        entries += builds
     return entries
 
 
 def prune_cache(out_root: Path, log=print) -> int:
-    """Delete the stale export and build folders of cache_entries; returns the bytes freed."""
+    """Delete the stale export and build folders of cache_entries; returns the bytes freed. A stale
+    export's builds are all stale too and listed after it, so each entry's bytes count once."""
     freed = 0
     for e in cache_entries(out_root):
-        if not e.in_use and e.path.exists():
-            size = e.bytes if e.path.name.startswith("build-") else _linked(e.path)[0]
-            shutil.rmtree(e.path)
-            freed += size
-            log(f"removed {e.path} ({size / 2**30:.2f} GiB)")
+        if not e.in_use:
+            if e.path.exists():  # a build of an export removed just before is already gone
+                shutil.rmtree(e.path)
+            freed += e.bytes
+            log(f"removed {e.path} ({e.bytes / 2**30:.2f} GiB)")
     return freed
