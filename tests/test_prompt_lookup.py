@@ -57,12 +57,14 @@ def test_no_match_is_an_empty_draft_and_bad_config_is_an_error():
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompt=st.lists(st.integers(0, 4), min_size=1, max_size=30),
-       chunks=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=5), max_size=8),
+@given(prompt=st.lists(st.integers(0, 4), min_size=1, max_size=100),
+       chunks=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=5) | st.lists(st.integers(0, 4),
+                       min_size=60, max_size=80), max_size=8),
        k=st.integers(1, 6))
 def test_incremental_index_equals_naive_scan(prompt, chunks, k):
+    # short chunks take the per-round path of the index, a long prompt or chunk the vectorised one
     sizes = (3, 2, 1)
-    ctx = Context(prompt, capacity=len(prompt) + 64)
+    ctx = Context(prompt, capacity=len(prompt) + 8 * 80)
     pl = PromptLookup(sizes, max_tokens=8)
     pl.start(ctx)
     ids = list(prompt)

@@ -162,6 +162,18 @@ def _feed(ctl: AdaptiveK, acc, cost, rounds: int) -> list[int]:
     return ks
 
 
+def test_adaptive_k_alpha_is_the_prior_chained_recurrence():
+    ctl = AdaptiveK(k_max=16, buckets=3)
+    rng = np.random.default_rng(1)
+    tries = rng.random((3, 16)) * 7 * (rng.random((3, 16)) < 0.7)   # unmeasured positions too
+    hits = tries * rng.random((3, 16))
+    ctl.tries, ctl.hits = tries.tolist(), hits.tolist()
+    expect, prior = np.empty((3, 16)), np.full(3, AdaptiveK.ALPHA0)
+    for i in range(16):   # alpha_i = (hits_i + N alpha_{i-1}) / (tries_i + N): the definition, as a loop
+        prior = expect[:, i] = (hits[:, i] + ctl.PRIOR_N * prior) / (tries[:, i] + ctl.PRIOR_N)
+    np.testing.assert_allclose(ctl.alpha, expect, rtol=1e-9)
+
+
 def test_adaptive_k_goes_long_when_drafts_are_right_and_passes_cheap():
     ctl = AdaptiveK(k_max=12)
     ks = _feed(ctl, [True] * 12, lambda w: 0.010 * (1 + 0.05 * (w - 1)), 60)
@@ -175,7 +187,7 @@ def test_adaptive_k_switches_off_when_speculation_does_not_pay_and_retries():
     assert first_off < 10                                   # learns quickly that drafts are wrong
     assert sum(k > 0 for k in ks) < 30                      # mostly off ...
     assert any(k > 0 for k in ks[first_off + 16:])          # ... but retried after the backoff
-    assert ctl.backoff > AdaptiveK.BACKOFF0                 # and backs off longer each time it loses
+    assert ctl.backoff[0] > AdaptiveK.BACKOFF0                 # and backs off longer each time it loses
 
 
 def test_adaptive_k_prefers_short_drafts_when_wide_passes_are_expensive():
@@ -199,7 +211,7 @@ def test_adaptive_k_sizes_each_bucket_for_its_own_acceptance_and_keeps_it_across
         assert ctl.k(0) == 8 or ctl.since_plain >= AdaptiveK.PROBE   # the sure bucket drafts long ...
         assert ctl.off[1] > 0 and ctl.off[0] == 0                      # ... the wrong one is off alone
     ctl.start()                                             # a new request starts from what was learned
-    assert ctl._k[0] == 8 and ctl.off[1] > 0
+    assert ctl.best(0) == 8 and ctl.off[1] > 0
 
 
 def test_make_decoder_maps_names_once(tiny_engines):

@@ -58,10 +58,11 @@ class PromptLookup:
         """(bucket, end of the most recent occurrence of the longest matching suffix), once per length."""
         if self._match[0] != ctx.length:
             self._catch_up(ctx)
-            ids, length = ctx.ids, ctx.length
+            length = ctx.length
+            tail = ctx.ids[max(0, length - self.ngram_sizes[0]):].tolist()  # one conversion per round
             found = (len(self.ngram_sizes), None)
             for b, n in enumerate(self.ngram_sizes):
-                end = self._index[n].get(tuple(ids[length - n:].tolist())) if length >= n else None
+                end = self._index[n].get(tuple(tail[len(tail) - n:])) if length >= n else None
                 if end is not None:
                     found = (b, end)
                     break
@@ -73,12 +74,22 @@ class PromptLookup:
 
     def _catch_up(self, ctx: Context) -> None:
         """Index the n-grams ending at e in [_indexed, length - 1] (each has a next token)."""
-        ids, stop = ctx.ids, ctx.length - 1
-        for n in self.ngram_sizes:
-            first = max(self._indexed, n)        # an n-gram ending at e starts at e - n >= 0
-            if first > stop:
-                continue
-            grams = sliding_window_view(ids[first - n: stop], n)   # [stop - first + 1, n]
-            # dict.update keeps the last write: the most recent occurrence wins
-            self._index[n].update(zip(map(tuple, grams.tolist()), range(first, stop + 1)))
+        stop = ctx.length - 1
+        start = min(max(self._indexed, n) for n in self.ngram_sizes)
+        if start > stop:
+            return
+        if stop - start > 64:  # the prompt (once per request): vectorised windows
+            for n in self.ngram_sizes:
+                first = max(self._indexed, n)        # an n-gram ending at e starts at e - n >= 0
+                if first <= stop:
+                    grams = sliding_window_view(ctx.ids[first - n: stop], n)   # [stop - first + 1, n]
+                    # dict.update keeps the last write: the most recent occurrence wins
+                    self._index[n].update(zip(map(tuple, grams.tolist()), range(first, stop + 1)))
+        else:  # a round's few new tokens: plain slices of one short list beat numpy's per-call overhead
+            lo = max(0, start - self.ngram_sizes[0])
+            ids = ctx.ids[lo: stop].tolist()
+            for n in self.ngram_sizes:
+                index = self._index[n]
+                for e in range(max(self._indexed, n), stop + 1):
+                    index[tuple(ids[e - n - lo: e - lo])] = e
         self._indexed = max(self._indexed, stop + 1)
