@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specrt.bench.prompts import CATEGORIES, DEFAULT_PROMPTS, load_prompts, select
@@ -187,3 +188,19 @@ def test_peer_failing_mid_run_is_dropped_with_a_note(tiny_engines, tmp_path, mon
     res = run_bench(cfg, log=lambda m: None)
     assert res["modes"] == ["plain-fp32"] and not any(r["mode"] == "flaky" for r in res["runs"])
     assert any(n.startswith("flaky: dropped") and "device lost" in n for n in res["notes"])
+
+
+def test_ceiling_replay_of_a_copy_task():
+    from specrt.bench.ceiling import accepted_runs, replay_rounds
+
+    prompt = out = [5, 6, 7, 8, 9, 10, 11, 12]                  # the answer repeats the prompt
+    bucket, lookup, oracle = accepted_runs(prompt, out)
+    assert (bucket[0], lookup[0]) == (5, 0)                     # "12" never had a successor: no match
+    assert (bucket[1], lookup[1], oracle[1]) == (4, 7, 7)       # "5" (1-gram) -> 6..12, all kept
+    assert bucket[6] == 0 and lookup[6] == 2                    # "5..10" (6-gram) -> 11, 12
+    # drafts of 4 after any match: 5 (a plain round), 6 7 8 9 accepted + 10, 11 accepted + 12 (the end)
+    assert replay_rounds(bucket, lookup, [4, 4, 4, 4, 4, 0], lambda w: float(w)) == (8, 3, 1.0 + 5.0 + 5.0)
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 6, 120).tolist()
+    _, lookup, oracle = accepted_runs(seq[:60], seq[60:])
+    assert all(o >= lk for o, lk in zip(oracle, lookup)) and sum(oracle) > sum(lookup)   # a bound, and not trivially equal
