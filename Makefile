@@ -32,7 +32,7 @@ demo: engines
 # Medusa heads for the embedded default (committed as heads/smollm2-135m.npz; `make engines` picks
 # them up). Self-distillation data is cached under engines/.cache/medusa; training is bounded and resumes.
 heads: venv
-	$(SPECRT) train-medusa --source smollm2-135m --out heads/smollm2-135m.npz --budget-minutes 18
+	$(SPECRT) train-medusa --source smollm2-135m --out heads/smollm2-135m.npz --parts 2 --budget-minutes 18
 
 test: venv
 	$(PY) -m pytest

@@ -131,6 +131,11 @@ def test_bad_sampling_values(tiny_engines):
     assert_user_error(specrt("generate", "--engines", tiny_engines, "--prompt", "hi", "--top-p", "1.5"), "top_p")
 
 
+def test_train_medusa_rejects_a_part_that_does_not_exist(tmp_path):
+    assert_user_error(specrt("train-medusa", "--parts", "9", "--work", tmp_path / "w"), "--parts must be in 1..")
+    assert not (tmp_path / "w").exists()
+
+
 def test_generate_json_and_info(tiny_engines):
     r = specrt("generate", "--engines", tiny_engines, "--prompt", "hello", "--max-new-tokens", "5", "--json")
     assert r.returncode == 0, r.stderr
