@@ -120,6 +120,69 @@ class FixedK:
         pass
 
 
+class GatedK:
+    """For proposers that size their drafts themselves (Medusa's tree, chosen at build time): ask for
+    the whole draft, but check that it pays. Tokens per second of draft rounds (decayed sums over
+    ~20 rounds, draft time included) against plain rounds (forced every PROBE rounds); judged every
+    JUDGE draft rounds once WARM were seen: when drafting is slower than plain by more than MARGIN,
+    plain decoding for `backoff` rounds (doubling to BACKOFF_MAX while it keeps losing), then a fresh
+    measurement. Measured need: the shipped Medusa tree ran at 0.90x plain on translation prompts,
+    where the heads are rarely right. (A 5-round EMA judged every round switched it off on chat too,
+    where it wins 1.07x: a round keeps 0-2 nodes, so short windows dip below the line by chance.)
+    """
+
+    KEEP, RATE, PROBE, WARM, JUDGE, MARGIN, BACKOFF0, BACKOFF_MAX = 0.95, 0.2, 32, 16, 8, 0.95, 16, 256
+
+    def __init__(self, k: int):
+        self.fixed = k
+        self.t_plain = 0.0                       # EMA seconds of a plain round (0 = not measured yet)
+        self.rounds, self.since_plain, self.off_until, self.backoff = 0, 0, 0, self.BACKOFF0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.tokens, self.seconds, self.n_draft = 0.0, 0.0, 0   # decayed sums over draft rounds, their count
+
+    def start(self) -> None:
+        self.since_plain = 0
+
+    def k(self, bucket: int = 0) -> int:
+        if self.rounds < self.off_until:
+            return 0
+        if self.since_plain >= self.PROBE or (not self.t_plain and self.n_draft >= 2):
+            return 0                             # measure plain decoding now and then
+        return self.fixed
+
+    @property
+    def speedup(self) -> float:
+        """Measured tokens per second of draft rounds over plain rounds (1.0 until both are measured)."""
+        if not self.t_plain or not self.seconds:
+            return 1.0
+        return self.tokens / self.seconds * self.t_plain
+
+    def observe(self, *, asked: int, width: int, result, draft_s: float, verify_s: float, first: bool,
+                bucket: int = 0) -> None:
+        if first:                                # prefill round
+            return
+        self.rounds += 1
+        secs = draft_s + verify_s
+        if width == 1:                           # plain round (asked 0, or an empty draft)
+            self.t_plain = secs if not self.t_plain else self.t_plain + self.RATE * (secs - self.t_plain)
+            self.since_plain = 0
+            return
+        self.since_plain += 1
+        self.tokens = self.tokens * self.KEEP + result.num_accepted + 1
+        self.seconds = self.seconds * self.KEEP + secs
+        self.n_draft += 1
+        if self.n_draft < self.WARM or self.n_draft % self.JUDGE or not self.t_plain:
+            return
+        if self.speedup < self.MARGIN:           # drafting loses: plain for a while, then measure afresh
+            self.off_until = self.rounds + self.backoff
+            self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
+            self._fresh()
+        elif self.n_draft >= 4 * self.WARM:      # a long winning stretch forgives earlier losses
+            self.backoff = self.BACKOFF0
+
+
 class AdaptiveK:
     """Choose k each round to maximise the expected tokens per second of a round with a draft:
 
@@ -338,10 +401,12 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
         # (1.10x vs 1.38x over all categories); `--speculate medusa` still runs them.
         mode = "draft" if "draft" in roles else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
-    if k is None and not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time)
-        k = proposer.max_tokens
-    control = FixedK(k) if k is not None else AdaptiveK(proposer.max_tokens, target.width_exact,
-                                                                          buckets=proposer.buckets)
+    if k is not None:
+        control = FixedK(k)
+    elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
+        control = GatedK(proposer.max_tokens)
+    else:
+        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets)
 
     def decode(engine, prompt, sampling, rng, stats):
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,

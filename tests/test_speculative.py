@@ -13,7 +13,8 @@ from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator, Stats, plain_decode
 from specrt.runtime.proposers import Context, OneBucket
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
-from specrt.runtime.speculative import AdaptiveK, FixedK, SpeculativeConfig, make_decoder, speculative_decode, tree_inputs
+from specrt.runtime.speculative import (AdaptiveK, FixedK, GatedK, SpeculativeConfig, make_decoder, speculative_decode,
+                                        tree_inputs)
 from specrt.runtime.tree import compile_tree
 from specrt.runtime.verify import Draft
 
@@ -212,6 +213,35 @@ def test_adaptive_k_sizes_each_bucket_for_its_own_acceptance_and_keeps_it_across
         assert ctl.off[1] > 0 and ctl.off[0] == 0                      # ... the wrong one is off alone
     ctl.start()                                             # a new request starts from what was learned
     assert ctl.best(0) == 8 and ctl.off[1] > 0
+
+
+def _gate(ctl: GatedK, accepted, cost: float, rounds: int) -> list[int]:
+    """A 3-node tree that keeps `accepted` nodes a round (an int, or probabilities of 0, 1, 2) and costs
+    `cost` plain steps (10 ms each)."""
+    ks, rng = [], np.random.default_rng(0)
+    for _ in range(rounds):
+        k = ctl.k()
+        ks.append(k)
+        kept = accepted if isinstance(accepted, int) else int(rng.choice(3, p=accepted))
+        ctl.observe(asked=k, width=4 if k else 1, result=SimpleNamespace(num_accepted=kept if k else 0),
+                    draft_s=0.0, verify_s=0.010 * (cost if k else 1.0), first=False)
+    return ks
+
+
+def test_gated_k_turns_a_losing_tree_off_and_retries_it():
+    ks = _gate(GatedK(2), accepted=0, cost=1.3, rounds=200)          # 1 token per round at 1.3x the cost
+    assert 0 < ks.index(0) < 12                                       # a plain probe early ...
+    off = [i for i in range(20, 200) if ks[i] == 0]
+    assert len(off) > 120                                             # ... then mostly plain
+    assert any(ks[i] == 2 for i in range(60, 200))                    # but the tree is tried again
+
+
+def test_gated_k_keeps_a_paying_tree():
+    ks = _gate(GatedK(2), accepted=1, cost=1.2, rounds=200)          # 2 tokens per round at 1.2x
+    assert sum(k == 0 for k in ks) <= 200 // GatedK.PROBE + 2         # plain only to re-measure its cost
+    # a thin, noisy win (Medusa on chat: ~1.34 tokens a round at ~1.2x the cost, 1.12x) stays on too
+    ks = _gate(GatedK(2), accepted=[0.75, 0.16, 0.09], cost=1.2, rounds=600)
+    assert sum(k == 2 for k in ks) > 0.9 * 600
 
 
 def test_make_decoder_maps_names_once(tiny_engines):

@@ -54,7 +54,7 @@ class Medusa(OneBucket):
     # the tree was sized at build time from measured head accuracies and pass costs; AdaptiveK's
     # chain model (per-position acceptance, width = k + 1) misjudges a tree and was measured
     # cutting it short (tau 1.36 vs 2.0 with the full tree on a docs prompt), so the loop asks
-    # for the whole tree every round
+    # for the whole tree, and GatedK switches it off while it does not pay
     adaptive = False
 
     def __init__(self, heads: MedusaHeads, paths):
