@@ -46,11 +46,12 @@ class Replay:
     oracle: list[int]   # best over every past occurrence of the last token
 
 
-def accepted_runs(prompt: list[int], output: list[int], sizes=(6, 4, 3, 2, 1)) -> tuple[list, list, list]:
-    """(bucket, lookup, oracle) per decode position i (context = prompt + output[:i])."""
+def accepted_runs(prompt: list[int], output: list[int]) -> tuple[list, list, list]:
+    """(bucket, lookup, oracle) per decode position i (context = prompt + output[:i]); the lookup is
+    the shipped PromptLookup with its default n-gram sizes."""
     seq = list(prompt) + list(output)
     ctx = Context(prompt, len(seq) + 1)
-    pl = PromptLookup(sizes, MAX_DRAFT)
+    pl = PromptLookup(max_tokens=MAX_DRAFT)
     pl.start(ctx)
     bucket, lookup, oracle = [], [], []
     arr = np.asarray(seq, np.int64)
@@ -161,19 +162,19 @@ def main(argv: list[str] | None = None) -> None:
     cases = select(load_prompts(a.prompts), categories=tuple(a.categories.split(",")),
                    per_category=a.per_category, max_new_tokens=a.max_new_tokens)
     gen = Generator(load_manifest(a.engines), "fp32", a.threads)
-    sizes = PromptLookup().ngram_sizes
-    replays = []
+    eos = next(iter(gen.codec.eos_token_ids))
+    replays, prompt_lengths = [], []
     for c in cases:
-        res = gen.generate([Message(r, t) for r, t in c.messages], max_new_tokens=c.max_new_tokens)
-        prompt = gen.prompt_ids([Message(r, t) for r, t in c.messages])
-        eos = next(iter(gen.codec.eos_token_ids))
+        messages = [Message(r, t) for r, t in c.messages]
+        res = gen.generate(messages, max_new_tokens=c.max_new_tokens)
+        prompt = gen.prompt_ids(messages)
         out = res.token_ids + ([eos] if res.stats.finish_reason == "eos" else [])  # the target emits EOS too
-        replays.append(Replay(c.id, c.category, len(out), res.stats.ttft_s, *accepted_runs(prompt, out, sizes)))
+        replays.append(Replay(c.id, c.category, len(out), res.stats.ttft_s, *accepted_runs(prompt, out)))
+        prompt_lengths.append(len(prompt))
         print(f"{c.id}: {len(prompt)} prompt + {len(out)} new tokens", flush=True)
-    context = int(np.median([len(gen.prompt_ids([Message(r, t) for r, t in c.messages])) for c in cases]))
-    costs = measure_costs(gen.engine, context)
+    costs = measure_costs(gen.engine, int(np.median(prompt_lengths)))
     print("pass cost (steps) by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in range(1, MAX_DRAFT + 2)))
-    rows = report(replays, costs, len(sizes) + 1)
+    rows = report(replays, costs, PromptLookup().buckets)
     print("| category | prompts | lookup tau | lookup decode | lookup end-to-end | oracle tau | oracle decode | oracle end-to-end |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -287,8 +287,7 @@ def verify_greedy(target_argmax: np.ndarray, draft: Draft) -> VerifyResult:
     ok = draft.tokens == am[_parent_rows(draft)]      # [n] node matches its parent's argmax
     if draft.parents is None:                         # a chain: the accepted prefix, without the tree walk
         m = int(ok.argmin()) if not ok.all() else ok.size
-        return VerifyResult(accepted=draft.tokens[:m], path=np.arange(m), next_token=int(am[m]),
-                            bonus=m == ok.size, acceptance=np.arange(ok.size) < m)
+        return _result(draft, list(range(m)), int(am[m]), bonus=m == ok.size)
     path = _deepest_path(draft, ok)
     row = path[-1] + 1 if path else 0
     return _result(draft, path, int(am[row]), bonus=not draft.children()[row])

@@ -62,7 +62,7 @@ def test_no_match_is_an_empty_draft_and_bad_config_is_an_error():
                        min_size=60, max_size=80), max_size=8),
        k=st.integers(1, 6))
 def test_incremental_index_equals_naive_scan(prompt, chunks, k):
-    # short chunks take the per-round path of the index, a long prompt or chunk the vectorised one
+    # short chunks (a round's new tokens) and long ones (a prompt) alike
     sizes = (3, 2, 1)
     ctx = Context(prompt, capacity=len(prompt) + 8 * 80)
     pl = PromptLookup(sizes, max_tokens=8)

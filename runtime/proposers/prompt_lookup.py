@@ -17,8 +17,6 @@ or none after short ones (one acceptance profile for all matches was measured mi
 
 from __future__ import annotations
 
-from numpy.lib.stride_tricks import sliding_window_view
-
 from ...errors import SpecrtError
 from ..verify import Draft, VerifyResult
 from .base import EMPTY, Context
@@ -75,21 +73,15 @@ class PromptLookup:
     def _catch_up(self, ctx: Context) -> None:
         """Index the n-grams ending at e in [_indexed, length - 1] (each has a next token)."""
         stop = ctx.length - 1
-        start = min(max(self._indexed, n) for n in self.ngram_sizes)
+        start = min(max(self._indexed, n) for n in self.ngram_sizes)   # an n-gram ending at e starts at e - n >= 0
         if start > stop:
             return
-        if stop - start > 64:  # the prompt (once per request): vectorised windows
-            for n in self.ngram_sizes:
-                first = max(self._indexed, n)        # an n-gram ending at e starts at e - n >= 0
-                if first <= stop:
-                    grams = sliding_window_view(ctx.ids[first - n: stop], n)   # [stop - first + 1, n]
-                    # dict.update keeps the last write: the most recent occurrence wins
-                    self._index[n].update(zip(map(tuple, grams.tolist()), range(first, stop + 1)))
-        else:  # a round's few new tokens: plain slices of one short list beat numpy's per-call overhead
-            lo = max(0, start - self.ngram_sizes[0])
-            ids = ctx.ids[lo: stop].tolist()
-            for n in self.ngram_sizes:
-                index = self._index[n]
-                for e in range(max(self._indexed, n), stop + 1):
-                    index[tuple(ids[e - n - lo: e - lo])] = e
+        # slices of one Python list: faster than numpy windows both for a round's few new tokens (no
+        # per-call overhead) and for a 500-token prompt (0.39 vs 0.49 ms), so there is one path
+        lo = max(0, start - self.ngram_sizes[0])
+        ids = ctx.ids[lo: stop].tolist()
+        for n in self.ngram_sizes:
+            index = self._index[n]
+            for e in range(max(self._indexed, n), stop + 1):
+                index[tuple(ids[e - n - lo: e - lo])] = e   # the last write wins: the most recent occurrence
         self._indexed = max(self._indexed, stop + 1)
