@@ -15,7 +15,7 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", help="Folder for results.json, report.md and PNG plots."),
     modes: Optional[str] = typer.Option(None, "--modes",
                                         help="Comma-separated modes: plain-<prec>, <speculate>-<prec> (prompt-lookup, "
-                                             "draft, medusa, auto), genai-fp32, genai-int4, llamacpp, llamacpp-pld, hf, "
+                                             "draft, medusa, lookup+medusa, auto), genai-fp32, genai-int4, llamacpp, llamacpp-pld, hf, "
                                              "hf-pld, hf-assisted. Default: all that apply."),
     categories: Optional[str] = typer.Option(None, "--categories",
                                              help="Comma-separated subset of chat,code,summarize,qa,math,translation."),

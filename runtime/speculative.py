@@ -26,13 +26,14 @@ from ..manifest import Manifest
 from .engine import OrtEngine
 from .generate import Stats, plain_decode
 from .proposers import Context, DraftModel, PromptLookup, Proposer
+from .proposers.hybrid import LookupMedusa
 from .proposers.medusa import Medusa, MedusaHeads
 from .sampling import SamplingParams, probs_from_logits
 from .tree import ancestry
 from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "draft", "medusa", "auto")
+MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "auto")
 
 
 def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
@@ -375,16 +376,20 @@ def _medusa(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeCo
     return Medusa(MedusaHeads(manifest.root / e.file, threads=1), [tuple(p) for p in e.raw["medusa"]["tree"]])
 
 
+def _lookup_medusa(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+    return LookupMedusa(_prompt_lookup(manifest, precision, threads, cfg), _medusa(manifest, precision, threads, cfg))
+
+
 # --speculate NAME -> proposer factory: the one place a method name picks code
 PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model,
-                                                 "medusa": _medusa}
+                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa}
 
 
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, threads: int = 0,
                  config: SpeculativeConfig = SpeculativeConfig()):
     """A decode strategy for Generator.stream(decode=...): plain for 'off', else the speculative loop.
 
-    'auto' picks the draft model when the set has one, else prompt lookup. The returned callable
+    'auto' picks the draft model when the set has one, else lookup+medusa with heads, else prompt lookup. The returned callable
     keeps the proposer and the measured pass costs across requests.
     """
     if mode not in MODES:
@@ -397,9 +402,9 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
         return plain_decode
     if mode == "auto":
         roles = {e.role for e in manifest.engines.values()}
-        # Medusa is not in auto's choice yet: measured, the shipped heads are slower than prompt lookup
-        # (1.10x vs 1.38x over all categories); `--speculate medusa` still runs them.
-        mode = "draft" if "draft" in roles else "prompt-lookup"
+        # measured on the 48 bench prompts (BENCHMARKS.md, session 5): lookup+medusa 1.61x, prompt lookup
+        # 1.56x, Medusa alone 1.11x over plain fp32; a draft model, where the set has one, beats all three
+        mode = "draft" if "draft" in roles else "lookup+medusa" if "medusa" in roles else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
     if k is not None:
         control = FixedK(k)

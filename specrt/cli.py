@@ -135,9 +135,10 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     speculate: str = typer.Option("off", "--speculate",
-                                  help="off | prompt-lookup | draft | medusa | auto (draft if the set has a draft model, "
-                                       "else prompt-lookup; medusa only when asked: its heads are slower than prompt "
-                                       "lookup for now). Greedy output is unchanged on width-exact (fp32) engines."),
+                                  help="off | prompt-lookup | draft | medusa | lookup+medusa (prompt lookup after a "
+                                       "match of 2+ tokens, Medusa's tree otherwise) | auto (draft if the set has a draft "
+                                       "model, else lookup+medusa if it has heads, else prompt-lookup). Greedy output "
+                                       "is unchanged on width-exact (fp32) engines."),
     lossy_typical: bool = typer.Option(False, "--lossy-typical",
                                        help="LOSSY: Medusa's typical acceptance when sampling (output no longer "
                                             "follows the model's distribution; stats say exact=false)."),

@@ -108,7 +108,7 @@ def test_greedy_medusa_equals_target_greedy(medusa_gen):
         taus.append(med.stats.tau)
         auto = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
                             decode=make_decoder("auto", gen.manifest, "fp32", threads=1))
-        assert auto.token_ids == plain.token_ids and auto.stats.proposer == "prompt-lookup"
+        assert auto.token_ids == plain.token_ids and auto.stats.proposer == "lookup+medusa"
     assert max(taus) > 1.0  # the heads were accepted at least sometimes
 
 
@@ -124,3 +124,32 @@ def test_sampling_is_exact_unless_lossy_typical_is_asked(medusa_gen):
                                 decode=make_decoder("medusa", m, "fp32", threads=1,
                                                     config=SpeculativeConfig(lossy_typical=True)))
     assert exact.stats.exact and not lossy.stats.exact
+
+
+def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
+    """lookup+medusa: prompt lookup's chain after a match of >= 2 tokens, Medusa's tree otherwise;
+    greedy output equals target-only greedy, and both kinds of draft occur on a repetitive prompt."""
+    from specrt.runtime.proposers.hybrid import LookupMedusa
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import make_decoder
+
+    gen = medusa_gen
+    decode = make_decoder("lookup+medusa", gen.manifest, "fp32", threads=1)
+    hybrid = decode.proposer
+    assert isinstance(hybrid, LookupMedusa) and hybrid.first_medusa == 4  # sizes 6, 4, 3, 2 look up
+    kinds = {"chain": 0, "tree": 0}
+    propose = hybrid.propose
+
+    def counting(ctx, k):
+        d = propose(ctx, k)
+        if d.tokens.size:
+            kinds["tree" if d.parents is not None else "chain"] += 1
+            assert (d.parents is None) == (hybrid.bucket(ctx) < hybrid.first_medusa)
+        return d
+
+    hybrid.propose = counting
+    for prompt in ("def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox", "1, 2, 3, 1, 2, 3, 1, 2,"):
+        plain = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams())
+        out = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(), decode=decode)
+        assert out.token_ids == plain.token_ids and out.stats.proposer == "lookup+medusa"
+    assert kinds["chain"] > 0 and kinds["tree"] > 0, kinds

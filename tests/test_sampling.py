@@ -16,18 +16,20 @@ ALPHA = 2e-8  # per goodness-of-fit assertion; budget in test_verify_stats.py
 
 def reference_probs(z: np.ndarray, prm: SamplingParams) -> np.ndarray:
     """Naive definition, written differently from the implementation on purpose."""
-    z = np.asarray(z, dtype=np.float64)
-    out = np.zeros_like(z)
+    z = np.asarray(z, dtype=np.float32)
+    out = np.zeros(z.shape)
     for i, row in enumerate(z):
         if prm.greedy:
             out[i, int(np.argmax(row))] = 1.0
             continue
-        row = row / prm.temperature
+        # scaled logits and their exp at the sampler's float32 precision: two logits closer than float32
+        # resolves after exp (e.g. 1e-9 and 0 at T = 0.3) are a tie for both, not a strict order here only
+        row = (row - row.max()) / np.float32(prm.temperature)
         if prm.top_k:
             # keep x iff fewer than k tokens are strictly larger (ties kept)
             keep = np.array([(row > v).sum() < prm.top_k for v in row])
             row = np.where(keep, row, -np.inf)
-        pr = np.exp(row - row.max())
+        pr = np.exp(row).astype(np.float64)
         pr /= pr.sum()
         if prm.top_p < 1.0:
             # keep x iff the mass strictly above p(x) is < top_p (ties kept)
