@@ -389,8 +389,8 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
                  config: SpeculativeConfig = SpeculativeConfig()):
     """A decode strategy for Generator.stream(decode=...): plain for 'off', else the speculative loop.
 
-    'auto' picks the draft model when the set has one, else lookup+medusa with heads, else prompt lookup. The returned callable
-    keeps the proposer and the measured pass costs across requests.
+    'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32, else
+    prompt lookup. The returned callable keeps the proposer and the measured pass costs across requests.
     """
     if mode not in MODES:
         raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
@@ -402,9 +402,11 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
         return plain_decode
     if mode == "auto":
         roles = {e.role for e in manifest.engines.values()}
-        # measured on the 48 bench prompts (BENCHMARKS.md, session 5): lookup+medusa 1.61x, prompt lookup
-        # 1.56x, Medusa alone 1.11x over plain fp32; a draft model, where the set has one, beats all three
-        mode = "draft" if "draft" in roles else "lookup+medusa" if "medusa" in roles else "prompt-lookup"
+        # measured on the bench prompts (BENCHMARKS.md, session 5): at fp32 lookup+medusa 1.59-1.61x, prompt
+        # lookup 1.56x, Medusa alone 1.11x over plain; at int4 the heads (trained on fp32 hidden states, ~4% of
+        # a 7.6 ms step) add nothing: 3.38x vs 3.42x. A draft model, where the set has one, beats all of them.
+        heads = "medusa" in roles and target.precision == "fp32"
+        mode = "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
     if k is not None:
         control = FixedK(k)

@@ -137,7 +137,7 @@ def generate(
     speculate: str = typer.Option("off", "--speculate",
                                   help="off | prompt-lookup | draft | medusa | lookup+medusa (prompt lookup after a "
                                        "match of 2+ tokens, Medusa's tree otherwise) | auto (draft if the set has a draft "
-                                       "model, else lookup+medusa if it has heads, else prompt-lookup). Greedy output "
+                                       "model, else lookup+medusa at fp32 if it has heads, else prompt-lookup). Greedy output "
                                        "is unchanged on width-exact (fp32) engines."),
     lossy_typical: bool = typer.Option(False, "--lossy-typical",
                                        help="LOSSY: Medusa's typical acceptance when sampling (output no longer "
