@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -109,3 +111,12 @@ def test_context_limit_is_a_clear_error(tmp_path):
     _, _, eng = _engine_for(tmp_path, "llama", 0)
     with pytest.raises(ContextFullError, match="max_context"):
         eng.forward(np.zeros(129, np.int64))
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir(), reason="needs Linux with THP")
+def test_huge_page_advice_covers_large_anonymous_memory():
+    from specrt.runtime.hugepages import HUGE, advise_huge_pages
+
+    block = np.ones(16 * HUGE // 8)  # 32 MiB of touched anonymous memory, like pre-packed weights
+    assert advise_huge_pages() >= 8 * HUGE
+    assert block.sum() == block.size  # contents unchanged by the advice
