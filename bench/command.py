@@ -28,6 +28,10 @@ def bench(
                                    help="listed (the order of --modes / the default list) or reversed. ONNX Runtime "
                                         "sessions created later decoded up to ~10% faster here, so compare two "
                                         "contenders in both orders (BENCHMARKS.md, 'load order')."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+                                    help="Every contender generates exactly each prompt's max_new_tokens, through EOS: "
+                                         "tok/s then compares engines at equal lengths (two int4 models stop at different "
+                                         "places, and a short answer's tok/s is mostly prefill)."),
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",
                                                 help="HF folder or GGUF of a smaller model with the same vocabulary, "
                                                      "for transformers' assistant_model (hf-assisted)."),
@@ -52,7 +56,8 @@ def bench(
             raise SpecrtError(f"--hf-assistant '{hf_assistant}' not found; pass a HF folder or a .gguf file")
         cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,
                           reps=reps, threads=threads, quick=quick, per_category=per_category,
-                          max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order)
+                          max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order,
+                          ignore_eos=ignore_eos)
         res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
         command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
         write(res, out, command)

@@ -70,8 +70,8 @@ _GENERATORS: dict[tuple, object] = {}
 class Ours:
     """One of our strategies on one target precision, through the public Generator API."""
 
-    def __init__(self, name: str, manifest: Manifest, threads: int):
-        self.name, self.manifest, self.threads = name, manifest, threads
+    def __init__(self, name: str, manifest: Manifest, threads: int, ignore_eos: bool = False):
+        self.name, self.manifest, self.threads, self.ignore_eos = name, manifest, threads, ignore_eos
         self.strategy, self.precision = our_modes(manifest)[name]
 
     def load(self, log=print) -> None:
@@ -105,7 +105,8 @@ class Ours:
             finally:
                 rounds.close()
 
-        s = self.gen.stream([Message(r, c) for r, c in messages], max_new_tokens=max_new_tokens, decode=timed)
+        s = self.gen.stream([Message(r, c) for r, c in messages], max_new_tokens=max_new_tokens, decode=timed,
+                           ignore_eos=self.ignore_eos)
         for _ in s:
             pass
         r, total = s.result, clock.trace().total_s
@@ -116,11 +117,12 @@ class Ours:
 
 
 def make(name: str, manifest: Manifest, ck: Checkpoint):
-    return PEERS[name](ck) if name in PEERS else Ours(name, manifest, ck.threads)
+    return PEERS[name](ck) if name in PEERS else Ours(name, manifest, ck.threads, ck.ignore_eos)
 
 
-def checkpoint(manifest: Manifest, threads: int, assistant: Path | None, context: int) -> Checkpoint:
+def checkpoint(manifest: Manifest, threads: int, assistant: Path | None, context: int,
+               ignore_eos: bool = False) -> Checkpoint:
     src = manifest.raw.get("source", {})
     return Checkpoint(src.get("kind", "hf"), Path(src.get("path", manifest.root)), str(src.get("sha256", "unknown")),
                       tuple(manifest.eos_token_ids), manifest.root.parent / ".cache" / "peers", threads, assistant,
-                      context)
+                      context, ignore_eos)

@@ -3,7 +3,8 @@ and our own modes alike.
 
 Contract of a `Contender` (ours or a peer): `load()` once (may build and cache), then
 `run(prompt_ids, messages, max_new_tokens) -> Trace` any number of times, greedy, stopping at
-the engine set's EOS ids. Every contender gets the same prompt token ids (ours renders them
+the engine set's EOS ids (with `Checkpoint.ignore_eos`: after exactly max_new_tokens; ours and
+llama.cpp decode through EOS, genai and transformers suppress it, their only way to go on). Every contender gets the same prompt token ids (ours renders them
 from `messages` with the same template), so outputs compare token by token.
 
 Peers import their package inside `load()`; a missing package raises `Unavailable` with a
@@ -52,6 +53,7 @@ class Checkpoint:
     threads: int
     assistant: Path | None = None  # HF checkpoint of a smaller model with the same vocab (hf-assisted)
     context: int = 4096  # the longest prompt + max_new_tokens the bench will ask for
+    ignore_eos: bool = False  # every contender makes exactly max_new_tokens (equal lengths for timing)
 
 
 @dataclass
@@ -148,7 +150,8 @@ class GenaiPeer:
         og, eos = self._og, set(self.ck.eos_ids)
         clock = Clock()
         params = og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=len(prompt_ids) + max_new_tokens)
+        length = len(prompt_ids) + max_new_tokens
+        params.set_search_options(do_sample=False, max_length=length, min_length=length if self.ck.ignore_eos else 0)
         gen = og.Generator(self.model, params)
         gen.append_tokens(prompt_ids)  # prefill
         while len(clock.ids) < max_new_tokens and not gen.is_done():
@@ -199,7 +202,7 @@ class LlamaCppPeer:
             llama_mod.llama_cpp.llama_model_default_params = default_params
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
-        eos = set(self.ck.eos_ids) | {self.llm.token_eos()}
+        eos = set() if self.ck.ignore_eos else set(self.ck.eos_ids) | {self.llm.token_eos()}
         self.llm.reset()  # no prefix reuse across calls: every call pays its prefill
         clock = Clock()
         for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
@@ -270,7 +273,7 @@ class HFPeer:
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0], streamer=Streamer(),
-                                **self.extra)
+                                min_new_tokens=max_new_tokens if self.ck.ignore_eos else None, **self.extra)
         return clock.trace()
 
 

@@ -21,7 +21,10 @@ def markdown(res: dict, command: str) -> str:
         "",
         f"- command: `{command}`",
         f"- {meta['date']}; CPU: {meta['cpu']} ({meta['cores']} cores), **{meta['threads']} threads** for every "
-        f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; bench time {meta['bench_s']:.0f} s",
+        f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; bench time {meta['bench_s']:.0f} s"
+        + ("; **--ignore-eos**: every contender generates exactly each prompt's max_new_tokens (ours and llama.cpp "
+           "decode through EOS, genai and transformers suppress it), so agreement past an EOS means nothing"
+           if meta.get("ignore_eos") else ""),
         f"- load order (sessions created later decoded faster here): {', '.join(res.get('load_order', res['modes']))}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
         + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",

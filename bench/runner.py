@@ -52,6 +52,9 @@ class BenchConfig:
     # same file: 25.1 vs 23.0 ms per step for the 2nd of two; cause not pinned down, gone with weight
     # prepacking off), so whoever loads first is handicapped; the report names the order.
     load_order: str = "listed"
+    # every contender generates exactly max_new_tokens: tok/s then compares engines at equal lengths (two int4
+    # models stop at different EOS positions, and a short answer's tok/s is mostly its prefill)
+    ignore_eos: bool = False
 
 
 def first_divergence(ref: list[int], out: list[int]) -> int | None:
@@ -95,7 +98,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             raise SpecrtError(f"prompt {c.id!r} needs {len(prompt_ids[c.id])} + {c.max_new_tokens} tokens but the "
                               f"engines hold {limit}; shorten it, lower --max-new-tokens or rebuild with a larger "
                               "--max-context")
-    ck = contenders.checkpoint(manifest, threads, cfg.hf_assistant, context)
+    ck = contenders.checkpoint(manifest, threads, cfg.hf_assistant, context, cfg.ignore_eos)
     ck.cache.mkdir(parents=True, exist_ok=True)
 
     # 1-2. load and warm up; a contender that cannot run here is a note, not a failure
@@ -251,4 +254,4 @@ def _meta(cfg: BenchConfig, manifest, threads: int, cases, bench_s: float) -> di
             "prompts": str(cfg.prompts), "cases": len(cases), "reps": cfg.reps, "quick": cfg.quick,
             "threads": threads, "cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
             "versions": _versions(), "bench_s": round(bench_s, 1), "reference": contenders.REFERENCE,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "ignore_eos": cfg.ignore_eos}

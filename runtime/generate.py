@@ -105,13 +105,16 @@ class Generator:
 
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
-               chat: bool = True, decode=None) -> Stream:
-        """decode: a strategy like `plain_decode` (the default); speculative loops plug in here."""
+               chat: bool = True, decode=None, ignore_eos: bool = False) -> Stream:
+        """decode: a strategy like `plain_decode` (the default); speculative loops plug in here.
+        ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
+        string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed."""
         if max_new_tokens < 1:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.prompt_ids(prompt, chat)
         stream = Stream(iter(()))
-        stream._it = self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream)
+        eos = frozenset() if ignore_eos else self.codec.eos_token_ids
+        stream._it = self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream, eos)
         return stream
 
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
@@ -120,7 +123,7 @@ class Generator:
             pass
         return s.result
 
-    def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream) -> Iterator[str]:
+    def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
         t0 = time.perf_counter()
         stats = Stats(prompt_tokens=len(ids))
         room = self.engine.max_context - len(ids)
@@ -138,7 +141,7 @@ class Generator:
                 stats.ttft_s = time.perf_counter() - t0
             done = False
             for tok in tokens:
-                if tok in self.codec.eos_token_ids:
+                if tok in eos:
                     reason, done = "eos", True
                     break
                 out.append(tok)

@@ -130,6 +130,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible output)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+                                    help="Keep generating through end-of-sequence tokens until --max-new-tokens "
+                                         "(for timing runs of a fixed length)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template to --prompt."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
@@ -162,7 +165,7 @@ def generate(
         decode = make_decoder(speculate, gen.manifest, precision, threads=threads,
                               config=SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical))
         s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
-                       decode=decode)
+                       decode=decode, ignore_eos=ignore_eos)
         for delta in s:
             if stream and not as_json:
                 sys.stdout.write(delta)

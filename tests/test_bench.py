@@ -204,3 +204,38 @@ def test_ceiling_replay_of_a_copy_task():
     seq = rng.integers(0, 6, 120).tolist()
     _, lookup, oracle = accepted_runs(seq[:60], seq[60:])
     assert all(o >= lk for o, lk in zip(oracle, lookup)) and sum(oracle) > sum(lookup)   # a bound, and not trivially equal
+
+
+def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path, monkeypatch):
+    """--ignore-eos: ours and the transformers peer all make exactly max_new_tokens, where without it they
+    stop at EOS (here a token the tiny model really emits early, declared EOS for the test; a random tiny
+    model tends to repeat one token, so that may be the very first: an empty answer must not break the bench)."""
+    import dataclasses
+
+    import torch
+
+    from specrt.bench import runner
+    from specrt.runtime.generate import Generator
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    prompts = write_prompts(tmp_path / "p.jsonl", max_new_tokens=8)
+    first = load_prompts(prompts)[0]
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    from specrt.runtime.tokenizer import Message
+
+    plain = gen.generate([Message(r, c) for r, c in first.messages], max_new_tokens=8).token_ids
+    real = runner.load_manifest(Path(tiny_engines))
+    cut = next((i for i in range(1, 8) if plain[i] not in plain[:i]), 0)  # a token first emitted at index `cut`
+    assert plain[cut] > min(real.eos_token_ids)  # the chat template renders the smallest EOS id: keep it
+    fake = dataclasses.replace(real, eos_token_ids=real.eos_token_ids + (plain[cut],))
+    monkeypatch.setattr(runner, "load_manifest", lambda path: fake)
+    monkeypatch.setattr(runner.contenders, "_GENERATORS", {})  # generators cached by earlier tests hold the real EOS
+    cfg = dict(engines=tiny_engines, prompts=prompts, reps=1, threads=1, categories=(first.category,),
+               modes="plain-fp32,prompt-lookup-fp32,hf")
+    stopped = run_bench(BenchConfig(**cfg), log=lambda m: None)
+    assert {r["mode"]: r["new_tokens"] for r in stopped["runs"]} == dict.fromkeys(("plain-fp32", "prompt-lookup-fp32", "hf"), cut)
+    full = run_bench(BenchConfig(**cfg, ignore_eos=True), log=lambda m: None)
+    assert {r["mode"]: r["new_tokens"] for r in full["runs"]} == {"plain-fp32": 8, "prompt-lookup-fp32": 8, "hf": 8}
+    assert full["meta"]["ignore_eos"] is True
+    ours = [r["token_ids"] for r in full["runs"] if r["mode"] != "hf"]
+    assert ours[0] == ours[1] == plain  # ours decode through EOS: the same tokens as the unstopped run

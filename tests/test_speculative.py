@@ -287,3 +287,19 @@ def test_tau_counts_every_token_the_target_emitted(tiny_engines):
     r = gen.generate("hi", max_new_tokens=12, decode=scripted)
     assert r.token_ids == [5, 6, 7, 8] and r.stats.finish_reason == "eos"
     assert r.stats.tau == pytest.approx(5 / 3)            # was 4 / 3: the EOS round counted no token
+
+
+def test_ignore_eos_decodes_through_eos_to_the_budget(tiny_engines):
+    """ignore_eos keeps EOS in the output and stops only at max_new_tokens (benchmarks at equal length)."""
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    eos = gen.manifest.eos_token_ids[0]
+
+    def scripted(engine, prompt, sampling, rng, stats):
+        for tokens in ([5, eos], [7, 8], [eos, 9, 10]):
+            stats.rounds += 1
+            yield tokens
+
+    stopped = gen.generate("hi", max_new_tokens=6, decode=scripted)
+    assert stopped.token_ids == [5] and stopped.stats.finish_reason == "eos"
+    r = gen.generate("hi", max_new_tokens=6, decode=scripted, ignore_eos=True)
+    assert r.token_ids == [5, eos, 7, 8, eos, 9] and r.stats.finish_reason == "length"
