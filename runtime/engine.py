@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import SpecrtError
-from .hugepages import advise_huge_pages
+from .hugepages import advise_huge_pages, anonymous_mappings
 
 
 class ContextFullError(SpecrtError):
@@ -31,6 +31,7 @@ class OrtEngine:
     def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0,
                  with_hidden: bool = False, session_config: dict[str, str] | None = None, huge_pages: bool = True):
+        before = anonymous_mappings() if huge_pages else None
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = threads
@@ -55,7 +56,7 @@ class OrtEngine:
         self.reserve(max_context)
         self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
         if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (hugepages.py; ~1.5 ms/step)
-            advise_huge_pages()
+            advise_huge_pages(since=before)
 
     def reserve(self, positions: int) -> None:
         """Lay the cache out for about `positions` positions per head (rounded up to CAPACITY_STEP, at most

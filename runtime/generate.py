@@ -78,16 +78,17 @@ def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
 
 
 class Generator:
-    def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0):
+    def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0, huge_pages: bool = True):
+        """huge_pages: ask Linux for transparent huge pages for the engine's memory (runtime/hugepages.py)."""
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads)
+        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, huge_pages=huge_pages)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 
     @classmethod
-    def load(cls, path: str | Path, precision: str = "fp32", threads: int = 0) -> "Generator":
-        return cls(load_manifest(Path(path)), precision, threads)
+    def load(cls, path: str | Path, precision: str = "fp32", threads: int = 0, huge_pages: bool = True) -> "Generator":
+        return cls(load_manifest(Path(path)), precision, threads, huge_pages)
 
     def prompt_ids(self, prompt: str | list[Message], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):

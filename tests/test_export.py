@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -115,8 +116,29 @@ def test_context_limit_is_a_clear_error(tmp_path):
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir(), reason="needs Linux with THP")
 def test_huge_page_advice_covers_large_anonymous_memory():
-    from specrt.runtime.hugepages import HUGE, advise_huge_pages
+    from specrt.runtime.hugepages import HUGE, _subtract, advise_huge_pages, anonymous_mappings
 
-    block = np.ones(16 * HUGE // 8)  # 32 MiB of touched anonymous memory, like pre-packed weights
-    assert advise_huge_pages() >= 8 * HUGE
-    assert block.sum() == block.size  # contents unchanged by the advice
+    assert _subtract([(0, 10), (20, 30)], [(2, 4), (6, 8), (9, 25)]) == [(0, 2), (4, 6), (8, 9), (25, 30)]
+
+    def vm_flags(address: int) -> list[str]:  # /proc/self/smaps: "hg" = MADV_HUGEPAGE was given
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        for i, line in enumerate(lines):
+            span = line.split()[0]
+            if "-" in span and all(c in "0123456789abcdef-" for c in span):
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= address < hi:
+                    return next(x for x in lines[i + 1:] if x.startswith("VmFlags:")).split()[1:]
+        raise AssertionError(f"no mapping holds {address:#x}")
+
+    def anonymous(size: int) -> np.ndarray:  # touched anonymous memory numpy did not allocate (numpy advises its own)
+        view = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+        view[:] = 1
+        return view
+
+    host = anonymous(16 * HUGE)  # the host's memory, there before the engine
+    before = anonymous_mappings()
+    block = anonymous(16 * HUGE)  # 32 MiB, like pre-packed weights
+    assert advise_huge_pages(since=before) >= 8 * HUGE
+    assert int(block.sum()) == block.size  # contents unchanged by the advice
+    middle = block.nbytes // 2  # (the kernel may have merged block and host into one mapping: ranges count)
+    assert "hg" in vm_flags(block.ctypes.data + middle) and "hg" not in vm_flags(host.ctypes.data + middle)
