@@ -28,6 +28,9 @@ def bench(
                                    help="listed (the order of --modes / the default list) or reversed. ONNX Runtime "
                                         "sessions created later decoded up to ~10% faster here, so compare two "
                                         "contenders in both orders (BENCHMARKS.md, 'load order')."),
+    isolate: bool = typer.Option(False, "--isolate",
+                                 help="Run every contender in a worker process of its own (as a user's process holds one "
+                                      "runtime): no load-order effect, nothing shared; calls stay interleaved."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos",
                                     help="Every contender generates exactly each prompt's max_new_tokens, through EOS: "
                                          "tok/s then compares engines at equal lengths (two int4 models stop at different "
@@ -57,7 +60,7 @@ def bench(
         cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,
                           reps=reps, threads=threads, quick=quick, per_category=per_category,
                           max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, isolate=isolate)
         res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
         command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
         write(res, out, command)

@@ -25,7 +25,9 @@ def markdown(res: dict, command: str) -> str:
         + ("; **--ignore-eos**: every contender generates exactly each prompt's max_new_tokens (ours and llama.cpp "
            "decode through EOS, genai and transformers suppress it), so agreement past an EOS means nothing"
            if meta.get("ignore_eos") else ""),
-        f"- load order (sessions created later decoded faster here): {', '.join(res.get('load_order', res['modes']))}",
+        ("- each contender in a worker process of its own (`--isolate`): no load order, nothing shared; load order "
+         if meta.get("isolate") else "- load order (sessions created later decoded faster here): ")
+        + ", ".join(res.get("load_order", res["modes"])),
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
         + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",
         f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "

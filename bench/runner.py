@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import load_manifest
 from . import contenders
+from .isolate import Isolated
 from .peers import Unavailable
 from .prompts import DEFAULT_PROMPTS, PromptCase, load_prompts, select
 
@@ -55,6 +56,8 @@ class BenchConfig:
     # every contender generates exactly max_new_tokens: tok/s then compares engines at equal lengths (two int4
     # models stop at different EOS positions, and a short answer's tok/s is mostly its prefill)
     ignore_eos: bool = False
+    # each contender in a worker process of its own (bench/isolate.py): no load-order effect, nothing shared
+    isolate: bool = False
 
 
 def first_divergence(ref: list[int], out: list[int]) -> int | None:
@@ -101,15 +104,39 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     ck = contenders.checkpoint(manifest, threads, cfg.hf_assistant, context, cfg.ignore_eos)
     ck.cache.mkdir(parents=True, exist_ok=True)
 
-    # 1-2. load and warm up; a contender that cannot run here is a note, not a failure
     live, notes = [], []
+    try:
+        _load(cfg, names, manifest, ck, cases[0], prompt_ids, live, notes, log)
+        t_start = time.perf_counter()
+        runs, failed = _interleave(cfg, cases, prompt_ids, live, notes, log)
+    finally:
+        for c in live:  # workers of --isolate (in-process contenders have nothing to close)
+            if isinstance(c, Isolated):
+                c.close()
+    live = [c for c in live if c.name not in failed]
+    runs = [r for r in runs if r["mode"] not in failed]
+    # agreement against the reference's greedy output (first repetition)
+    ref = {r["case"]: r["token_ids"] for r in runs if r["mode"] == contenders.REFERENCE and r["rep"] == 0}
+    for r in runs:
+        r["first_divergence"] = first_divergence(ref[r["case"]], r["token_ids"])
+    modes = sorted((c.name for c in live), key=names.index)  # tables in the listed order, whatever the load order
+    summary = summarize(runs, modes, cases)
+    return {"meta": _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start), "notes": notes,
+            "modes": modes, "load_order": [c.name for c in live], "cases": [c.as_dict() for c in cases], "summary": summary,
+            "runs": runs}
+
+
+def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, live: list, notes: list, log) -> None:
+    """Load and warm up every contender into `live`; one that cannot run here is a note, not a failure."""
     for name in (names if cfg.load_order == "listed" else names[::-1]):
         t0 = time.perf_counter()
-        c = contenders.make(name, manifest, ck)
+        c = Isolated(name, manifest.root, ck) if cfg.isolate else contenders.make(name, manifest, ck)
         try:
             c.load(log=log)
-            c.run(prompt_ids[cases[0].id], cases[0].messages, WARMUP_TOKENS)
+            c.run(prompt_ids[first.id], first.messages, WARMUP_TOKENS)
         except Unavailable as e:
+            if isinstance(c, Isolated):
+                c.close()
             if name == contenders.REFERENCE:
                 raise SpecrtError(f"the reference {name} cannot run: {e}") from None
             notes.append(f"{name}: skipped ({e})")
@@ -118,7 +145,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         live.append(c)
         log(f"loaded {name} in {time.perf_counter() - t0:.1f}s")
 
-    # 3. interleaved repetitions
+
+def _interleave(cfg: BenchConfig, cases, prompt_ids, live: list, notes: list, log) -> tuple[list[dict], set[str]]:
+    """cfg.reps x every prompt x every live contender, in a seeded random order per prompt."""
     runs, failed = [], set()
     t_start = time.perf_counter()
     order_rng = np.random.default_rng(0)
@@ -147,18 +176,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                              "gaps_s": np.diff(tr.t_tokens).tolist(), "tau": tr.tau,
                              "acceptance": list(tr.acceptance), "token_ids": tr.token_ids})
         log(f"rep {rep + 1}/{cfg.reps} done ({time.perf_counter() - t_start:.0f}s)")
-
-    live = [c for c in live if c.name not in failed]
-    runs = [r for r in runs if r["mode"] not in failed]
-    # agreement against the reference's greedy output (first repetition)
-    ref = {r["case"]: r["token_ids"] for r in runs if r["mode"] == contenders.REFERENCE and r["rep"] == 0}
-    for r in runs:
-        r["first_divergence"] = first_divergence(ref[r["case"]], r["token_ids"])
-    modes = sorted((c.name for c in live), key=names.index)  # tables in the listed order, whatever the load order
-    summary = summarize(runs, modes, cases)
-    return {"meta": _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start), "notes": notes,
-            "modes": modes, "load_order": [c.name for c in live], "cases": [c.as_dict() for c in cases], "summary": summary,
-            "runs": runs}
+    return runs, failed
 
 
 def median_by_case(runs: list[dict], key: str) -> dict[str, float]:
@@ -254,4 +272,5 @@ def _meta(cfg: BenchConfig, manifest, threads: int, cases, bench_s: float) -> di
             "prompts": str(cfg.prompts), "cases": len(cases), "reps": cfg.reps, "quick": cfg.quick,
             "threads": threads, "cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
             "versions": _versions(), "bench_s": round(bench_s, 1), "reference": contenders.REFERENCE,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "ignore_eos": cfg.ignore_eos}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "ignore_eos": cfg.ignore_eos,
+            "isolate": cfg.isolate}

@@ -239,3 +239,38 @@ def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path
     assert full["meta"]["ignore_eos"] is True
     ours = [r["token_ids"] for r in full["runs"] if r["mode"] != "hf"]
     assert ours[0] == ours[1] == plain  # ours decode through EOS: the same tokens as the unstopped run
+
+
+def test_isolate_runs_each_contender_in_its_own_process(tiny_engines, tmp_path):
+    """--isolate: same interface and results (greedy output equals the reference's), one process each."""
+    from specrt.bench import isolate
+
+    pids = []
+    real_load = isolate.Isolated.load
+
+    def load(self, log=print):
+        real_load(self, log)
+        pids.append(self.proc.pid)
+
+    isolate.Isolated.load = load
+    try:
+        cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
+                          threads=1, modes="plain-fp32,prompt-lookup-fp32,llamacpp", isolate=True)
+        res = run_bench(cfg, log=lambda m: None)
+    finally:
+        isolate.Isolated.load = real_load
+    assert res["modes"] == ["plain-fp32", "prompt-lookup-fp32"] and res["meta"]["isolate"] is True
+    assert any("llamacpp: skipped" in n for n in res["notes"])  # Unavailable (no GGUF) crosses the pipe as a note
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    rows = {(r["mode"], r["category"]): r for r in res["summary"]}
+    assert rows[("prompt-lookup-fp32", "all")]["identical"] == f"{len(CATEGORIES)}/{len(CATEGORIES)}"
+    assert all(r["new_tokens"] >= 1 for r in res["runs"])
+
+
+def test_isolate_reports_a_bad_engine_set_in_one_line(tmp_path):
+    from specrt.bench.isolate import Isolated
+    from specrt.bench.peers import Checkpoint
+
+    ck = Checkpoint("hf", tmp_path, "x", (2,), tmp_path, 1)
+    with pytest.raises(SpecrtError, match="manifest"):
+        Isolated("plain-fp32", tmp_path, ck).load(log=lambda m: None)
