@@ -11,6 +11,7 @@ them, and each call's timings are taken inside its worker, so the pipe costs not
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import traceback
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from .peers import Checkpoint, Trace, Unavailable
 
 def _serve(conn, name: str, engines: str, ck: Checkpoint) -> None:
     """Worker: build the contender, then answer ("run", args) until ("stop",) or the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the runner's to handle: it stops the workers
     from ..manifest import load_manifest
     from . import contenders
 
@@ -45,12 +47,28 @@ def _serve(conn, name: str, engines: str, ck: Checkpoint) -> None:
             return
         try:
             conn.send(("ok", c.run(*msg[1])))
+        except SpecrtError as e:
+            conn.send(("specrt-error", str(e)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
 class WorkerError(RuntimeError):
-    """A contender failed inside its worker; the message is the worker's, the traceback its text."""
+    """A contender failed inside its worker (or the worker died); `detail` is the worker's traceback."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
+def _raise(msg: tuple):
+    """Re-raise in the runner what a worker reported: the same kinds as an in-process contender raises."""
+    kind = msg[0]
+    if kind == "unavailable":
+        raise Unavailable(msg[1])
+    if kind == "specrt-error":
+        raise SpecrtError(msg[1])
+    raise WorkerError(msg[1], msg[2] if len(msg) > 2 else "")
 
 
 class Isolated:
@@ -73,25 +91,24 @@ class Isolated:
                 log(msg[1])
             elif msg[0] == "ready":
                 return
-            elif msg[0] in ("unavailable", "specrt-error"):
-                self.close()
-                raise (Unavailable if msg[0] == "unavailable" else SpecrtError)(msg[1])
             else:
                 self.close()
-                raise WorkerError(msg[1])
+                _raise(msg)
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
         self.conn.send(("run", (prompt_ids, messages, max_new_tokens)))
         msg = self._recv()
         if msg[0] != "ok":
-            raise WorkerError(msg[1])
+            _raise(msg)
         return msg[1]
 
     def _recv(self):
         try:
             return self.conn.recv()
         except EOFError:
-            code = self.proc.exitcode if self.proc is not None else None
+            self.proc.join(timeout=5)
+            code = self.proc.exitcode
+            self.close()
             raise WorkerError(f"{self.name}'s worker process died (exit code {code})") from None
 
     def close(self) -> None:

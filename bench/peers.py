@@ -147,7 +147,7 @@ class GenaiPeer:
         self._og, self.model = og, og.Model(config)
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
-        og, eos = self._og, set(self.ck.eos_ids)
+        og, eos = self._og, set() if self.ck.ignore_eos else set(self.ck.eos_ids)
         clock = Clock()
         params = og.GeneratorParams(self.model)
         length = len(prompt_ids) + max_new_tokens

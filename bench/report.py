@@ -25,7 +25,7 @@ def markdown(res: dict, command: str) -> str:
         + ("; **--ignore-eos**: every contender generates exactly each prompt's max_new_tokens (ours and llama.cpp "
            "decode through EOS, genai and transformers suppress it), so agreement past an EOS means nothing"
            if meta.get("ignore_eos") else ""),
-        ("- each contender in a worker process of its own (`--isolate`): no load order, nothing shared; load order "
+        ("- each contender in a worker process of its own (`--isolate`), nothing shared; workers started in order: "
          if meta.get("isolate") else "- load order (sessions created later decoded faster here): ")
         + ", ".join(res.get("load_order", res["modes"])),
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import load_manifest
 from . import contenders
-from .isolate import Isolated
+from .isolate import Isolated, WorkerError
 from .peers import Unavailable
 from .prompts import DEFAULT_PROMPTS, PromptCase, load_prompts, select
 
@@ -134,14 +134,21 @@ def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, 
         try:
             c.load(log=log)
             c.run(prompt_ids[first.id], first.messages, WARMUP_TOKENS)
-        except Unavailable as e:
+        except (Unavailable, WorkerError) as e:
             if isinstance(c, Isolated):
                 c.close()
+            if isinstance(e, WorkerError) and name not in contenders.PEERS:
+                log(e.detail)  # the worker's traceback: our own modes must run, so this is a bug to see
+                raise  # (a peer crashing in its worker, which isolating is for, becomes a note below)
             if name == contenders.REFERENCE:
                 raise SpecrtError(f"the reference {name} cannot run: {e}") from None
             notes.append(f"{name}: skipped ({e})")
             log(f"skip {name}: {e}")
             continue
+        except BaseException:
+            if isinstance(c, Isolated):  # not in `live` yet, so run_bench's cleanup would miss it
+                c.close()
+            raise
         live.append(c)
         log(f"loaded {name} in {time.perf_counter() - t0:.1f}s")
 
@@ -164,6 +171,8 @@ def _interleave(cfg: BenchConfig, cases, prompt_ids, live: list, notes: list, lo
                     tr = c.run(prompt_ids[case.id], case.messages, case.max_new_tokens)
                 except Exception as e:  # a peer breaking mid-run costs its column, not the whole run
                     if c.name not in contenders.PEERS:
+                        if isinstance(e, WorkerError):
+                            log(e.detail)
                         raise
                     failed.add(c.name)
                     notes.append(f"{c.name}: dropped, failed on {case.id} ({type(e).__name__}: {str(e)[:160]})")

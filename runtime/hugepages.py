@@ -6,8 +6,9 @@ session 5). Where THP is `madvise` (the common default), nothing gets huge pages
 a session is built (its pre-packed weights allocated) we ask: MADV_HUGEPAGE on every anonymous read-write
 mapping of at least 2 MiB that appeared (or grew) while the engine was built, and MADV_COLLAPSE (Linux >=
 6.1) to turn the pages already there into huge pages now rather than whenever khugepaged gets to them.
-The host process's own memory (or another runtime's) is left as it was. Hints only: any failure leaves
-memory as it was.
+The host process's own memory (or another runtime's) is left as it was; so is memory an engine reuses
+from ranges mapped before it (free heap or arena space), which may then stay on 4 KiB pages. Hints only:
+any failure leaves memory as it was.
 """
 
 from __future__ import annotations

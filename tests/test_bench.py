@@ -241,30 +241,52 @@ def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path
     assert ours[0] == ours[1] == plain  # ours decode through EOS: the same tokens as the unstopped run
 
 
-def test_isolate_runs_each_contender_in_its_own_process(tiny_engines, tmp_path):
-    """--isolate: same interface and results (greedy output equals the reference's), one process each."""
-    from specrt.bench import isolate
+def test_isolate_runs_each_contender_in_its_own_process(tiny_engines, tmp_path, monkeypatch):
+    """--isolate: same interface and results (greedy output equals the reference's), one process each,
+    every worker stopped afterwards."""
+    from specrt.bench import isolate, runner
 
-    pids = []
-    real_load = isolate.Isolated.load
+    made = []
 
-    def load(self, log=print):
-        real_load(self, log)
-        pids.append(self.proc.pid)
+    class Recorded(isolate.Isolated):
+        def load(self, log=print):
+            made.append(self)
+            super().load(log)
+            self.pid = self.proc.pid
 
-    isolate.Isolated.load = load
-    try:
-        cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
-                          threads=1, modes="plain-fp32,prompt-lookup-fp32,llamacpp", isolate=True)
-        res = run_bench(cfg, log=lambda m: None)
-    finally:
-        isolate.Isolated.load = real_load
+    monkeypatch.setattr(runner, "Isolated", Recorded)
+    cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
+                      threads=1, modes="plain-fp32,prompt-lookup-fp32,llamacpp", isolate=True)
+    res = run_bench(cfg, log=lambda m: None)
     assert res["modes"] == ["plain-fp32", "prompt-lookup-fp32"] and res["meta"]["isolate"] is True
     assert any("llamacpp: skipped" in n for n in res["notes"])  # Unavailable (no GGUF) crosses the pipe as a note
-    assert len(set(pids)) == 2 and os.getpid() not in pids
+    pids = [c.pid for c in made if hasattr(c, "pid")]
+    assert len(made) == 3 and len(set(pids)) == 2 and os.getpid() not in pids
+    assert all(c.proc is None for c in made)  # every worker stopped, the skipped one included
     rows = {(r["mode"], r["category"]): r for r in res["summary"]}
     assert rows[("prompt-lookup-fp32", "all")]["identical"] == f"{len(CATEGORIES)}/{len(CATEGORIES)}"
     assert all(r["new_tokens"] >= 1 for r in res["runs"])
+
+
+def test_isolate_stops_a_worker_whose_warm_up_fails(tiny_engines, tmp_path, monkeypatch):
+    from specrt.bench import isolate, runner
+
+    made = []
+
+    class Interrupted(isolate.Isolated):
+        def load(self, log=print):
+            made.append(self)
+            super().load(log)
+
+        def run(self, *args):
+            raise KeyboardInterrupt  # e.g. Ctrl-C during the warm-up: the worker is not in `live` yet
+
+    monkeypatch.setattr(runner, "Isolated", Interrupted)
+    cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
+                      threads=1, modes="plain-fp32", isolate=True)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg, log=lambda m: None)
+    assert len(made) == 1 and made[0].proc is None
 
 
 def test_isolate_reports_a_bad_engine_set_in_one_line(tmp_path):
