@@ -43,6 +43,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_epochs: int = 4
     budget_s: float = 1500.0     # wall-clock training budget
+    stop_step: int = 0           # stop (checkpointed, resumable) at this step; 0 = run to the end
     ckpt_seconds: float = 60.0
     head_decay: float = 0.8      # loss weight of head k: decay ** (k - 1) (Medusa)
     ranks: int = 10              # per-rank held-out accuracy for ranks < this
@@ -126,7 +127,8 @@ def train_heads(data_paths: Path | list[Path], lm_head: np.ndarray, out: Path, c
     hid = torch.from_numpy(hidden)
     t_start, t_ckpt = time.time() - state["elapsed"], time.time()
     step = state["step"]
-    while step < total and time.time() - t_start < cfg.budget_s:
+    end = min(total, cfg.stop_step or total)
+    while step < end and time.time() - t_start < cfg.budget_s:
         epoch, i = divmod(step, steps_per_epoch)
         perm = np.random.default_rng(cfg.seed + epoch).permutation(tr)  # same order after a resume
         idx = perm[i * cfg.batch: (i + 1) * cfg.batch]
@@ -168,8 +170,8 @@ def train_heads(data_paths: Path | list[Path], lm_head: np.ndarray, out: Path, c
 
 
 def _trajectory(cfg: dict) -> dict:
-    """The settings a resumed run must share (budget, checkpoint period and threads may change)."""
-    return {k: v for k, v in cfg.items() if k not in ("budget_s", "ckpt_seconds", "threads")}
+    """The settings a resumed run must share (budget, stop step, checkpoint period and threads may change)."""
+    return {k: v for k, v in cfg.items() if k not in ("budget_s", "stop_step", "ckpt_seconds", "threads")}
 
 
 def _pick_vocab(train_labels: np.ndarray, V: int, size: int) -> np.ndarray:
