@@ -38,7 +38,7 @@ test: venv
 	$(PY) -m pytest
 
 bench: engines $(VENV)/.peers
-	$(SPECRT) bench --engines $(ENGINES) --out bench-out
+	$(SPECRT) bench --engines $(ENGINES) --isolate --out bench-out
 
 clean:
 	rm -rf engines/.cache engines/.tmp-* bench-out
