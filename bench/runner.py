@@ -131,12 +131,12 @@ def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, 
     for name in (names if cfg.load_order == "listed" else names[::-1]):
         t0 = time.perf_counter()
         c = Isolated(name, manifest.root, ck) if cfg.isolate else contenders.make(name, manifest, ck)
+        loaded = False
         try:
             c.load(log=log)
             c.run(prompt_ids[first.id], first.messages, WARMUP_TOKENS)
+            loaded = True
         except (Unavailable, WorkerError) as e:
-            if isinstance(c, Isolated):
-                c.close()
             if isinstance(e, WorkerError) and name not in contenders.PEERS:
                 log(e.detail)  # the worker's traceback: our own modes must run, so this is a bug to see
                 raise  # (a peer crashing in its worker, which isolating is for, becomes a note below)
@@ -145,10 +145,9 @@ def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, 
             notes.append(f"{name}: skipped ({e})")
             log(f"skip {name}: {e}")
             continue
-        except BaseException:
-            if isinstance(c, Isolated):  # not in `live` yet, so run_bench's cleanup would miss it
+        finally:
+            if not loaded and isinstance(c, Isolated):  # not in `live`, so run_bench's cleanup would miss it
                 c.close()
-            raise
         live.append(c)
         log(f"loaded {name} in {time.perf_counter() - t0:.1f}s")
 
