@@ -125,10 +125,17 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
     bdir.mkdir(exist_ok=True)
     built = bdir / f"{role}-{p}.onnx"
     if not built.is_file():
-        log(f"building onnxruntime {role} engine at {p}")
+        prec = precision(p)
+        calibration = None
+        if prec.method == "gptq":
+            calibration = _calibration(cache, facts)
+            log(f"building onnxruntime {role} engine at {p} (GPTQ: one fp32 pass over {len(calibration)} "
+                "calibration texts, then the weights)")
+        else:
+            log(f"building onnxruntime {role} engine at {p}")
         t0 = time.time()
         part = bdir / f".part-{role}-{p}.onnx"
-        info = build_ort_engine(cache / "model.onnx", part, precision(p))
+        info = build_ort_engine(cache / "model.onnx", part, prec, calibration)
         info["build_seconds"] = round(time.time() - t0, 1)
         os.replace(str(part) + ".data", str(built) + ".data")
         _rewrite_data_location(part, built)
@@ -194,6 +201,18 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
                        "heads_sha256": file_sha256(heads_path),
                        "training": {k: v for k, v in report.items() if k not in ("tree_order", "tree_values", "rank_acc")},
                        "rank_acc": report.get("rank_acc")}}
+
+
+def _calibration(cache: Path, facts: dict) -> list[list[int]]:
+    """GPTQ's calibration: stdlib code as raw text, stdlib doc questions through the chat template."""
+    from .build.gptq import MAX_TOKENS, calibration_texts
+    from .runtime.tokenizer import Message, TextCodec
+
+    codec = TextCodec(cache / "tokenizer.json", _chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+    limit = min(MAX_TOKENS, facts["max_context"])
+    seqs = [codec.encode(codec.render_chat([Message("user", text)]) if kind == "chat" else text)[:limit]
+            for kind, text in calibration_texts()]
+    return [s for s in seqs if s]
 
 
 def _engine(path: Path, facts: dict, session_config=None):
