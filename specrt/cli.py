@@ -3,6 +3,7 @@ and works without torch; user mistakes (SpecrtError, ValueError) print one line 
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -36,6 +37,11 @@ def _guard(fn):
         _fail(str(e).splitlines()[0])
     except KeyboardInterrupt:
         _fail("interrupted")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        _fail(f"no space left on the disk holding '{e.filename or 'the output folder'}'; free some space "
+              "(`specrt cache --prune` deletes build folders no engine set uses) and run the command again")
 
 
 @app.command()

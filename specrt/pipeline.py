@@ -135,10 +135,15 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
             log(f"building onnxruntime {role} engine at {p}")
         t0 = time.time()
         part = bdir / f".part-{role}-{p}.onnx"
-        info = build_ort_engine(cache / "model.onnx", part, prec, calibration)
-        info["build_seconds"] = round(time.time() - t0, 1)
-        os.replace(str(part) + ".data", str(built) + ".data")
-        _rewrite_data_location(part, built)
+        try:
+            info = build_ort_engine(cache / "model.onnx", part, prec, calibration)
+            info["build_seconds"] = round(time.time() - t0, 1)
+            os.replace(str(part) + ".data", str(built) + ".data")
+            _rewrite_data_location(part, built)
+        except BaseException:  # a failed or interrupted build leaves no partial engine in the cache
+            for leftover in (part, Path(str(part) + ".data"), built, Path(str(built) + ".data")):
+                leftover.unlink(missing_ok=True)
+            raise
         (bdir / f"{role}-{p}.json").write_text(json.dumps(info))
     for f in (built, Path(str(built) + ".data")):
         _link(f, tmp / f.name)

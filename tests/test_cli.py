@@ -171,3 +171,21 @@ def test_cache_lists_and_prunes_only_what_no_engine_set_uses(tiny_dir, tmp_path)
     assert not stale_build.exists() and not old_export.exists() and exp.exists()
     assert Generator.load(path).generate("hi", max_new_tokens=2).token_ids   # the set still works
     assert_user_error(specrt("cache", "--out", tmp_path / "nowhere"), "no build cache", "specrt engines")
+
+
+def test_disk_full_during_a_build_is_one_line_and_leaves_no_partial_engine(tiny_dir, tmp_path):
+    out = tmp_path / "eng"
+    code = (
+        "import errno, sys\n"
+        "import specrt.build.ort as ort\n"
+        "def full(src, dst, prec, calibration=None):\n"
+        "    open(str(dst) + '.data', 'wb').write(b'x' * 100)  # what a full disk leaves behind\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device', str(dst) + '.data')\n"
+        "ort.build_ort_engine = full\n"
+        "from specrt.cli import main\n"
+        f"sys.argv = ['specrt', 'engines', '--source', {str(tiny_dir)!r}, '--precisions', 'fp32', '--max-context', '256', '--out', {str(out)!r}]\n"
+        "main()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert_user_error(r, "no space left", "cache --prune")
+    no_leftovers(out)
+    assert [p for p in (out / ".cache").rglob("*") if p.is_file() and "build-" in str(p.parent.name)] == []
