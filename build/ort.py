@@ -41,9 +41,9 @@ class OrtPrecision:
 # with fp32 compute ran at ~2 tok/s. int4 uses int8 compute too (what makes it fast; a 5-token pass then
 # costs ~1.1x a step), which is not width-exact; int4-fp32 keeps fp32 compute, slower but width-exact,
 # so speculative output equals that engine's own plain output.
-# int4 is GPTQ in blocks of 64: measured on SmolLM2 (BENCHMARKS "Session 7"), round-to-nearest in blocks
-# of 32 / 64 gives KL to fp32 0.344 / 0.404, GPTQ in blocks of 64 0.339, and blocks of 64 decode ~8%
-# and prefill ~12% faster than blocks of 32 (fewer scales to apply in the int8 kernel).
+# int4 is GPTQ in blocks of 64. Measured on SmolLM2 (BENCHMARKS "Session 7"): KL from fp32 over 24 bench
+# answers, round-to-nearest in blocks of 32 / 64: 0.328 / 0.387, GPTQ in blocks of 64: 0.295; and blocks
+# of 64 decode ~7% and prefill ~15% faster than blocks of 32 (fewer scales to apply in the int8 kernel).
 ORT_PRECISIONS = {
     # Smaller work blocks in the intra-op thread pool: fp32 decode steps ~0.5-0.8 ms (3%) faster on 2
     # threads here (interleaved A/B, block base 1, 2, 4, 8 alike); no gain measured on int4, so not there.
@@ -138,7 +138,7 @@ def quantize(model: onnx.ModelProto, prec: OrtPrecision, hessians: dict | None =
                 done.append(node.name)
     others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in done]
     # GPTQ'd weights in their blocks first; then the rest, in blocks of 32 if GPTQ was meant for them too.
-    passes = [(prec.block_size, others), (32, [])] if hessians else [(prec.block_size, [])]
+    passes = [(prec.block_size, others), (32, [])] if hessians is not None else [(prec.block_size, [])]
     for block, exclude in passes:
         quantizer = MatMulNBitsQuantizer(model, bits=prec.bits, block_size=block, is_symmetric=False,
                                          accuracy_level=prec.accuracy_level or None, nodes_to_exclude=exclude)
