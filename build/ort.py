@@ -43,7 +43,7 @@ class OrtPrecision:
 # so speculative output equals that engine's own plain output.
 # int4 is GPTQ in blocks of 64. Measured on SmolLM2 (BENCHMARKS "Session 7"): KL from fp32 over 24 bench
 # answers, round-to-nearest in blocks of 32 / 64: 0.328 / 0.387, GPTQ in blocks of 64: 0.295; and blocks
-# of 64 decode ~7% and prefill ~15% faster than blocks of 32 (fewer scales to apply in the int8 kernel).
+# of 64 decode 6-13% and prefill ~15% faster than blocks of 32 (fewer scales to apply in the int8 kernel).
 ORT_PRECISIONS = {
     # Smaller work blocks in the intra-op thread pool: fp32 decode steps ~0.5-0.8 ms (3%) faster on 2
     # threads here (interleaved A/B, block base 1, 2, 4, 8 alike); no gain measured on int4, so not there.
@@ -61,9 +61,9 @@ def build_key(prec: OrtPrecision) -> str:
     """Short hash of everything that decides a built engine, for caching."""
     import hashlib
 
-    from .gptq import RECIPE
+    from .gptq import recipe_key
 
-    calibration = RECIPE if prec.method == "gptq" else ()
+    calibration = recipe_key() if prec.method == "gptq" else ()
     return hashlib.sha256(f"{BUILD_FORMAT}:{prec!r}:{calibration}".encode()).hexdigest()[:10]
 
 
@@ -144,6 +144,10 @@ def quantize(model: onnx.ModelProto, prec: OrtPrecision, hessians: dict | None =
                                          accuracy_level=prec.accuracy_level or None, nodes_to_exclude=exclude)
         quantizer.process()
         model = quantizer.model.model
+    blocks = [a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"]
+    if blocks.count(prec.block_size) < len(done):  # passes select by node name: names must be unique
+        raise RuntimeError(f"{len(done)} GPTQ weights but {blocks.count(prec.block_size)} MatMulNBits in blocks "
+                           f"of {prec.block_size}; the graph's node names are not unique")
     return model
 
 
@@ -170,23 +174,23 @@ def build_ort_engine(src_onnx: Path, dst_onnx: Path, prec: OrtPrecision,
     # fp32 rewrites only the graph here: the weights stay where export wrote them (no 2x copy in memory).
     model = quantize(fuse_attention(onnx.load(str(src_onnx), load_external_data=quantized)), prec, hessians)
     del hessians
-    if quantized:
-        tmp = dst_onnx.with_suffix(".raw.onnx")
-        onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=tmp.name + ".data", size_threshold=1024)
-    else:  # beside the source, so its external-data references resolve
-        tmp = src_onnx.parent / f".raw-{os.getpid()}-{dst_onnx.name}"
-        onnx.save_model(model, str(tmp))
-    del model
     import onnxruntime as ort
 
+    # quantized: beside the engine; fp32: beside the source, so its external-data references resolve
+    tmp = dst_onnx.with_suffix(".raw.onnx") if quantized else src_onnx.parent / f".raw-{os.getpid()}-{dst_onnx.name}"
     opt = dst_onnx.with_name(dst_onnx.stem + ".opt.onnx")
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(opt)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", opt.name + ".data")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    try:
+    try:  # every intermediate file goes in the finally below, also when a save fails (a full disk)
+        if quantized:
+            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=tmp.name + ".data", size_threshold=1024)
+        else:
+            onnx.save_model(model, str(tmp))
+        del model
         ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
         optimized = fuse_skip_norm(onnx.load(str(opt)))
         # Weights re-written by onnx rather than kept as ORT saved them: decoding from ORT's own file

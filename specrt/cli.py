@@ -37,11 +37,12 @@ def _guard(fn):
         _fail(str(e).splitlines()[0])
     except KeyboardInterrupt:
         _fail("interrupted")
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
+    except Exception as e:  # a full disk, from Python (OSError) or from onnxruntime's writers (its own errors)
+        if not (isinstance(e, OSError) and e.errno == errno.ENOSPC) and "No space left on device" not in str(e):
             raise
-        _fail(f"no space left on the disk holding '{e.filename or 'the output folder'}'; free some space "
-              "(`specrt cache --prune` deletes build folders no engine set uses) and run the command again")
+        where = f"the disk holding '{e.filename}'" if getattr(e, "filename", None) else "the disk"
+        _fail(f"no space left on {where}; free some space (`specrt cache --prune` deletes build folders no "
+              "engine set uses) and run the command again")
 
 
 @app.command()

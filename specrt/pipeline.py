@@ -135,16 +135,17 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
             log(f"building onnxruntime {role} engine at {p}")
         t0 = time.time()
         part = bdir / f".part-{role}-{p}.onnx"
-        try:
+        facts_file = bdir / f"{role}-{p}.json"
+        try:  # `built` appears last, by rename: it marks a complete build
             info = build_ort_engine(cache / "model.onnx", part, prec, calibration)
             info["build_seconds"] = round(time.time() - t0, 1)
+            facts_file.write_text(json.dumps(info))
             os.replace(str(part) + ".data", str(built) + ".data")
             _rewrite_data_location(part, built)
         except BaseException:  # a failed or interrupted build leaves no partial engine in the cache
-            for leftover in (part, Path(str(part) + ".data"), built, Path(str(built) + ".data")):
+            for leftover in (part, Path(str(part) + ".data"), built, Path(str(built) + ".data"), facts_file):
                 leftover.unlink(missing_ok=True)
             raise
-        (bdir / f"{role}-{p}.json").write_text(json.dumps(info))
     for f in (built, Path(str(built) + ".data")):
         _link(f, tmp / f.name)
     info = json.loads((bdir / f"{role}-{p}.json").read_text())
@@ -340,8 +341,8 @@ def _rewrite_data_location(part: Path, built: Path) -> None:
         for kv in t.external_data:
             if kv.key == "location":
                 kv.value = built.name + ".data"
-    onnx.save_model(model, str(built))
-    part.unlink()
+    onnx.save_model(model, str(part))
+    os.replace(part, built)
 
 
 def _link(src: Path, dst: Path) -> None:
