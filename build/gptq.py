@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..export.graph import chain_feeds
+
 MAX_K = 4096  # larger inputs (e.g. a 1.5B model's 8960-wide MLP) would hold a 640 MB Hessian each: RTN
 TEXTS = 128  # calibration texts: 23k tokens for SmolLM2; 128 texts measured KL 0.310, 64 raw chunks 0.322 (BENCHMARKS)
 MAX_TOKENS = 512
@@ -84,17 +86,12 @@ def hessians(model: onnx.ModelProto, model_dir: Path, sequences: list[list[int]]
     acc = {w: 0.0 for ws in wanted.values() for w in ws}
     tokens = 0
     for ids in sequences:
-        n = len(ids)
-        feeds = {"input_ids": np.asarray([ids], np.int64), "position_ids": np.arange(n, dtype=np.int64)[None],
-                 "tree_mask": np.zeros((1, n, n), np.float32), "seqlens_k": np.array([n - 1], np.int32),
-                 "total_sequence_length": np.array(n, np.int32), "num_logits_to_keep": np.array(n, np.int64),
-                 **zeros}
-        for x, out in zip(wanted, session.run(list(wanted), feeds)):
+        for x, out in zip(wanted, session.run(list(wanted), chain_feeds(ids, 0, len(ids), zeros))):
             out = out.reshape(-1, out.shape[-1]).astype(np.float64)
             gram = out.T @ out
             for w in wanted[x]:
                 acc[w] = acc[w] + gram
-        tokens += n
+        tokens += len(ids)
     return acc, tokens
 
 

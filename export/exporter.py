@@ -93,6 +93,8 @@ def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greed
     """Run the standard graph (function inlined by ORT, cache passed in and out, no sharing)."""
     import onnxruntime as ort
 
+    from .graph import chain_feeds
+
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     cache_shape = (1, spec.num_kv_heads, max_context, spec.head_dim)
     past = {f"past_key_values.{i}.{k}": np.zeros(cache_shape, np.float32)
@@ -100,12 +102,7 @@ def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greed
     names = [o.name for o in sess.get_outputs()]
 
     def run(tokens: np.ndarray, start: int, n_logits: int) -> np.ndarray:
-        n = len(tokens)
-        feeds = {"input_ids": tokens[None], "position_ids": np.arange(start, start + n)[None],
-                 "tree_mask": np.zeros((1, n, n), np.float32), "seqlens_k": np.array([start + n - 1], np.int32),
-                 "total_sequence_length": np.array(start + n, np.int32),
-                 "num_logits_to_keep": np.array(n_logits, np.int64), **past}
-        outs = dict(zip(names, sess.run(None, feeds)))
+        outs = dict(zip(names, sess.run(None, chain_feeds(tokens, start, n_logits, past))))
         for i in range(spec.num_layers):
             for k in ("key", "value"):
                 past[f"past_key_values.{i}.{k}"] = outs[f"present.{i}.{k}"]

@@ -123,7 +123,7 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
 
     bdir = cache / f"build-{build_key(precision(p))}"  # a changed build recipe never reuses a stale engine
     bdir.mkdir(exist_ok=True)
-    built = bdir / f"{role}-{p}.onnx"
+    built, facts_file = bdir / f"{role}-{p}.onnx", bdir / f"{role}-{p}.json"
     if not built.is_file():
         prec = precision(p)
         calibration = None
@@ -135,7 +135,6 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
             log(f"building onnxruntime {role} engine at {p}")
         t0 = time.time()
         part = bdir / f".part-{role}-{p}.onnx"
-        facts_file = bdir / f"{role}-{p}.json"
         try:  # `built` appears last, by rename: it marks a complete build
             info = build_ort_engine(cache / "model.onnx", part, prec, calibration)
             info["build_seconds"] = round(time.time() - t0, 1)
@@ -148,7 +147,7 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
             raise
     for f in (built, Path(str(built) + ".data")):
         _link(f, tmp / f.name)
-    info = json.loads((bdir / f"{role}-{p}.json").read_text())
+    info = json.loads(facts_file.read_text())
     log(f"checking {role}-{p} against PyTorch")
     parity = check_engine(tmp / built.name, facts, cache / "golden.npz", info.get("session_config"))
     entry = _entry(facts, p, built.name, info, parity)
