@@ -51,7 +51,8 @@ def engines(
                                help="Embedded model name, a Hugging Face model directory, or a .gguf file."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Engine set name (folder under --out). Default: from the source."),
     precisions: str = typer.Option("fp32,int8,int4", "--precisions", "-p",
-                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only, int8 compute), "
+                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only GPTQ in blocks "
+                                        "of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for SmolLM2), "
                                         "int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation)."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
