@@ -25,6 +25,15 @@ class ContextFullError(SpecrtError):
     pass
 
 
+# For sessions that take turns on the same cores (a target and its draft model): ONNX Runtime's intra-op
+# threads keep spinning for a while after a Run returns, and on 2 cores the spinning threads of one session
+# stole the cores the other needed. SmolLM2 fp32 target + its int4 engine as a draft, 2 threads each, K = 3:
+# verify 46 ms and 3 draft steps 38 ms a round by default, 24-25 ms and 20 ms with spinning stopped when a
+# Run returns (one shared global pool: 24 and 19 ms, but that binds every session in the process). Not on
+# for a lone target: plain steps measured 0-5% slower with it (the threads must wake up for every pass).
+TAKING_TURNS = {"session.force_spinning_stop": "1"}
+
+
 class OrtEngine:
     CAPACITY_STEP = 256  # reserve() rounds cache layouts up to a multiple of this many positions
 
@@ -80,11 +89,13 @@ class OrtEngine:
                 self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
 
     @classmethod
-    def from_entry(cls, root: Path, entry, threads: int = 0, **kwargs) -> "OrtEngine":
-        """The engine a manifest entry (specrt.manifest.EngineEntry) describes, under engine-set folder root."""
+    def from_entry(cls, root: Path, entry, threads: int = 0, taking_turns: bool = False, **kwargs) -> "OrtEngine":
+        """The engine a manifest entry (specrt.manifest.EngineEntry) describes, under engine-set folder root.
+        taking_turns: another session of this process runs between its passes (TAKING_TURNS)."""
+        config = {**(entry.raw.get("session_config") or {}), **(TAKING_TURNS if taking_turns else {})}
         return cls(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
                    head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context,
-                   threads=threads, session_config=entry.raw.get("session_config"), **kwargs)
+                   threads=threads, session_config=config, **kwargs)
 
     def enable_hidden(self) -> None:
         """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""

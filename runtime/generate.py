@@ -82,7 +82,9 @@ class Generator:
         """huge_pages: ask Linux for transparent huge pages for the engine's memory (runtime/hugepages.py)."""
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, huge_pages=huge_pages)
+        # a set with a draft model is built to speculate with it: the target takes turns with the draft
+        turns = any(e.role == "draft" for e in manifest.engines.values())
+        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, taking_turns=turns, huge_pages=huge_pages)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 

@@ -363,7 +363,7 @@ def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: Speculat
         raise SpecrtError(f"engine set '{manifest.root}' has no draft engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT` or use --speculate prompt-lookup")
     e = next((d for d in drafts if d.precision == precision), drafts[0])
-    eng = OrtEngine.from_entry(manifest.root, e, threads)
+    eng = OrtEngine.from_entry(manifest.root, e, threads, taking_turns=True)
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 

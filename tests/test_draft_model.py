@@ -59,6 +59,23 @@ def test_greedy_draft_equals_target_only(pair_engines, k):
     assert spec.stats.proposer == "draft" and spec.stats.exact
 
 
+def test_target_and_draft_stop_spinning_between_turns(pair_engines, tiny_engines):
+    """Sessions that take turns must not spin on the cores the other one needs (engine.TAKING_TURNS);
+    a lone target keeps ORT's default (spinning after a Run makes back-to-back plain steps faster)."""
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.speculative import make_decoder
+
+    def stops(engine) -> str:
+        return engine.session.get_session_options().get_session_config_entry("session.force_spinning_stop")
+
+    gen = Generator.load(pair_engines, "fp32", threads=1)
+    dec = make_decoder("draft", gen.manifest)
+    assert stops(gen.engine) == "1" and stops(dec.proposer.engine) == "1"
+    lone = Generator.load(tiny_engines, "fp32", threads=1)
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # never set
+        stops(lone.engine)
+
+
 def test_self_draft_accepts_everything_and_follows_the_target(self_engines):
     plain = _generate(self_engines, "off", n=40)
     spec = _generate(self_engines, "draft", 4, n=40)
