@@ -69,7 +69,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     if req.medusa_heads is not None:
         if not Path(req.medusa_heads).is_file():
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
-        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes]
+        from .runtime.tree import TREE_TOLERANCE
+
+        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     old = final / "manifest.json"
     if old.is_file():
