@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..export.graph import chain_feeds
 
@@ -72,7 +72,7 @@ def hessians(model: onnx.ModelProto, model_dir: Path, sequences: list[list[int]]
     `model` is the fp32 graph with its weights still external in `model_dir` (not loaded)."""
     import onnxruntime as ort
 
-    wanted = _unsliced(model, matmul_weights(model))
+    wanted, all_rows = _unsliced(model, matmul_weights(model))
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     have = {o.name for o in probe.graph.output}
@@ -91,26 +91,38 @@ def hessians(model: onnx.ModelProto, model_dir: Path, sequences: list[list[int]]
     acc = {w: 0.0 for ws in wanted.values() for w in ws}
     tokens = 0
     for ids in sequences:
-        for x, out in zip(wanted, session.run(list(wanted), chain_feeds(ids, 0, 1, zeros))):
+        for x, out in zip(wanted, session.run(list(wanted), chain_feeds(ids, 0, 1 if all_rows else len(ids), zeros))):
             out = out.reshape(-1, out.shape[-1])
-            gram = (out.T @ out).astype(np.float64)  # a text's Gram in fp32 (fp64: ~20% longer builds), summed in fp64
+            gram = (out.T @ out).astype(np.float64)  # a text's Gram in fp32 (fp64: slower, no better), summed in fp64
             for w in wanted[x]:
                 acc[w] = acc[w] + gram
         tokens += len(ids)
     return acc, tokens
 
 
-def _unsliced(model: onnx.ModelProto, wanted: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Re-key inputs that are a Slice of a graph output (the lm_head's) by that output, which has every row."""
+def _unsliced(model: onnx.ModelProto, wanted: dict[str, list[str]]) -> tuple[dict[str, list[str]], bool]:
+    """Re-key inputs that are a sequence-axis Slice of a graph output (the lm_head's: the last
+    num_logits_to_keep rows of hidden_states) by that output, which has every row. Also returns whether
+    every input now has every row; if not (another graph layout), the passes must keep every logit."""
     made_by = {o: n for n in model.graph.node for o in n.output}
     outputs = {o.name for o in model.graph.output}
+    inits = {i.name: i for i in model.graph.initializer}  # weights stay external: read only the axes
+
+    def axes(name: str):
+        t = inits.get(name)
+        return None if t is None or t.data_location == onnx.TensorProto.EXTERNAL else numpy_helper.to_array(t).tolist()
+
     out: dict[str, list[str]] = {}
+    all_rows = True
     for x, ws in wanted.items():
         node = made_by.get(x)
-        if node is not None and node.op_type == "Slice" and node.input[0] in outputs:
-            x = node.input[0]
+        if node is not None and node.op_type == "Slice":
+            if node.input[0] in outputs and len(node.input) > 3 and axes(node.input[3]) == [1]:
+                x = node.input[0]
+            else:
+                all_rows = False
         out.setdefault(x, []).extend(ws)
-    return out
+    return out, all_rows
 
 
 def gptq(weight: np.ndarray, hessian: np.ndarray, block_size: int, damp: float = 0.01,

@@ -42,7 +42,7 @@ class OrtPrecision:
 # costs ~1.1x a step), which is not width-exact; int4-fp32 keeps fp32 compute, slower but width-exact,
 # so speculative output equals that engine's own plain output.
 # int4 is GPTQ in blocks of 64. Measured on SmolLM2 (BENCHMARKS "Session 7"): KL from fp32 over 24 bench
-# answers, round-to-nearest in blocks of 32 / 64: 0.328 / 0.387, GPTQ in blocks of 64: 0.295; and blocks
+# answers, round-to-nearest in blocks of 32 / 64: 0.328 / 0.387, GPTQ in blocks of 64: 0.293; and blocks
 # of 64 decode 6-13% and prefill ~15% faster than blocks of 32 (fewer scales to apply in the int8 kernel).
 ORT_PRECISIONS = {
     # Smaller work blocks in the intra-op thread pool: fp32 decode steps ~0.5-0.8 ms (3%) faster on 2

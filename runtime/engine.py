@@ -30,7 +30,7 @@ class ContextFullError(SpecrtError):
 # stole the cores the other needed. SmolLM2 fp32 target + its int4 engine as a draft, 2 threads each, K = 3:
 # verify 46 ms and 3 draft steps 38 ms a round by default, 24-25 ms and 20 ms with spinning stopped when a
 # Run returns (one shared global pool: 24 and 19 ms, but that binds every session in the process). Not on
-# for a lone target: plain steps measured 0-5% slower with it (the threads must wake up for every pass).
+# for a lone target: plain steps measured 0-6% (fp32) and 1-12% (int4) slower with it (threads wake per pass).
 TAKING_TURNS = {"session.force_spinning_stop": "1"}
 
 

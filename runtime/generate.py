@@ -78,19 +78,24 @@ def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
 
 
 class Generator:
-    def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0, huge_pages: bool = True):
-        """huge_pages: ask Linux for transparent huge pages for the engine's memory (runtime/hugepages.py)."""
+    def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0, huge_pages: bool = True,
+                 taking_turns: bool | None = None):
+        """huge_pages: ask Linux for transparent huge pages for the engine's memory (runtime/hugepages.py).
+        taking_turns: a draft model will run between the target's passes (engine.TAKING_TURNS); None = when
+        the set has a draft (it was built to speculate with it). Pass False for plain decoding on such a set."""
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        # a set with a draft model is built to speculate with it: the target takes turns with the draft
-        turns = any(e.role == "draft" for e in manifest.engines.values())
-        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, taking_turns=turns, huge_pages=huge_pages)
+        if taking_turns is None:
+            taking_turns = any(e.role == "draft" for e in manifest.engines.values())
+        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, taking_turns=taking_turns,
+                                           huge_pages=huge_pages)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 
     @classmethod
-    def load(cls, path: str | Path, precision: str = "fp32", threads: int = 0, huge_pages: bool = True) -> "Generator":
-        return cls(load_manifest(Path(path)), precision, threads, huge_pages)
+    def load(cls, path: str | Path, precision: str = "fp32", threads: int = 0, huge_pages: bool = True,
+             taking_turns: bool | None = None) -> "Generator":
+        return cls(load_manifest(Path(path)), precision, threads, huge_pages, taking_turns)
 
     def prompt_ids(self, prompt: str | list[Message], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):

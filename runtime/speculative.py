@@ -385,28 +385,35 @@ PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup
                                                  "medusa": _medusa, "lookup+medusa": _lookup_medusa}
 
 
-def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, threads: int = 0,
-                 config: SpeculativeConfig = SpeculativeConfig()):
-    """A decode strategy for Generator.stream(decode=...): plain for 'off', else the speculative loop.
+def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
+    """The --speculate name 'auto' stands for on this engine set (other names are returned as they are).
 
     'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32, else
-    prompt lookup. The returned callable keeps the proposer and the measured pass costs across requests.
-    """
+    prompt lookup."""
     if mode not in MODES:
         raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    roles = {e.role for e in manifest.engines.values()}
+    # measured on the bench prompts (BENCHMARKS.md, session 5): at fp32 lookup+medusa 1.59-1.61x, prompt
+    # lookup 1.56x, Medusa alone 1.11x over plain; at int4 the heads (trained on fp32 hidden states, ~4% of
+    # a 7.6 ms step) add nothing: 3.38x vs 3.42x. A draft model, where the set has one, beats all of them.
+    heads = "medusa" in roles and manifest.engine("target", precision).precision == "fp32"
+    return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
+
+
+def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, threads: int = 0,
+                 config: SpeculativeConfig = SpeculativeConfig()):
+    """A decode strategy for Generator.stream(decode=...): plain for 'off', else the speculative loop
+    ('auto': see resolve_mode). The returned callable keeps the proposer and the measured pass costs
+    across requests. A draft model's target should be loaded with Generator(..., taking_turns=True)."""
     k = config.draft_tokens
     if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
         raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
     target = manifest.engine("target", precision)
+    mode = resolve_mode(mode, manifest, precision)
     if mode == "off":
         return plain_decode
-    if mode == "auto":
-        roles = {e.role for e in manifest.engines.values()}
-        # measured on the bench prompts (BENCHMARKS.md, session 5): at fp32 lookup+medusa 1.59-1.61x, prompt
-        # lookup 1.56x, Medusa alone 1.11x over plain; at int4 the heads (trained on fp32 hidden states, ~4% of
-        # a 7.6 ms step) add nothing: 3.38x vs 3.42x. A draft model, where the set has one, beats all of them.
-        heads = "medusa" in roles and target.precision == "fp32"
-        mode = "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
     if k is not None:
         control = FixedK(k)

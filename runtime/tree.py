@@ -144,7 +144,7 @@ def choose_tree(order, values, pass_cost, max_size: int = 48, draft_cost: float 
     E(n) = 1 + sum(values[:n]) tokens per round, rate(n) = E(n) / (pass_cost(n + 1) + draft_cost).
     Why not the argmax: on SmolLM2 the curve is flat from 3 to 11 nodes (rates 63.9 vs 64.2), so two
     builds of the same heads picked 3 and 11 from timing noise (a 12-token pass happened to be cheap),
-    and on the bench 11 nodes were 2-10% slower than 3 (chat, qa, translation; held-out accuracy
+    and on the bench 11 nodes were 1-8% slower than 3 (chat, qa, translation; held-out accuracy
     overstates the bench's, which hurts the bigger tree more). Rates within ~2% are timing noise here."""
     order = [tuple(p) for p in order][:max_size]
     e = 1.0 + np.cumsum(np.asarray(values, np.float64)[: len(order)])
@@ -152,4 +152,5 @@ def choose_tree(order, values, pass_cost, max_size: int = 48, draft_cost: float 
     n = int(np.argmax(rate >= (1.0 - tolerance) * rate.max())) + 1
     curve = [{"nodes": i + 1, "expected_tokens": round(float(e[i]), 3), "rate": round(float(rate[i]), 2)}
              for i in range(len(order))]
-    return tuple(order[:n]), {"nodes": n, "expected_tokens": round(float(e[n - 1]), 3), "curve": curve}
+    return tuple(order[:n]), {"nodes": n, "expected_tokens": round(float(e[n - 1]), 3),
+                              "best_nodes": int(rate.argmax()) + 1, "tolerance": tolerance, "curve": curve}

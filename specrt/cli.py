@@ -167,9 +167,13 @@ def generate(
             raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
         chat = load_messages_file(messages) if messages is not None else prompt
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        from .runtime.speculative import SpeculativeConfig, make_decoder
+        from .runtime.speculative import SpeculativeConfig, make_decoder, resolve_mode
 
-        gen = Generator.load(engines_dir, precision, threads)
+        from .manifest import load_manifest
+
+        manifest = load_manifest(Path(engines_dir))
+        drafting = resolve_mode(speculate, manifest, precision) == "draft"  # the target takes turns with a draft
+        gen = Generator(manifest, precision, threads, taking_turns=drafting)
         decode = make_decoder(speculate, gen.manifest, precision, threads=threads,
                               config=SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical))
         s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,

@@ -192,8 +192,8 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     if nodes > 0:  # a fixed size asked for (the measured choice stays in the manifest for comparison)
         tree, choice["nodes_asked"] = tuple(tuple(p) for p in order[:nodes]), nodes
         choice["expected_tokens"] = round(1.0 + float(np.sum(values[:nodes])), 3)
-    log(f"Medusa tree: {len(tree)} nodes (measured best: {choice['nodes']}), expected "
-        f"{choice['expected_tokens']} tokens per round")
+    log(f"Medusa tree: {len(tree)} nodes (measured best: {choice['best_nodes']}; the smallest within "
+        f"{choice['tolerance']:.0%} of it: {choice['nodes']}), expected {choice['expected_tokens']} tokens per round")
     info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compile_tree(tree).max_rank)
     s = facts["spec"]
     return {"role": "medusa", "file": "medusa-fp32.onnx", "backend": "onnxruntime", "precision": "fp32",

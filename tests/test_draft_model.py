@@ -65,15 +65,17 @@ def test_target_and_draft_stop_spinning_between_turns(pair_engines, tiny_engines
     from specrt.runtime.generate import Generator
     from specrt.runtime.speculative import make_decoder
 
-    def stops(engine) -> str:
-        return engine.session.get_session_options().get_session_config_entry("session.force_spinning_stop")
+    def entry(engine, key="session.force_spinning_stop") -> str:
+        return engine.session.get_session_options().get_session_config_entry(key)
 
     gen = Generator.load(pair_engines, "fp32", threads=1)
     dec = make_decoder("draft", gen.manifest)
-    assert stops(gen.engine) == "1" and stops(dec.proposer.engine) == "1"
-    lone = Generator.load(tiny_engines, "fp32", threads=1)
-    with pytest.raises(RuntimeError, match="does not have configuration"):  # never set
-        stops(lone.engine)
+    assert entry(gen.engine) == "1" and entry(dec.proposer.engine) == "1"
+    assert entry(gen.engine, "session.dynamic_block_base") == "4"  # the manifest's own settings stay
+    for lone in (Generator.load(tiny_engines, "fp32", threads=1),
+                 Generator.load(pair_engines, "fp32", threads=1, taking_turns=False)):  # plain on a pair set
+        with pytest.raises(RuntimeError):  # ORT raises for an entry that was never set
+            entry(lone.engine)
 
 
 def test_self_draft_accepts_everything_and_follows_the_target(self_engines):

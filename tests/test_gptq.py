@@ -103,6 +103,20 @@ def test_hessians_are_the_gram_matrices_of_the_matmul_inputs(tiny_engines):
     np.testing.assert_allclose(grams["lm_head.weight_t"], hid.T @ hid, rtol=1e-4, atol=1e-4)
 
 
+def test_lm_head_is_calibrated_from_hidden_states_with_weights_left_on_disk(tiny_engines, tmp_path):
+    """Real exports keep every weight in an external file and the calibration graph is loaded without it:
+    finding the lm_head's unsliced input must read nothing but the Slice's axes."""
+    from specrt.build.gptq import _unsliced, matmul_weights
+
+    cache = next((tiny_engines.parent / ".cache").glob("export-*"))
+    model = onnx.load(str(cache / "model.onnx"))
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data",
+                    size_threshold=64)  # norms and weights external, one-number constants inline (like real exports)
+    model = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    wanted, all_rows = _unsliced(model, matmul_weights(model))
+    assert all_rows and wanted["hidden_states"] == ["lm_head.weight_t"]
+
+
 def test_gptq_precision_without_calibration_is_an_error(tmp_path):
     from specrt.build.ort import build_ort_engine, precision
 

@@ -59,7 +59,7 @@ def test_tree_from_accuracies_is_prefix_closed_and_greedy():
 def test_choose_tree_trades_expected_tokens_for_pass_cost():
     order = [(0,), (1,), (0, 0), (2,)]
     values = [0.5, 0.2, 0.3, 0.01]
-    flat = choose_tree(order, values, lambda w: 1.0)[0]          # width is free: every node that adds >= 2%
+    flat = choose_tree(order, values, lambda w: 1.0)[0]          # width is free: the smallest prefix within 2% of all
     assert flat == tuple(order[:3])
     assert choose_tree(order, values, lambda w: 1.0, tolerance=0.0)[0] == tuple(order)
     steep = choose_tree(order, values, lambda w: float(w))        # each node costs a whole pass
