@@ -86,7 +86,7 @@ class Generator:
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
         if taking_turns is None:
-            taking_turns = any(e.role == "draft" for e in manifest.engines.values())
+            taking_turns = "draft" in manifest.roles
         self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, taking_turns=taking_turns,
                                            huge_pages=huge_pages)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,

@@ -394,7 +394,7 @@ def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
         raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
     if mode != "auto":
         return mode
-    roles = {e.role for e in manifest.engines.values()}
+    roles = manifest.roles
     # measured on the bench prompts (BENCHMARKS.md, session 5): at fp32 lookup+medusa 1.59-1.61x, prompt
     # lookup 1.56x, Medusa alone 1.11x over plain; at int4 the heads (trained on fp32 hidden states, ~4% of
     # a 7.6 ms step) add nothing: 3.38x vs 3.42x. A draft model, where the set has one, beats all of them.

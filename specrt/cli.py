@@ -167,9 +167,8 @@ def generate(
             raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
         chat = load_messages_file(messages) if messages is not None else prompt
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        from .runtime.speculative import SpeculativeConfig, make_decoder, resolve_mode
-
         from .manifest import load_manifest
+        from .runtime.speculative import SpeculativeConfig, make_decoder, resolve_mode
 
         manifest = load_manifest(Path(engines_dir))
         drafting = resolve_mode(speculate, manifest, precision) == "draft"  # the target takes turns with a draft

@@ -58,6 +58,11 @@ class Manifest:
     engines: dict[str, EngineEntry]
     raw: dict
 
+    @property
+    def roles(self) -> set[str]:
+        """The roles this set has engines for (e.g. {"target", "draft"})."""
+        return {e.role for e in self.engines.values()}
+
     def engine(self, role: str, precision: str | None = None) -> EngineEntry:
         found = [e for e in self.engines.values() if e.role == role and precision in (None, e.precision)]
         if not found:
