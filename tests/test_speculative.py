@@ -16,7 +16,7 @@ from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.speculative import (AdaptiveK, FixedK, GatedK, SpeculativeConfig, make_decoder, speculative_decode,
                                         tree_inputs)
 from specrt.runtime.tree import compile_tree
-from specrt.runtime.verify import Draft
+from specrt.runtime.verify import Draft, verify
 
 ALPHA = 1e-6   # per goodness-of-fit assertion; seeds are fixed, so CI is deterministic
 
@@ -123,21 +123,34 @@ def first_two_counts(gen: Generator, prompt: list[int], params: SamplingParams, 
 
 
 def assert_same_distribution(counts: np.ndarray, joint: np.ndarray) -> None:
+    p = same_distribution_p(counts, joint)
+    assert p > ALPHA, f"speculative sampling differs from the target: chi-square p = {p:.2g}"
+
+
+def same_distribution_p(counts: np.ndarray, joint: np.ndarray) -> float:
+    """Chi-square p-value of the observed (t1, t2) counts under the target's joint; 0 when a pair
+    the target cannot produce was emitted."""
     n = counts.sum()
-    assert counts[joint == 0].sum() == 0, "a token pair the target cannot produce was emitted"
+    if counts[joint == 0].sum():
+        return 0.0
     exp = joint[joint > 0].ravel() * n
     obs = counts[joint > 0].ravel()
     small = exp < 5                                          # pool sparse cells for the chi-square approximation
     exp = np.append(exp[~small], exp[small].sum())
     obs = np.append(obs[~small], obs[small].sum())
     keep = exp > 0
-    p = sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-    assert p > ALPHA, f"speculative sampling differs from the target: chi-square p = {p:.2g}"
+    return float(sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-def test_sampled_speculation_has_the_target_distribution(tiny_engines):
-    """One-hot chains from an oracle of the greedy path: accepted with prob p(x), otherwise the
-    residual p without x; both the full-accept (bonus) and reject paths occur often here."""
+def _bonus_from_the_wrong_row(probs, draft, rng):
+    """A plausible bug: the bonus token drawn from the last draft token's row instead of the row after it."""
+    if draft.tokens.size:
+        probs = probs.copy()
+        probs[-1] = probs[-2]
+    return verify(probs, draft, rng)
+
+
+def _oracle_counts(tiny_engines, k: int, accept=verify, n: int = 1500):
     gen = Generator.load(tiny_engines, "fp32", threads=1)
     prompt = _prompt(gen)
     params = SamplingParams(temperature=1.0, top_k=3)
@@ -145,8 +158,23 @@ def test_sampled_speculation_has_the_target_distribution(tiny_engines):
     joint = target_joint(gen, prompt, params)
     proposer = Oracle(ref, 384, tree=False)
     counts = first_two_counts(gen, prompt, params, lambda *a: speculative_decode(
-        *a, proposer=proposer, control=FixedK(2)), 1500)
-    assert_same_distribution(counts, joint)
+        *a, proposer=proposer, control=FixedK(k), accept=accept), n)
+    return counts, joint
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampled_speculation_has_the_target_distribution(tiny_engines, k):
+    """One-hot chains from an oracle of the greedy path: accepted with prob p(x), otherwise the
+    residual p without x; both the full-accept (bonus) and reject paths occur often here. With
+    k = 1 the second token is the bonus whenever the first draft token is kept."""
+    assert_same_distribution(*_oracle_counts(tiny_engines, k))
+
+
+def test_the_distribution_test_catches_a_wrong_bonus_row(tiny_engines):
+    """The test above can fail: the same loop with the bonus token drawn from the wrong row is rejected
+    (the tiny target's next-token distribution depends on the token before it)."""
+    counts, joint = _oracle_counts(tiny_engines, 1, accept=_bonus_from_the_wrong_row, n=600)
+    assert same_distribution_p(counts, joint) < ALPHA
 
 
 # --- the adaptive controller ------------------------------------------------------------------------
