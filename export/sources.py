@@ -88,9 +88,27 @@ def fingerprint(src: Source) -> str:
     return h.hexdigest()
 
 
+def vocab_size(src: Source) -> int | None:
+    """The vocabulary size from the source's config or GGUF header, without loading weights (None if it
+    does not say): lets a draft/target mismatch fail before minutes of export."""
+    if src.kind == "hf":
+        n = json.loads((src.path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+        return n if isinstance(n, int) else None
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(src.path))  # memory-mapped: reads the header only
+    arch = reader.get_field("general.architecture").contents()
+    field = reader.get_field(f"{arch}.vocab_size")  # what transformers uses, else the token list's length
+    if field is not None:
+        return int(field.contents())
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    return len(tokens.data) if tokens is not None else None
+
+
 def load(src: Source):
     """-> (transformers model in fp32, eval mode; fast tokenizer). Errors become one line."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .spec import SUPPORTED_ARCHITECTURES
@@ -106,7 +124,8 @@ def load(src: Source):
             raise SpecrtError(f"cannot load '{src.label}': {msg}; supported architectures: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
         raise SpecrtError(f"cannot load '{src.label}': {msg}") from None
-    except (OSError, KeyError, RuntimeError) as e:
+    except (OSError, KeyError, RuntimeError, EOFError, SafetensorError) as e:  # SafetensorError: truncated/garbage weights
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecrtError(f"cannot load '{src.label}' ({msg}); check the files are complete") from None
+        raise SpecrtError(f"cannot load '{src.label}' ({type(e).__name__}: {msg}); check the files are complete "
+                          "or re-download the checkpoint") from None
     return model.eval(), tokenizer

@@ -34,6 +34,18 @@ class ContextFullError(SpecrtError):
 TAKING_TURNS = {"session.force_spinning_stop": "1"}
 
 
+def open_session(onnx_path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    """A CPU session for onnx_path; a corrupt or incomplete engine file is a one-line SpecrtError, not ORT's
+    traceback (ORT raises its own exception types: InvalidProtobuf, Fail, NoSuchFile, ...)."""
+    try:
+        return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    except MemoryError:
+        raise
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SpecrtError(f"cannot load engine '{onnx_path}' ({why}); rebuild the engine set with `specrt engines`") from None
+
+
 class OrtEngine:
     CAPACITY_STEP = 256  # reserve() rounds cache layouts up to a multiple of this many positions
 
@@ -47,7 +59,7 @@ class OrtEngine:
         so.inter_op_num_threads = 1
         for key, value in (session_config or {}).items():  # what build/ chose for this engine
             so.add_session_config_entry(key, value)
-        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.session = open_session(onnx_path, so)
         self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, max_pass_tokens
         self.length = 0
         # One allocation of max_context positions, laid out for `capacity` positions per head (see reserve).
@@ -130,20 +142,40 @@ class OrtEngine:
             mask = self._zero_mask[: n * n].reshape(1, n, n)
         else:  # a long prefill: once per request, so this allocation is fine
             mask = np.zeros((1, n, n), np.float32)
-        io = self._io
+        buf = None
+        if self.with_hidden:  # a long prefill (once per request) gets its own buffer
+            buf = self._hidden if n <= self.max_pass_tokens else np.empty((n, self._hidden.shape[1]), np.float32)
+            self.hidden = buf[:n]
+        if tree_mask is not None and self.length == 0 and n > 1:
+            # ORT's GroupQueryAttention does not keep tree siblings apart when the cache is empty (a node's
+            # logits moved by up to 7.8e-3 with a sibling before it; 7e-7 with one token cached), so the
+            # first token goes alone: same cache contents and outputs, one extra pass, only for a tree
+            # drafted in the very first round (no shipped proposer does that).
+            self._run(tokens[:1], positions[:1], mask[:, :1, :1], 1, 0, buf)
+            self.length = 1
+            try:
+                keep = min(num_logits, n - 1)
+                self._run(tokens[1:], positions[1:], np.ascontiguousarray(mask[:, 1:, 1:]), keep,
+                          num_logits - keep, None if buf is None else buf[1:])
+            finally:
+                self.length = 0
+        else:
+            self._run(tokens, positions, mask, num_logits, 0, buf)
+        return self._logits[:num_logits]
+
+    def _run(self, tokens, positions, mask, num_logits: int, row: int, hidden) -> None:
+        """One session run: logits into self._logits[row:row + num_logits], hidden states into `hidden`."""
+        n, io = len(tokens), self._io
         io.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, np.int64).reshape(1, n))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(positions, np.int64).reshape(1, n))
         io.bind_cpu_input("tree_mask", np.ascontiguousarray(mask, np.float32))
         io.bind_cpu_input("seqlens_k", np.array([self.length + n - 1], np.int32))
         io.bind_cpu_input("total_sequence_length", np.array(self.length + n, np.int32))
         io.bind_cpu_input("num_logits_to_keep", np.array(num_logits, np.int64))
-        io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits.ctypes.data)
-        if self.with_hidden:  # a long prefill (once per request) gets its own buffer
-            buf = self._hidden if n <= self.max_pass_tokens else np.empty((n, self._hidden.shape[1]), np.float32)
-            io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, buf.shape[1]], buf.ctypes.data)
-            self.hidden = buf[:n]
+        io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
+        if hidden is not None:
+            io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)
         self.session.run_with_iobinding(io)
-        return self._logits[:num_logits]
 
     def commit(self, n: int, path: np.ndarray | None = None) -> None:
         """Accept n of the tokens of the last pass. path [n]: their indices in that pass (trees)."""

@@ -36,7 +36,8 @@ class Stats:
     acceptance_by_position: list[float] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
-    exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated
+    exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated, or lossy
+    lossy: bool = False  # True when a round used the lossy typical acceptance (--lossy-typical), whatever the engine
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}

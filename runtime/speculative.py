@@ -8,7 +8,7 @@ greedy output equals target-only greedy output and sampled output has the target
 manifest says it does not, e.g. int8 activations, Stats.exact is False).
 
 Glossary: pending = context tokens not yet in the target's cache (one, or the prompt on round 1);
-k = draft length asked for (0 = plain decoding); tau = tokens per round. `AdaptiveK` picks k;
+k = draft length asked for (a tree's depth; 0 = plain decoding); tau = tokens per round. `AdaptiveK` picks k;
 `make_decoder` maps a --speculate name to a proposer, once.
 """
 
@@ -30,7 +30,7 @@ from .proposers.hybrid import LookupMedusa
 from .proposers.medusa import Medusa, MedusaHeads
 from .sampling import SamplingParams, probs_from_logits
 from .tree import ancestry
-from .verify import verify, verify_greedy, verify_typical
+from .verify import Draft, verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
 MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "auto")
@@ -40,7 +40,7 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
                        stats: Stats, *, proposer: Proposer, control, width_exact: bool = True,
                        accept=verify) -> Iterator[list[int]]:
     """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
-    explicit, lossy opt-in, which Stats.exact reports)."""
+    explicit, lossy opt-in, which Stats.exact and Stats.lossy report)."""
     ctx = Context(prompt, engine.max_context + 1)
     ctx.target = engine
     engine.rewind(0)
@@ -54,8 +54,11 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
             t0 = time.perf_counter()
             bucket = proposer.bucket(ctx)
-            k = min(control.k(bucket), engine.max_context - ctx.length)
+            room = engine.max_context - ctx.length  # draft nodes the cache still has places for
+            k = min(control.k(bucket), room)
             draft = proposer.propose(ctx, k)
+            if draft.tokens.size > room:  # a tree of depth <= k can hold more nodes than fit (at the context end)
+                draft = _first(draft, room)
             # 2. verify: one target pass over the pending token(s) + the n draft nodes gives p [n + 1, V]
             t1 = time.perf_counter()
             pending = ctx.ids[engine.length:]
@@ -81,12 +84,19 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.exact &= (width_exact or n == 0) and not result.lossy
+            stats.lossy |= result.lossy
             out = result.tokens
             ctx.extend(out)
             yield out.tolist()
     finally:  # the Generator closes us when it stops: write the per-position acceptance once
         used = drafted > 0
         stats.acceptance_by_position = np.round(accepted[used] / drafted[used], 4).tolist()
+
+
+def _first(draft: Draft, n: int) -> Draft:
+    """The first n nodes of a draft: a chain's prefix, or a subtree (parents come before children)."""
+    cut = lambda a: None if a is None else a[:n]  # noqa: E731
+    return Draft(draft.tokens[:n], cut(draft.parents), cut(draft.q))
 
 
 @lru_cache(maxsize=64)

@@ -26,14 +26,20 @@ def parse_messages(raw) -> list[Message]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise SpecrtError(f'message {i} must be an object with string "role" and "content"')
         out.append(Message(m["role"], m["content"]))
+    if not any(m.content.strip() for m in out):  # as `--prompt ""` is
+        raise SpecrtError("the messages are empty (every \"content\" is blank); put some text in them")
     return out
 
 
 def load_messages_file(path: Path) -> list[Message]:
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).read_bytes().decode("utf-8-sig")  # -sig: files saved with a BOM (Windows editors) too
     except FileNotFoundError:
         raise SpecrtError(f"messages file '{path}' not found; pass an existing JSON file") from None
+    except IsADirectoryError:
+        raise SpecrtError(f"messages file '{path}' is a folder; pass a JSON file") from None
+    except OSError as e:
+        raise SpecrtError(f"messages file '{path}' cannot be read ({e.strerror or e}); pass a readable JSON file") from None
     except UnicodeDecodeError:
         raise SpecrtError(f"messages file '{path}' is not UTF-8; re-save it as UTF-8") from None
     try:
@@ -46,16 +52,26 @@ def load_messages_file(path: Path) -> list[Message]:
 class TextCodec:
     def __init__(self, tokenizer_file: Path, chat_template: str | None, bos_token: str | None,
                  eos_token_ids: tuple[int, ...]):
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception for unreadable or malformed files
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({why}); rebuild the engine set "
+                              "with `specrt engines`") from None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.bos_token = bos_token
         self._template = None
         if chat_template:
+            from jinja2 import TemplateSyntaxError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
-            self._template = env.from_string(chat_template)
+            try:
+                self._template = env.from_string(chat_template)
+            except TemplateSyntaxError as e:
+                raise SpecrtError(f"the chat template does not parse (line {e.lineno}: {e.message}); rebuild the "
+                                  "engine set with `specrt engines`") from None
 
     def render_chat(self, messages: list[Message]) -> str:
         if self._template is None:

@@ -5,18 +5,45 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from .errors import SpecrtError
+
+
+class _Flags:
+    """typer's rich help prints a flag as `--json <bool>`, as if it took a value; show flags bare."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Command(_Flags, TyperCommand):
+    pass
+
+
+class _Group(_Flags, TyperGroup):
+    pass
+
 
 app = typer.Typer(
     help="specrt: compiled, exact speculative decoding. Build an engine set, then generate from it.\n\n"
          "Quick start:  specrt engines  &&  specrt generate --prompt 'Hello'",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=_Group,
 )
 
 DEFAULT_ENGINES = Path("engines/smollm2-135m")
@@ -45,7 +72,7 @@ def _guard(fn):
               "engine set uses) and run the command again")
 
 
-@app.command()
+@app.command(cls=_Command)
 def engines(
     source: str = typer.Option("smollm2-135m", "--source", "-s",
                                help="Embedded model name, a Hugging Face model directory, or a .gguf file."),
@@ -70,7 +97,7 @@ def engines(
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
 
     def run():
-        from .pipeline import EngineSetRequest, make_engine_set
+        from .pipeline import EngineSetRequest, check_destination, make_engine_set
 
         precs = tuple(p.strip() for p in precisions.split(",") if p.strip())
         dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
@@ -81,6 +108,7 @@ def engines(
             from .export.presets import assemble, get_preset
 
             pre = get_preset(preset)
+            check_destination(out, name or pre.name)  # before gigabytes of download
             cache = out / ".cache" / "presets"
             src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
             set_name = name or pre.name
@@ -96,15 +124,16 @@ def engines(
     _guard(run)
 
 
-@app.command()
+@app.command(cls=_Command)
 def cache(
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets (its .cache is listed)."),
     prune: bool = typer.Option(False, "--prune", help="Delete the export/build folders no engine set uses "
-                                                        "(old recipes and formats). Do not run it during a build."),
+                                                        "(old recipes and formats) and the temp folders of interrupted "
+                                                        "runs. Do not run it during a build."),
 ):
     """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them); --prune frees the stale ones.
 
-    A build folder is in use while an engine set hard-links its engine files; every change of build recipe or format leaves the old folders behind. Bench peer models and preset downloads are not touched.
+    A build folder is in use while an engine set hard-links its engine files; every change of build recipe or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and preset downloads are not touched.
     """
 
     def run():
@@ -126,12 +155,14 @@ def cache(
     _guard(run)
 
 
-@app.command()
+@app.command(cls=_Command)
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="User message (formatted with the model's chat template)."),
     messages: Optional[Path] = typer.Option(None, "--messages", help='JSON file: [{"role": "user", "content": "..."}, ...].'),
     engines_dir: Path = typer.Option(DEFAULT_ENGINES, "--engines", "-e", help="Engine set folder."),
-    precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
+    precision: str = typer.Option("fp32", "--precision",
+                                  help="Which target engine of the set to run: fp32 (exact), int8, int4 or int4-fp32 "
+                                       "(those the set was built with; `specrt info` lists them)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
@@ -165,8 +196,19 @@ def generate(
 
         if (prompt is None) == (messages is None):
             raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
+        if max_new_tokens < 1:
+            raise SpecrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}; e.g. --max-new-tokens 256")
+        if seed is not None and seed < 0:
+            raise SpecrtError(f"--seed must be >= 0, got {seed}; omit it for a random seed")
+        if any(not s for s in stop):  # it would match before the first token: an empty answer
+            raise SpecrtError("--stop '' is empty and would stop before any output; pass a non-empty stop string")
         chat = load_messages_file(messages) if messages is not None else prompt
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        except ValueError as e:  # its messages name the Python fields (top_p=1.0): name the flags
+            raise SpecrtError(re.sub(r"\b(temperature|top_k|top_p)\b=?",
+                                     lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
+                                     str(e))) from None
         from .manifest import load_manifest
         from .runtime.speculative import SpeculativeConfig, make_decoder, resolve_mode
 
@@ -191,14 +233,15 @@ def generate(
             typer.echo()
         st = r.stats
         spec = (f", {st.proposer}: tau {st.tau:.2f}, draft {st.draft_s:.2f}s / verify {st.verify_s:.2f}s"
-                + ("" if st.exact else ", NOT width-exact") if st.proposer != "off" else "")
+                + ("" if st.exact else ", LOSSY (typical acceptance)" if st.lossy else ", NOT width-exact")
+                if st.proposer != "off" else "")
         typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
                     f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
 
     _guard(run)
 
 
-@app.command("train-medusa")
+@app.command("train-medusa", cls=_Command)
 def train_medusa(
     source: str = typer.Option("smollm2-135m", "--source", "-s", help="Target: embedded name, HF directory or .gguf."),
     out: Optional[Path] = typer.Option(None, "--out", help="Heads file to write. Default: heads/<source>.npz."),
@@ -252,7 +295,7 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-@app.command()
+@app.command(cls=_Command)
 def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder.")):
     """Show an engine set's manifest: engines, precisions, parity figures."""
 
@@ -282,7 +325,7 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
 
 from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
 
-app.command(name="bench")(_bench)
+app.command(name="bench", cls=_Command)(_bench)
 
 
 def main():  # pragma: no cover

@@ -18,6 +18,7 @@ from .errors import SpecrtError
 SCHEMA_VERSION = 1
 ROLES = ("target", "draft", "medusa", "eagle")
 BACKENDS = ("onnxruntime", "tensorrt")
+RUNTIME_BACKENDS = ("onnxruntime",)  # what runtime/ can load today (TensorRT: not implemented yet)
 
 
 def file_sha256(path: Path) -> str:
@@ -76,6 +77,7 @@ class Manifest:
 def load_manifest(root: Path) -> Manifest:
     root = Path(root)
     path = root / "manifest.json"
+    rebuild = "rebuild the engine set with `specrt engines`"
     if not root.is_dir():
         raise SpecrtError(f"engine set '{root}' not found; build it with `make engines` or `specrt engines`")
     if not path.is_file():
@@ -83,17 +85,24 @@ def load_manifest(root: Path) -> Manifest:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SpecrtError(f"'{path}' is not valid JSON ({e}); rebuild the engine set with `specrt engines`") from None
+        raise SpecrtError(f"'{path}' is not valid JSON ({e}); {rebuild}") from None
+    if not isinstance(raw, dict):
+        raise SpecrtError(f"'{path}' holds a JSON {type(raw).__name__}, not an object; {rebuild}")
     version = raw.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SpecrtError(f"'{path}' has schema version {version}, this specrt reads {SCHEMA_VERSION}; "
                           "rebuild the engine set with this version's `specrt engines`")
     try:
         tok = raw["tokenizer"]
+        tok_file, tok_sha = tok["file"], tok["sha256"]
         engines = {k: _entry(k, v) for k, v in raw["engines"].items()}
-    except (KeyError, TypeError) as e:
-        raise SpecrtError(f"'{path}' is missing field {e}; rebuild the engine set with `specrt engines`") from None
-    for f in [tok["file"]] + [e.file for e in engines.values()]:
+        if not all(isinstance(f, str) for e in engines.values() for f in [tok_file, *_files(e)]):
+            raise TypeError("file")
+    except KeyError as e:
+        raise SpecrtError(f"'{path}' is missing field {e}; {rebuild}") from None
+    except (TypeError, AttributeError) as e:  # a field of the wrong JSON type (a list where an object belongs...)
+        raise SpecrtError(f"'{path}' has a field of the wrong type ({e}); {rebuild}") from None
+    for f in [tok_file] + [f for e in engines.values() for f in _files(e)]:
         if not (root / f).is_file():
             raise SpecrtError(f"engine set '{root}' is missing '{f}'; rebuild it with `specrt engines`")
     for e in engines.values():
@@ -101,6 +110,9 @@ def load_manifest(root: Path) -> Manifest:
             raise SpecrtError(f"engine '{e.name}' has unknown role '{e.role}'; expected one of {', '.join(ROLES)}")
         if e.backend not in BACKENDS:
             raise SpecrtError(f"engine '{e.name}' has unknown backend '{e.backend}'; expected one of {', '.join(BACKENDS)}")
+        if e.backend not in RUNTIME_BACKENDS:
+            raise SpecrtError(f"engine '{e.name}' is a {e.backend} engine, which this specrt cannot run yet (only "
+                              f"{', '.join(RUNTIME_BACKENDS)}); {rebuild}")
     vocabs = {e.vocab_size for e in engines.values() if e.role in ("target", "draft")}
     if len(vocabs) > 1:
         raise SpecrtError(f"engine set '{root}' mixes vocabulary sizes {sorted(vocabs)}; target and draft "
@@ -108,14 +120,25 @@ def load_manifest(root: Path) -> Manifest:
     if engines and not any(e.role == "target" for e in engines.values()):
         raise SpecrtError(f"engine set '{root}' has proposers but no target engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT`")
-    for e in engines.values():  # entries record the tokenizer they were exported with
-        if e.raw.get("tokenizer_sha256", tok["sha256"]) != tok["sha256"]:
+    for e in engines.values():  # target and draft entries record the tokenizer they were exported with
+        if e.role in ("target", "draft") and "tokenizer_sha256" not in e.raw:
+            raise SpecrtError(f"engine '{e.name}' does not record its tokenizer (tokenizer_sha256); {rebuild}")
+        if e.raw.get("tokenizer_sha256", tok_sha) != tok_sha:
             raise SpecrtError(f"engine '{e.name}' was exported with a different tokenizer than the set's; "
                               "draft and target must share one tokenizer: rebuild with a matching draft model")
-    return Manifest(root=root, name=raw.get("name", root.name), tokenizer_file=tok["file"],
-                    tokenizer_sha256=tok["sha256"], chat_template=tok.get("chat_template"),
+    if file_sha256(root / tok_file) != tok_sha:  # ~20 ms for Qwen2.5's 11 MB tokenizer: cheap enough for a load
+        raise SpecrtError(f"'{root / tok_file}' is not the tokenizer the engines were built with (sha256 differs "
+                          f"from the manifest's); {rebuild}")
+    return Manifest(root=root, name=raw.get("name", root.name), tokenizer_file=tok_file,
+                    tokenizer_sha256=tok_sha, chat_template=tok.get("chat_template"),
                     bos_token=tok.get("bos_token"), eos_token_ids=tuple(tok.get("eos_token_ids", [])),
                     engines=engines, raw=raw)
+
+
+def _files(e: EngineEntry) -> list[str]:
+    """Every file the engine needs. Sets built before entries listed `files` name only the graph; their
+    target and draft graphs always keep the weights beside them (build/ writes <file>.data), Medusa's inline."""
+    return e.raw.get("files") or [e.file] + ([e.file + ".data"] if e.role in ("target", "draft") else [])
 
 
 def _entry(name: str, v: dict) -> EngineEntry:

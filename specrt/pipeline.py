@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SpecrtError
-from .manifest import SCHEMA_VERSION, file_sha256
+from .manifest import SCHEMA_VERSION, file_sha256, load_manifest
 
 EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
 
@@ -45,10 +45,20 @@ def _say(msg: str) -> None:
     Console(stderr=True).print(f"[bold cyan]specrt[/] {msg}")
 
 
+def check_destination(out_root: Path, name: str) -> None:
+    """An engine set goes to out_root/name: out_root a folder (created if missing), name one plain folder name."""
+    if out_root.exists() and not out_root.is_dir():
+        raise SpecrtError(f"--out '{out_root}' is a file, not a folder; pass a folder (it is created if missing)")
+    if not name or name in (".", "..") or name.startswith(".") or any(c in name for c in "/\\"):
+        raise SpecrtError(f"engine set name '{name}' is not a plain folder name (no '/', '\\', '..' or leading '.', "
+                          "which is kept for the build cache); pass e.g. --name mymodel")
+
+
 def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     from .build.ort import build_key, precision
-    from .export.sources import fingerprint, resolve
+    from .export.sources import fingerprint, resolve, vocab_size
 
+    check_destination(Path(req.out_root), req.name)
     built = req.precisions + (req.draft_precisions if req.draft_source else ())
     for p in built:
         precision(p)  # validates before any work
@@ -56,6 +66,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least 16 (default 4096)")
     src = resolve(req.source)
     dsrc = resolve(req.draft_source) if req.draft_source else None
+    if dsrc is not None:  # from the configs, before minutes of export; the tokenizers are compared after it
+        _check_same_vocab(req, vocab_size(src), vocab_size(dsrc))
     final = req.out_root / req.name
     log(f"fingerprinting {src.path.name}")
     fp = fingerprint(src)
@@ -73,14 +85,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
-    old = final / "manifest.json"
-    if old.is_file():
-        try:
-            if json.loads(old.read_text()).get("inputs_key") == inputs_key:
-                log(f"{final} is up to date")
-                return final
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            pass
+    if _up_to_date(final, inputs_key):
+        log(f"{final} is up to date")
+        return final
     cache = req.out_root / ".cache" / f"export-{fp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}"
     facts = _cached_export(src, cache, req.max_context, log)
     roles = [("target", cache, facts, req.precisions)]
@@ -119,6 +126,15 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     return final
 
 
+def _up_to_date(final: Path, inputs_key: str) -> bool:
+    """The set at final was built from these inputs and still loads: every file its manifest lists is there
+    and its tokenizer is the recorded one (a set missing a file is rebuilt, as the load error tells users)."""
+    try:
+        return load_manifest(final).raw.get("inputs_key") == inputs_key
+    except SpecrtError:
+        return False
+
+
 def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -> dict:
     """Build (or reuse) <role>-<p>.onnx in the export cache, link it into tmp, check it -> manifest entry."""
     from .build.ort import build_key, build_ort_engine, precision
@@ -152,6 +168,14 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
     info = json.loads(facts_file.read_text())
     log(f"checking {role}-{p} against PyTorch")
     parity = check_engine(tmp / built.name, facts, cache / "golden.npz", info.get("session_config"))
+    if precision(p).bits is None:  # fp32 weights and compute: must match PyTorch (quantized engines only record it)
+        from .export.exporter import parity_problem
+
+        problem = parity_problem(parity["max_abs_logit_diff_vs_torch"], parity["greedy_agreement_vs_torch"],
+                                 parity.get("greedy_divergence_gap_vs_torch"))
+        if problem:
+            raise SpecrtError(f"the {role}-{p} engine does not match PyTorch: {problem}; the ONNX Runtime build of this "
+                              "checkpoint is wrong, please report it (with `pip list | grep onnx`)")
     entry = _entry(facts, p, built.name, info, parity)
     entry["role"], entry["tokenizer_sha256"] = role, file_sha256(cache / "tokenizer.json")
     return entry
@@ -196,9 +220,9 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
         f"{choice['tolerance']:.0%} of it: {choice['nodes']}), expected {choice['expected_tokens']} tokens per round")
     info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compile_tree(tree).max_rank)
     s = facts["spec"]
-    return {"role": "medusa", "file": "medusa-fp32.onnx", "backend": "onnxruntime", "precision": "fp32",
-            "num_layers": 0, "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "hidden_size": s["hidden_size"],
-            "vocab_size": s["vocab_size"], "max_context": facts["max_context"],
+    return {"role": "medusa", "file": "medusa-fp32.onnx", "files": ["medusa-fp32.onnx"], "backend": "onnxruntime",
+            "precision": "fp32", "num_layers": 0, "num_heads": 0, "num_kv_heads": 0, "head_dim": 0,
+            "hidden_size": s["hidden_size"], "vocab_size": s["vocab_size"], "max_context": facts["max_context"],
             "inputs": {"hidden": ["batch", s["hidden_size"], "float32"],
                        **({"token": ["batch", "int64"]} if info["token_input"] else {})},
             "outputs": {"candidates": ["batch", info["heads"], info["topk"], "int64"],
@@ -247,12 +271,15 @@ def _pass_costs(path: Path, facts: dict, session_config=(),
     return [(w, round(float(c), 5)) for w, c in zip(widths, np.maximum.accumulate([best[w] for w in widths]))]
 
 
-def _check_same_tokenizer(req, cache: Path, dcache: Path, facts: dict, dfacts: dict) -> None:
-    """Speculation compares token ids: the draft must share the target's tokenizer exactly."""
-    tv, dv = facts["spec"]["vocab_size"], dfacts["spec"]["vocab_size"]
-    if tv != dv:
+def _check_same_vocab(req, tv: int | None, dv: int | None) -> None:
+    if tv is not None and dv is not None and tv != dv:
         raise SpecrtError(f"draft '{req.draft_source}' has vocabulary size {dv}, target '{req.source}' has {tv}; "
                           "choose a draft from the target's model family (same tokenizer)")
+
+
+def _check_same_tokenizer(req, cache: Path, dcache: Path, facts: dict, dfacts: dict) -> None:
+    """Speculation compares token ids: the draft must share the target's tokenizer exactly."""
+    _check_same_vocab(req, facts["spec"]["vocab_size"], dfacts["spec"]["vocab_size"])
     th, dh = file_sha256(cache / "tokenizer.json"), file_sha256(dcache / "tokenizer.json")
     if th != dh:
         raise SpecrtError(f"draft '{req.draft_source}' and target '{req.source}' use different tokenizers "
@@ -280,17 +307,19 @@ def _cached_export(src, cache: Path, max_context: int, log) -> dict:
 def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None) -> dict:
     """Engine vs PyTorch golden tensors: max |Δlogit|, greedy agreement, and width-exactness
     (one K-token pass against K one-token passes; int8-activation kernels fail this)."""
-    from .export.exporter import first_divergence
+    from .export.exporter import greedy_agreement
 
     g = np.load(golden_path)
     eng = _engine(path, facts, session_config)
     ids, ref = g["input_ids"], g["logits"]
     logits = eng.forward(ids, num_logits=len(ids)).copy()
     eng.commit(len(ids))
-    tokens = [int(logits[-1].argmax())]
+    rows = [logits[-1]]
     for _ in range(len(g["greedy_tokens"]) - 1):
-        tokens.append(int(eng.forward(np.array(tokens[-1:]))[-1].argmax()))
+        rows.append(eng.forward(np.array([rows[-1].argmax()]))[-1].copy())
         eng.commit(1)
+    tokens = [int(r.argmax()) for r in rows]
+    agree = greedy_agreement(rows, g["greedy_tokens"])
     k = min(8, len(tokens))
     eng.rewind(len(ids))
     wide = eng.forward(np.array(tokens[:k]), num_logits=k).copy()
@@ -300,16 +329,15 @@ def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None
         narrow.append(eng.forward(np.array([t])).copy())
         eng.commit(1)
     width = float(np.abs(wide - np.concatenate(narrow)).max())
-    agree = first_divergence(np.array(tokens), g["greedy_tokens"])
     return {"max_abs_logit_diff_vs_torch": float(np.abs(logits - ref).max()),
-            "greedy_agreement_vs_torch": agree / len(g["greedy_tokens"]),
+            "greedy_agreement_vs_torch": agree["agreement"], "greedy_divergence_gap_vs_torch": agree["divergence_gap"],
             "width_max_abs_diff": width, "width_exact": width <= 1e-3}
 
 
 def _entry(facts: dict, prec: str, file: str, info: dict, parity: dict) -> dict:
     s = facts["spec"]
     return {
-        "role": "target", "file": file, "backend": "onnxruntime", "precision": prec,
+        "role": "target", "file": file, "files": [file, file + ".data"], "backend": "onnxruntime", "precision": prec,
         "num_layers": s["num_layers"], "num_heads": s["num_heads"], "num_kv_heads": s["num_kv_heads"],
         "head_dim": s["head_dim"], "hidden_size": s["hidden_size"], "vocab_size": s["vocab_size"],
         "max_context": facts["max_context"], "architecture": s["architecture"],
@@ -381,12 +409,26 @@ def _usage(paths) -> tuple[int, bool]:
     return size, linked
 
 
+LEFTOVER_AGE_S = 3600  # a temp folder untouched this long belongs to a dead run, not to a build in progress
+
+
+def _leftovers(out_root: Path) -> list[CacheEntry]:
+    """Temp folders of runs killed before they could clean up (kill -9, power loss): .tmp-* (a set or an
+    export being written) and .old-* (a set being replaced), beside the sets and in .cache, once nothing
+    in them changed for LEFTOVER_AGE_S (a build running next to the prune keeps its own)."""
+    found = [p for d in (out_root, out_root / ".cache") for pat in (".tmp-*", ".old-*") for p in d.glob(pat)]
+    now = time.time()
+    return [CacheEntry(p, _usage(p.rglob("*"))[0], False) for p in sorted(found)
+            if p.is_dir() and now - max(q.stat().st_mtime for q in [p, *p.iterdir()]) > LEFTOVER_AGE_S]
+
+
 def cache_entries(out_root: Path) -> list[CacheEntry]:
     """The export and build folders under out_root/.cache. Engine sets hard-link their engines from a
     build folder, so one that no set links is stale: an old build recipe or format, or a set since
     rebuilt. An export folder is in use while any of its builds is. (Where hard links are impossible the
-    sets hold copies, nothing in the cache counts as in use, and pruning only costs rebuild time.)"""
-    entries = []
+    sets hold copies, nothing in the cache counts as in use, and pruning only costs rebuild time.)
+    Leftovers of interrupted runs come first, always stale."""
+    entries = _leftovers(out_root)
     for exp in sorted((out_root / ".cache").glob("export-*")):
         builds = [CacheEntry(b, *_usage(b.rglob("*"))) for b in sorted(exp.glob("build-*")) if b.is_dir()]
         own, own_used = _usage(exp.iterdir())  # sets built before build folders linked from the export itself
@@ -396,13 +438,15 @@ def cache_entries(out_root: Path) -> list[CacheEntry]:
 
 
 def prune_cache(out_root: Path, log=print) -> int:
-    """Delete the stale export and build folders of cache_entries; returns the bytes freed. A stale
-    export's builds are all stale too and listed after it, so each entry's bytes count once."""
+    """Delete the stale entries of cache_entries; returns the bytes freed. A stale export's builds are
+    all stale too and listed after it, so each entry's bytes count once. Leftovers go first: a half-written
+    set hard-links builds, which count as in use only until it is gone."""
     freed = 0
-    for e in cache_entries(out_root):
-        if not e.in_use:
-            if e.path.exists():  # a build of an export removed just before is already gone
-                shutil.rmtree(e.path)
-            freed += e.bytes
-            log(f"removed {e.path} ({e.bytes / 2**30:.2f} GiB)")
+    for listing in (_leftovers, cache_entries):  # the second listing runs after the leftovers are gone
+        for e in listing(out_root):
+            if not e.in_use:
+                if e.path.exists():  # a build of an export removed just before is already gone
+                    shutil.rmtree(e.path)
+                freed += e.bytes
+                log(f"removed {e.path} ({e.bytes / 2**30:.2f} GiB)")
     return freed

@@ -7,9 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tiny import make_checkpoint
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
@@ -92,12 +95,89 @@ def test_unknown_precision(tmp_path, tiny_engines):
     assert_user_error(r, "fp16")
 
 
-def test_engine_folder_missing_a_file(tmp_path, tiny_engines):
+@pytest.mark.parametrize("missing", ["tokenizer.json", "target-fp32.onnx", "target-fp32.onnx.data"])
+def test_engine_folder_missing_a_file(tmp_path, tiny_engines, missing):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_engines, broken)
-    (broken / "tokenizer.json").unlink()
-    assert_user_error(specrt("generate", "--engines", broken, "--prompt", "hi"), "missing", "tokenizer.json")
-    assert_user_error(specrt("generate", "--engines", tmp_path / "absent", "--prompt", "hi"), "not found")
+    (broken / missing).unlink()
+    assert_user_error(specrt("generate", "--engines", broken, "--prompt", "hi"), "missing", missing, "specrt engines")
+    if missing == "tokenizer.json":
+        assert_user_error(specrt("generate", "--engines", tmp_path / "absent", "--prompt", "hi"), "not found")
+
+
+@pytest.mark.parametrize("corrupt,words", [("target-fp32.onnx", ["cannot load engine", "target-fp32.onnx", "rebuild"]),
+                                           ("target-fp32.onnx.data", ["cannot load engine", "rebuild"]),
+                                           ("tokenizer.json", ["tokenizer.json", "rebuild"])])
+def test_engine_folder_with_a_corrupt_file(tmp_path, tiny_engines, corrupt, words):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_engines, broken)
+    f = broken / corrupt  # copytree copies: writing it leaves the fixture alone
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 3] if corrupt.endswith(".data") else os.urandom(len(data)))
+    assert_user_error(specrt("generate", "--engines", broken, "--prompt", "hi"), *words)
+
+
+def test_unreadable_tokenizer_file_is_one_line(tmp_path):
+    from specrt.errors import SpecrtError
+    from specrt.runtime.tokenizer import TextCodec
+
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0", "model": ')
+    with pytest.raises(SpecrtError, match="tokenizer .* cannot be loaded.*specrt engines"):
+        TextCodec(bad, None, None, ())
+
+
+def _tamper(case: str, m: dict, folder: Path):
+    """What a hand edit or another tool might leave in an engine set -> the manifest to write."""
+    target = m["engines"]["target-fp32"]
+    if case == "not an object":
+        return []
+    if case == "engines a list":
+        m["engines"] = list(m["engines"].values())
+    elif case == "tensorrt backend":
+        target["backend"] = "tensorrt"
+    elif case == "no tokenizer hash":
+        del target["tokenizer_sha256"]
+    elif case == "tokenizer changed":  # still a valid tokenizer, just not the one the engines were built with
+        tok = folder / "tokenizer.json"
+        tok.write_text(json.dumps(json.loads(tok.read_text()), indent=2))
+    return m
+
+
+@pytest.mark.parametrize("case,words", [("not an object", ["not an object", "rebuild"]),
+                                        ("engines a list", ["wrong type", "rebuild"]),
+                                        ("tensorrt backend", ["tensorrt", "only onnxruntime"]),
+                                        ("no tokenizer hash", ["tokenizer_sha256", "rebuild"]),
+                                        ("tokenizer changed", ["tokenizer.json", "sha256", "rebuild"])])
+def test_tampered_engine_set(tmp_path, tiny_engines, case, words):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_engines, other)  # copies, not links: rewriting them leaves the fixture alone
+    m = _tamper(case, json.loads((other / "manifest.json").read_text()), other)
+    (other / "manifest.json").write_text(json.dumps(m))
+    assert_user_error(specrt("generate", "--engines", other, "--prompt", "hi"), *words)
+    if case == "not an object":
+        assert_user_error(specrt("info", other), *words)
+
+
+def test_engines_rebuilds_a_set_that_no_longer_loads(tiny_dir, tmp_path):
+    """`specrt engines` is the fix every load error names: it must not call a broken set up to date."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from specrt.runtime.generate import Generator
+
+    req = EngineSetRequest(str(tiny_dir), "t", ("fp32",), 128, tmp_path / "engines")
+    path = make_engine_set(req, log=lambda m: None)
+    breakages = [lambda: (path / "target-fp32.onnx.data").unlink(),
+                 lambda: (path / "manifest.json").write_text("[]"),
+                 lambda: (path / "tokenizer.json").unlink() or (path / "tokenizer.json").write_text("{}")]
+    for brk in breakages:
+        brk()
+        said = []
+        assert make_engine_set(req, log=said.append) == path
+        assert not any("up to date" in m for m in said), said
+        assert Generator.load(path).generate("hi", max_new_tokens=2).token_ids
+    said = []
+    make_engine_set(req, log=said.append)
+    assert any("up to date" in m for m in said), said  # an intact set is still skipped
 
 
 def test_manifest_of_another_schema_version(tmp_path, tiny_engines):
@@ -127,8 +207,68 @@ def test_bad_messages_file(tmp_path, tiny_engines, content, words):
     assert_user_error(specrt("generate", "--engines", tiny_engines, "--messages", f), *words)
 
 
-def test_bad_sampling_values(tiny_engines):
-    assert_user_error(specrt("generate", "--engines", tiny_engines, "--prompt", "hi", "--top-p", "1.5"), "top_p")
+def test_messages_file_edge_cases(tmp_path, tiny_engines):
+    from specrt.errors import SpecrtError
+    from specrt.runtime.tokenizer import load_messages_file
+
+    with pytest.raises(SpecrtError, match="is a folder"):
+        load_messages_file(tmp_path)
+    blank = tmp_path / "blank.json"
+    blank.write_text(json.dumps([{"role": "system", "content": ""}, {"role": "user", "content": "  \n"}]))
+    assert_user_error(specrt("generate", "--engines", tiny_engines, "--messages", blank), "empty")
+    assert_user_error(specrt("generate", "--engines", tiny_engines, "--messages", tmp_path), "folder")
+    bom = tmp_path / "bom.json"  # what Windows editors save as "UTF-8"
+    bom.write_bytes(json.dumps([{"role": "user", "content": "hello"}]).encode("utf-8-sig"))
+    assert [m.content for m in load_messages_file(bom)] == ["hello"]
+    r = specrt("generate", "--engines", tiny_engines, "--messages", bom, "--max-new-tokens", "2", "--json")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args,words", [(["--top-p", "1.5"], ["--top-p must", "use --top-p 1.0"]),
+                                        (["--temperature", "-1"], ["--temperature must", "use --temperature 0.0"]),
+                                        (["--top-k", "-2"], ["--top-k must"]),
+                                        (["--seed", "-1"], ["--seed must"]),
+                                        (["--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
+                                        (["--stop", ""], ["--stop", "empty"])])
+def test_bad_sampling_values(tiny_engines, args, words):
+    r = specrt("generate", "--engines", tiny_engines, "--prompt", "hi", *args)
+    assert_user_error(r, *words)
+    assert not any(w in r.stderr for w in ("top_p", "temperature=", "top_k", "max_new_tokens")), r.stderr
+
+
+def test_help_shows_flags_as_flags_and_lists_precisions():
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "generate", "--help"], capture_output=True, text=True,
+                       env={**ENV, "COLUMNS": "250", "TERMINAL_WIDTH": "250"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "<bool>" not in r.stdout and "--json" in r.stdout, r.stdout
+    line = next(x for x in r.stdout.splitlines() if "--precision" in x)
+    assert all(p in line for p in ("fp32", "int8", "int4", "int4-fp32")), line
+    for cmd in ([], ["engines"], ["cache"], ["bench"]):
+        out = subprocess.run([sys.executable, "-m", "specrt.cli", *cmd, "--help"], capture_output=True, text=True,
+                             env=ENV, timeout=120).stdout
+        assert "--help" in out and "<bool>" not in out, (cmd, out)
+
+
+def test_engines_rejects_a_bad_destination(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert_user_error(specrt("engines", "--out", afile), "is a file", "folder")
+    for name in ("../escaped", "a/b", "..", ".cache"):
+        assert_user_error(specrt("engines", "--name", name, "--out", tmp_path / "eng"), "name", "--name")
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "eng").exists()
+
+
+def test_draft_of_another_vocabulary_fails_before_export(tmp_path, tiny_dir, monkeypatch):
+    import specrt.export.exporter as exporter
+    from specrt.errors import SpecrtError
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    draft = make_checkpoint(tmp_path / "draft", "llama", seed=3, vocab=320)
+    monkeypatch.setattr(exporter, "export_checkpoint", lambda *a, **k: pytest.fail("exported before the vocab check"))
+    with pytest.raises(SpecrtError, match="vocabulary size 320.*has 384"):
+        make_engine_set(EngineSetRequest(str(tiny_dir), "pair", ("fp32",), 128, tmp_path / "eng", str(draft)),
+                        log=lambda m: None)
+    no_leftovers(tmp_path / "eng")
 
 
 def test_train_medusa_rejects_a_part_that_does_not_exist(tmp_path):
@@ -160,6 +300,15 @@ def test_cache_lists_and_prunes_only_what_no_engine_set_uses(tiny_dir, tmp_path)
     old_export = out / ".cache" / "export-0123456789abcdef-ctx128-v0"  # an old export format
     old_export.mkdir()
     (old_export / "model.onnx.data").write_bytes(b"\0" * 8192)
+    killed = [out / ".cache" / ".tmp-export-k1ll3d", out / ".tmp-t-k1ll3d"]  # runs killed with -9 leave these
+    running = out / ".cache" / ".tmp-export-running"           # a build writing right now keeps its folder
+    two_hours_ago = time.time() - 7200
+    for k in killed + [running]:
+        k.mkdir()
+        (k / "model.onnx.data").write_bytes(b"\0" * 1024)
+        if k is not running:
+            for q in (k / "model.onnx.data", k):
+                os.utime(q, (two_hours_ago, two_hours_ago))
     used = {e.path.name: e.in_use for e in cache_entries(out)}
     assert used[exp.name] and not used["build-oldrecipe"] and not used[old_export.name]
     assert sum(used.values()) == 2                             # the export and the build the set links
@@ -169,6 +318,7 @@ def test_cache_lists_and_prunes_only_what_no_engine_set_uses(tiny_dir, tmp_path)
     r = specrt("cache", "--out", out, "--prune")
     assert r.returncode == 0 and "freed" in r.stdout
     assert not stale_build.exists() and not old_export.exists() and exp.exists()
+    assert not any(k.exists() for k in killed) and running.exists()
     assert Generator.load(path).generate("hi", max_new_tokens=2).token_ids   # the set still works
     assert_user_error(specrt("cache", "--out", tmp_path / "nowhere"), "no build cache", "specrt engines")
 

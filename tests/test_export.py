@@ -106,6 +106,66 @@ def test_tree_mask_matches_branch_by_branch(tmp_path):
     assert np.abs(eng.forward(np.array([5])) - nxt).max() < 1e-4
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_weights_in_a_hf_folder_are_one_line(tmp_path, tiny_dir, damage):
+    import shutil
+
+    from specrt.errors import SpecrtError
+    from specrt.export.sources import load, resolve
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    w = ckpt / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2] if damage == "truncated" else np.random.default_rng(0).bytes(4096))
+    with pytest.raises(SpecrtError, match="cannot load .*SafetensorError.*re-download"):
+        load(resolve(str(ckpt)))
+
+
+def test_greedy_gate_tolerates_near_ties_only():
+    from specrt.export.exporter import NEAR_TIE, greedy_agreement, parity_problem
+
+    ref = np.array([3, 1, 2, 0])
+    rows = np.zeros((4, 5), np.float32)
+    rows[np.arange(4), ref] = 5.0
+    assert greedy_agreement(list(rows), ref) == {"agreement": 1.0, "divergence_gap": None}
+    rows[1, 4] = 5.0 + NEAR_TIE / 4  # token 1: the run picks 4 where PyTorch picked 1, by a hair
+    agree = greedy_agreement(list(rows), ref)
+    assert agree["agreement"] == 0.25 and agree["divergence_gap"] == pytest.approx(NEAR_TIE / 4, rel=1e-3)
+    assert parity_problem(1e-5, agree["agreement"], agree["divergence_gap"]) is None  # a near-tie: 25% is fine
+    rows[1, 4] = 7.0  # a clear preference PyTorch did not have: a wrong graph
+    agree = greedy_agreement(list(rows), ref)
+    assert "greedy decoding agrees" in parity_problem(1e-5, agree["agreement"], agree["divergence_gap"])
+    assert "max |Δlogit|" in parity_problem(0.5, 1.0, None)
+
+
+def test_export_fails_on_greedy_disagreement(tmp_path, tiny_dir, monkeypatch):
+    import specrt.export.exporter as exporter
+    from specrt.errors import SpecrtError
+    from specrt.export.sources import resolve
+
+    monkeypatch.setattr(exporter, "onnx_parity", lambda *a: {"max_abs_logit_diff": 1e-5, "greedy_agreement": 0.5,
+                                                               "greedy_divergence_gap": 3.0, "greedy_tokens_checked": 32})
+    with pytest.raises(SpecrtError, match="export parity failed: greedy decoding agrees .* 50%"):
+        exporter.export_checkpoint(resolve(str(tiny_dir)), tmp_path / "exp", 128, log=lambda m: None)
+
+
+def test_built_fp32_engine_is_gated_on_parity(tmp_path, tiny_dir, monkeypatch):
+    """An fp32 engine that strays from PyTorch fails the build and writes no set; quantized ones only record it."""
+    import specrt.pipeline as pipeline
+    from specrt.errors import SpecrtError
+
+    bad = {"max_abs_logit_diff_vs_torch": 2e-3, "greedy_agreement_vs_torch": 0.125,
+           "greedy_divergence_gap_vs_torch": 1.5, "width_max_abs_diff": 0.0, "width_exact": True}
+    monkeypatch.setattr(pipeline, "check_engine", lambda *a: dict(bad))
+    out = tmp_path / "eng"
+    with pytest.raises(SpecrtError, match="target-fp32 engine does not match PyTorch: greedy decoding agrees"):
+        pipeline.make_engine_set(pipeline.EngineSetRequest(str(tiny_dir), "t", ("fp32",), 128, out), log=lambda m: None)
+    assert sorted(p.name for p in out.iterdir()) == [".cache"]
+    path = pipeline.make_engine_set(pipeline.EngineSetRequest(str(tiny_dir), "t", ("int8",), 128, out), log=lambda m: None)
+    assert (path / "manifest.json").is_file()
+
+
 def test_context_limit_is_a_clear_error(tmp_path):
     from specrt.runtime.engine import ContextFullError
 

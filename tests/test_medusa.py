@@ -1,5 +1,6 @@
-"""Medusa: training smoke test on a tiny model (loss goes down, a checkpoint resumes), the heads
-engine, and greedy Medusa output equal to target-only greedy at fp32."""
+"""Medusa: training smoke test on a tiny model (loss goes down, a checkpoint resumes to the same
+heads), the heads engine, and greedy Medusa output equal to target-only greedy at fp32 on trees
+whose nodes are accepted, rejected and accepted past the first sibling."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def tiny_heads(tiny_dir, tmp_path_factory):
     first = train_heads(data, lm_head, out / "run", cfg, log=logs.append)   # checkpoint, stop
     second = train_heads(data, lm_head, out / "run", TrainConfig(**{**cfg.__dict__, "stop_step": 0}),
                          log=logs.append)
-    return {"data": data, "first": first, "second": second, "logs": logs, "out": out / "run"}
+    whole = train_heads(data, lm_head, out / "whole", TrainConfig(**{**cfg.__dict__, "stop_step": 0}),
+                        log=lambda m: None)                                  # the same seed, never stopped
+    return {"data": data, "first": first, "second": second, "whole": whole, "logs": logs, "out": out / "run",
+            "lm_head": lm_head}
 
 
 def test_training_loss_goes_down_and_resumes(tiny_heads):
@@ -39,16 +43,24 @@ def test_training_loss_goes_down_and_resumes(tiny_heads):
     assert any(m.startswith(f"resumed at step {first['steps']}/") for m in logs)
     assert second["final_loss"] < 0.8 * second["first_loss"]
     assert len(second["top1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(second["top1"], second["top5"]))
-    assert (tiny_heads["out"] / "heads.npz").is_file()
+    # stop + resume is the uninterrupted run: weights, optimizer state and data order all carry over
+    resumed, whole = (np.load(tiny_heads["out"].parent / d / "heads.npz") for d in ("run", "whole"))
+    assert second["steps"] == tiny_heads["whole"]["steps"]
+    for k in ("w1", "b1", "w2", "b2", "a"):
+        np.testing.assert_allclose(resumed[k].astype(np.float32), whole[k].astype(np.float32), atol=1e-3, err_msg=k)
 
 
 def test_data_labels_are_the_targets_own_next_tokens(tiny_heads):
+    """Head k's label at position t is y[t + k], y[t] = the target's choice after t (greedy chat
+    continuations and teacher-forced code alike): the argmax of its lm_head on the stored hidden
+    state of position t + k."""
     d = np.load(tiny_heads["data"])
-    lab = d["labels"]
-    assert lab.shape[1] == 3 and d["hidden"].shape[0] == lab.shape[0] and d["hidden"].dtype == np.float16
-    # head k+1's label at t is head k's label at t + 1 (same sequence)
-    both = (lab[:-1, 1] >= 0) & (lab[1:, 0] >= 0)
-    assert both.any() and (lab[:-1, 1][both] == lab[1:, 0][both]).all()
+    lab, hid = d["labels"], d["hidden"].astype(np.float32)
+    assert lab.shape[1] == 3 and hid.shape[0] == lab.shape[0] and d["hidden"].dtype == np.float16
+    y = (hid @ tiny_heads["lm_head"].T).argmax(1)
+    for k in range(1, 4):
+        t = np.flatnonzero(lab[:, k - 1] >= 0)   # a label exists only where t + k is in the same sequence
+        assert t.size > 500 and (lab[t, k - 1] == y[t + k]).mean() > 0.98, k
 
 
 def test_heads_engine_matches_numpy(tiny_heads, tmp_path):
@@ -94,23 +106,110 @@ def medusa_gen(tiny_dir, tiny_heads, tmp_path_factory):
 
 
 def test_greedy_medusa_equals_target_greedy(medusa_gen):
+    """The engine set's own heads and tree, through make_decoder. These tiny heads are rarely right on
+    these prompts (and the tree chosen for them is a chain): acceptance is tested with ReplayHeads."""
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import make_decoder
 
     gen = medusa_gen
     assert gen.manifest.engine("medusa").raw["medusa"]["training"]["heads"] == 3
-    taus = []
     for prompt in ("def add(a, b):", "The quick brown fox", "Hello, how are you?"):
         plain = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams())
         med = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
                            decode=make_decoder("medusa", gen.manifest, "fp32", threads=1))
         assert med.token_ids == plain.token_ids
         assert med.stats.proposer == "medusa"
-        taus.append(med.stats.tau)
         auto = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
                             decode=make_decoder("auto", gen.manifest, "fp32", threads=1))
         assert auto.token_ids == plain.token_ids and auto.stats.proposer == "lookup+medusa"
-    assert max(taus) > 1.0  # the heads were accepted at least sometimes
+
+
+class ReplayHeads:
+    """Stands in for a heads engine that is right where a table says. It knows the target's greedy
+    sequence `seq` and the hidden state hid[t] of each of its positions; given a hidden state, it
+    finds its position t and ranks head k's true token seq[t + 2 + k] at rank[t, k] among wrong
+    candidates (rank >= topk: not a candidate). A call whose hidden state is no position's, or whose
+    pending token is not seq[t + 1], is a miss: Medusa must pass the hidden state of the last
+    accepted position and the token the target chose after it."""
+
+    heads, topk = 3, 2
+
+    def __init__(self, seq: list[int], hid: np.ndarray, vocab: int):
+        self.seq, self.hid, self.vocab = np.array(seq + [0] * 4), hid, vocab   # padded: past the end is never verified
+        self.rank = np.random.default_rng(0).choice(3, (len(seq), self.heads), p=[0.5, 0.25, 0.25])
+        self.calls, self.misses = 0, 0
+
+    def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
+        d = np.abs(self.hid - hidden).max(axis=1)
+        t = int(d.argmin())
+        self.calls += 1
+        self.misses += bool(d[t] > 1e-3 or self.seq[t + 1] != token)
+        truth = self.seq[t + 2: t + 2 + self.heads]
+        cand = (truth[:, None] + 1 + np.arange(self.topk)) % self.vocab     # wrong tokens
+        hit = np.flatnonzero(self.rank[t] < self.topk)
+        cand[hit, self.rank[t, hit]] = truth[hit]
+        return cand
+
+
+# siblings at depths 1 and 2: 6 nodes, depth 3, so near the context end a tree is deeper than wide
+TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+
+
+@pytest.fixture(scope="module")
+def replay(medusa_gen):
+    """A prompt, target-only greedy decoding of it until the context (256) is full, and the hidden
+    state of every position from one pass over prompt + output."""
+    from specrt.runtime.sampling import SamplingParams
+
+    prompt = "The quick brown fox"
+    plain = medusa_gen.generate(prompt, max_new_tokens=1000, sampling=SamplingParams(), ignore_eos=True)
+    seq = medusa_gen.prompt_ids(prompt) + plain.token_ids
+    eng = medusa_gen.engine
+    eng.enable_hidden()
+    eng.rewind(0)
+    eng.forward(np.array(seq, np.int64))
+    hid = eng.hidden.copy()
+    eng.rewind(0)
+    return prompt, plain, seq, hid
+
+
+@pytest.mark.parametrize("mode", ["medusa", "lookup+medusa"])
+def test_medusa_trees_equal_target_greedy_to_the_end_of_the_context(medusa_gen, replay, mode):
+    """Medusa (and lookup+medusa) on a tree with siblings, heads right at rank 0, at rank 1 or not at
+    all (ReplayHeads), decoding until the context is full: the output is target-only greedy's and
+    ends the same way ("context": the loop cuts the last trees to the room left; it raised
+    ContextFullError when a 6-node tree of depth <= k met 3 free places). Rounds accept all, some
+    or none of a path, nodes past the first sibling are accepted, and the heads always read the
+    hidden state of the last accepted position (tree node or lookup chain) with its next token."""
+    from specrt.runtime.proposers import PromptLookup
+    from specrt.runtime.proposers.hybrid import LookupMedusa
+    from specrt.runtime.proposers.medusa import Medusa
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import FixedK, speculative_decode
+
+    prompt, plain, seq, hid = replay
+    assert plain.stats.finish_reason == "context" and len(seq) == medusa_gen.engine.max_context
+    heads = ReplayHeads(seq, hid, medusa_gen.engine.vocab_size)
+    medusa = Medusa(heads, TREE)
+    proposer = medusa if mode == "medusa" else LookupMedusa(PromptLookup((6, 4, 3, 2, 1), 3), medusa)
+    rounds = []                                   # [draft, free places, result] of every Medusa round
+    propose, observe, room = medusa.propose, medusa.observe, lambda ctx: medusa_gen.engine.max_context - ctx.length
+    medusa.propose = lambda ctx, k: rounds.append([propose(ctx, k), room(ctx)]) or rounds[-1][0]
+    medusa.observe = lambda result: (rounds[-1].append(result), observe(result))
+    out = medusa_gen.generate(prompt, max_new_tokens=1000, sampling=SamplingParams(), ignore_eos=True,
+                              decode=lambda *a: speculative_decode(*a, proposer=proposer, control=FixedK(3)))
+    assert out.token_ids == plain.token_ids and out.stats.finish_reason == "context"
+    assert heads.calls > 10 and heads.misses == 0
+    trees = [(d, free, r) for d, free, r in rounds if d.parents is not None]
+    accepted = [r.num_accepted for _, _, r in trees]
+    assert min(accepted) == 0 and max(accepted) == 3 and 1 in accepted, accepted
+    rank = medusa.trees[3].rank
+    assert sum(rank[r.path].max() > 0 for _, _, r in trees if r.num_accepted) >= 3   # (1,), (0, 1) or (1, 0) kept
+    if mode == "medusa":
+        assert any(d.tokens.size > free for d, free, _ in trees)  # a tree met the end of the context
+    else:  # the output settles into a cycle, where lookup drafts: trees read hidden states after its chains
+        assert any(a[0].parents is None and a[2].num_accepted and b[0].parents is not None
+                   for a, b in zip(rounds, rounds[1:]))
 
 
 def test_sampling_is_exact_unless_lossy_typical_is_asked(medusa_gen):
@@ -124,7 +223,28 @@ def test_sampling_is_exact_unless_lossy_typical_is_asked(medusa_gen):
     lossy = medusa_gen.generate("def add(a, b):", max_new_tokens=24, sampling=sp,
                                 decode=make_decoder("medusa", m, "fp32", threads=1,
                                                     config=SpeculativeConfig(lossy_typical=True)))
-    assert exact.stats.exact and not lossy.stats.exact
+    assert exact.stats.exact and not exact.stats.lossy
+    assert not lossy.stats.exact and lossy.stats.lossy and lossy.stats.as_dict()["lossy"] is True
+
+
+def test_cli_labels_lossy_typical_as_lossy_not_as_width(medusa_gen):
+    """--lossy-typical on a width-exact fp32 engine: the stats line says why the output is not exact."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    args = ["generate", "--engines", str(medusa_gen.manifest.root), "--prompt", "def add(a, b):", "--threads", "1",
+            "--speculate", "medusa", "--temperature", "0.8", "--seed", "3", "--max-new-tokens", "12"]
+    r = CliRunner().invoke(app, args + ["--lossy-typical"])
+    assert r.exit_code == 0, r.output
+    assert "LOSSY (typical acceptance)" in r.output and "width-exact" not in r.output
+    r = CliRunner().invoke(app, args + ["--lossy-typical", "--json"])
+    stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
+    assert stats["lossy"] is True and stats["exact"] is False
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "LOSSY" not in r.output and "width-exact" not in r.output
 
 
 def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
@@ -157,3 +277,21 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
     # auto takes it at fp32 only: at int4 the heads (trained on fp32 hidden states) measured no gain
     assert make_decoder("auto", gen.manifest, "fp32", threads=1).proposer.name == "lookup+medusa"
     assert make_decoder("auto", gen.manifest, "int4", threads=1).proposer.name == "prompt-lookup"
+
+
+def test_corrupt_heads_engine_is_one_line(medusa_gen, tmp_path):
+    """A damaged medusa-fp32.onnx is a one-line error naming the file at load, like the target's."""
+    import shutil
+
+    from specrt.errors import SpecrtError
+    from specrt.runtime.speculative import make_decoder
+
+    broken = tmp_path / "broken"
+    shutil.copytree(medusa_gen.manifest.root, broken)
+    f = broken / "medusa-fp32.onnx"
+    f.write_bytes(f.read_bytes()[:200])
+    from specrt.runtime.generate import Generator
+
+    gen = Generator.load(broken, "fp32", threads=1)
+    with pytest.raises(SpecrtError, match=r"cannot load engine .*medusa-fp32\.onnx.*rebuild"):
+        make_decoder("medusa", gen.manifest, "fp32", threads=1)

@@ -75,6 +75,29 @@ def test_greedy_oracle_chain_and_tree_equal_target_only(tiny_engines, tree):
     assert stats.rounds <= 30 // 3 + 1 and stats.acceptance_by_position[:3] == [1.0, 1.0, 1.0]
 
 
+class LateTreeOracle(Oracle):
+    """The tree oracle from round 2 on, like Medusa: a tree pass over an empty cache (the prompt
+    pending) lets siblings see each other (test_tree.py), which flips a near-tie over 230 tokens."""
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        return Draft(np.zeros(0, np.int64)) if ctx.length == self.prompt_length else super().propose(ctx, k)
+
+
+def test_trees_are_cut_to_the_room_left_at_the_end_of_the_context(tiny_engines):
+    """The oracle drafts a 6-node tree of depth 3 whatever k is; near the end of the context (256) the
+    loop keeps the nodes that fit, and decoding fills the context with target-only greedy's tokens.
+    Four prompt lengths put the free places of the last tree rounds at every residue of the 4 tokens
+    a round emits (the uncut tree raised ContextFullError with 3, 4 or 5 places left)."""
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    for cut in range(4):
+        prompt = _prompt(gen)[cut:]
+        n = gen.engine.max_context - len(prompt)
+        ref = _run(plain_decode, gen, prompt, n)
+        out = _run(lambda *a: speculative_decode(*a, proposer=LateTreeOracle(ref, 384, True), control=FixedK(3)),
+                   gen, prompt, n)
+        assert out == ref, cut
+
+
 def _run(decode, gen, prompt, n, stats=None, sampling=SamplingParams(), rng=None) -> list[int]:
     out: list[int] = []
     rounds = decode(gen.engine, prompt, sampling, rng or np.random.default_rng(0), stats or Stats())
@@ -94,7 +117,7 @@ def test_stats_say_not_exact_on_width_inexact_engines(tiny_engines):
         stats = Stats()
         _run(lambda *a: speculative_decode(*a, proposer=Oracle(ref, 384, False), control=FixedK(2),
                                            width_exact=width_exact), gen, prompt, 8, stats)
-        assert stats.exact is width_exact and stats.proposer == "oracle"
+        assert stats.exact is width_exact and stats.proposer == "oracle" and not stats.lossy
 
 
 # --- sampling: speculative output has the target's distribution ------------------------------------

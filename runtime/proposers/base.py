@@ -58,7 +58,8 @@ class Proposer(Protocol):
         """A new request: forget the previous one (cache, index)."""
 
     def propose(self, ctx: Context, k: int) -> Draft:
-        """Up to k tokens (a chain or a tree with depth <= k) after ctx.ids; may be empty."""
+        """Up to k tokens (a chain or a tree with depth <= k) after ctx.ids; may be empty. Near the end
+        of the context the loop keeps only a tree's first nodes, as many as the cache has room for."""
 
     def observe(self, result: VerifyResult) -> None:
         """What the target kept of the last draft (called once per propose, before ctx grows)."""

@@ -12,7 +12,8 @@ candidates into n nodes, verified in one target pass of n + 1 tokens.
 
 The draft is deterministic (q = None, one-hot), so `verify` keeps the output exactly the
 target's, greedy or sampled. The first round (the prompt is pending, no hidden state yet) drafts
-nothing. k from the controller caps the tree depth (a subtree per depth is compiled once).
+nothing. k from the controller caps the tree depth (a subtree per depth is compiled once); at the
+context end the loop keeps the first nodes that fit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import SpecrtError
+from ..engine import open_session
 from ..tree import compile_tree
 from ..verify import Draft, VerifyResult
 from .base import EMPTY, Context, OneBucket
@@ -35,7 +37,7 @@ class MedusaHeads:
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.session = open_session(onnx_path, so)
         shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
         self.heads, self.topk = int(shape[1]), int(shape[2])
         self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)
