@@ -24,7 +24,7 @@ $(VENV)/.peers: $(VENV)/.installed
 	touch $@
 
 engines: venv
-	$(SPECRT) engines --source smollm2-135m --precisions fp32,int8,int4
+	$(SPECRT) engines --source smollm2-135m --precisions fp32,int8,int4 --out $(patsubst %/,%,$(dir $(ENGINES))) --name $(notdir $(ENGINES))
 
 demo: engines
 	$(SPECRT) generate --engines $(ENGINES) --prompt "$(PROMPT)" --max-new-tokens 128
@@ -41,4 +41,4 @@ bench: engines $(VENV)/.peers
 	$(SPECRT) bench --engines $(ENGINES) --isolate --out bench-out
 
 clean:
-	rm -rf engines/.cache engines/.tmp-* bench-out
+	rm -rf engines/.cache engines/.tmp-* engines/.old-* bench-out

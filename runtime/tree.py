@@ -19,6 +19,7 @@ decided but whose K/V is not yet in the cache), pass index i + 1 is node i. So:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -77,6 +78,27 @@ def ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return depth, anc
 
 
+def tree_layout(parents: np.ndarray, pending: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The one layout of a tree pass: `pending` tokens (the root, or the prompt on round 1), then the
+    nodes of `parents` -> offsets [pending + n] from the cache length (a node at pending - 1 + depth) and
+    the additive mask [pending + n, pending + n]: nodes see the pending tokens and their ancestors;
+    causality (later tokens hidden from earlier ones) is the graph's own. Cached per shape: the loop asks
+    for the same few trees every round. Read-only arrays."""
+    return _layout(np.ascontiguousarray(parents, np.int64).tobytes(), pending)
+
+
+@lru_cache(maxsize=64)
+def _layout(parents: bytes, pending: int) -> tuple[np.ndarray, np.ndarray]:
+    depth, anc = ancestry(np.frombuffer(parents, np.int64))
+    n = depth.size
+    offsets = np.concatenate([np.arange(pending), pending - 1 + depth])
+    mask = np.zeros((pending + n, pending + n), np.float32)
+    mask[pending:, pending:] = np.where(anc, 0.0, -np.inf)
+    for a in (offsets, mask):
+        a.setflags(write=False)
+    return offsets, mask
+
+
 def compile_tree(paths) -> CompiledTree:
     """paths: iterable of non-empty tuples of ranks >= 0 -> CompiledTree (nodes sorted by depth, then path)."""
     ps = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
@@ -92,12 +114,9 @@ def compile_tree(paths) -> CompiledTree:
     parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ps], np.int64)
     depth, anc = ancestry(parents)
     rank = np.array([p[-1] for p in ps], np.int64)
-    # over pass indices: the root (index 0) is visible to every row, node i is pass index i + 1
-    see = np.zeros((n + 1, n + 1), bool)
-    see[:, 0] = True
-    see[1:, 1:] = anc
-    mask = np.where(see, 0.0, -np.inf).astype(np.float32)
-    positions = np.concatenate([[0], depth]).astype(np.int64)
+    positions, layout = tree_layout(parents)
+    mask = layout + np.triu(np.full((n + 1, n + 1), -np.inf, np.float32), 1)  # causality spelled out here
+    see = mask == 0
     is_parent = np.zeros(n, bool)
     is_parent[parents[parents >= 0]] = True
     leaves = np.flatnonzero(~is_parent)
@@ -105,7 +124,7 @@ def compile_tree(paths) -> CompiledTree:
     for r, leaf in enumerate(leaves):
         chain = np.flatnonzero(see[leaf + 1])  # ancestors are exactly the visible pass indices
         retrieve[r, : len(chain)] = chain
-    for a in (parents, depth, rank, positions, mask, retrieve):
+    for a in (parents, depth, rank, mask, retrieve):
         a.setflags(write=False)
     return CompiledTree(tuple(ps), parents, depth, rank, positions, mask, retrieve)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.runtime.sampling import _sample_or_none
+from .sampling import _sample_or_none
 
 __all__ = ["Draft", "VerifyResult", "verify", "verify_greedy", "verify_typical"]
 

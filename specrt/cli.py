@@ -112,8 +112,9 @@ def engines(
             cache = out / ".cache" / "presets"
             src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
             set_name = name or pre.name
-        set_name = set_name or (src if "/" not in src and not src.endswith(".gguf") else Path(src).stem.lower())
-        from .pipeline import default_heads
+        from .pipeline import default_heads, source_name
+
+        set_name = set_name or source_name(src)
 
         heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
                  else default_heads(src))
@@ -270,6 +271,7 @@ def train_medusa(
         from .export.medusa import TrainConfig, train_heads
         from .export.medusa_data import build_dataset, default_parts
         from .export.sources import load, resolve
+        from .pipeline import source_name
 
         n_parts = len(default_parts())
         if not 1 <= parts <= n_parts:
@@ -283,7 +285,7 @@ def train_medusa(
                           token_input=not plain_medusa)
         run_dir = work / f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}-lr{lr}-t{int(cfg.token_input)}"
         train_heads(data, lm_head, run_dir, cfg, log=say)
-        dest = out or Path("heads") / f"{Path(source).stem if '/' in source else source}.npz"
+        dest = out or Path("heads") / f"{source_name(source)}.npz"
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(run_dir / "heads.npz", dest)
         typer.echo(str(dest))

@@ -43,7 +43,7 @@ class EngineEntry:
     hidden_size: int
     vocab_size: int
     max_context: int
-    width_exact: bool  # one K-token pass equals K one-token passes (to ~1e-4)
+    width_exact: bool  # one K-token pass equals K one-token passes (max |diff| <= 1e-3; fp32 measures ~7e-5)
     raw: dict  # the whole entry, for `specrt info`
 
 

@@ -181,6 +181,12 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
     return entry
 
 
+def source_name(source: str) -> str:
+    """What an engine set or a heads file made from `source` is called by default: an embedded name as it
+    is, a model folder or .gguf file by its file name (lower case)."""
+    return source if "/" not in source and not source.endswith(".gguf") else Path(source).stem.lower()
+
+
 def default_heads(source: str) -> Path | None:
     """The committed heads for an embedded default (heads/<name>.npz beside the package), if any."""
     path = Path(__file__).resolve().parents[1] / "heads" / f"{source}.npz"
