@@ -120,6 +120,10 @@ def load_manifest(root: Path) -> Manifest:
     if engines and not any(e.role == "target" for e in engines.values()):
         raise SpecrtError(f"engine set '{root}' has proposers but no target engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT`")
+    widths = {e.hidden_size for e in engines.values() if e.role in ("target", "medusa")}
+    if len(widths) > 1:  # heads read the target's hidden state
+        raise SpecrtError(f"engine set '{root}': its Medusa heads and its target have different hidden sizes "
+                          f"{sorted(widths)}; rebuild it with heads trained for this target (`specrt train-medusa`)")
     for e in engines.values():  # target and draft entries record the tokenizer they were exported with
         if e.role in ("target", "draft") and "tokenizer_sha256" not in e.raw:
             raise SpecrtError(f"engine '{e.name}' does not record its tokenizer (tokenizer_sha256); {rebuild}")

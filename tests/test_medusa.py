@@ -295,3 +295,20 @@ def test_corrupt_heads_engine_is_one_line(medusa_gen, tmp_path):
     gen = Generator.load(broken, "fp32", threads=1)
     with pytest.raises(SpecrtError, match=r"cannot load engine .*medusa-fp32\.onnx.*rebuild"):
         make_decoder("medusa", gen.manifest, "fp32", threads=1)
+
+
+def test_heads_of_another_hidden_size_are_an_error_at_load(medusa_gen, tmp_path):
+    import json
+    import shutil
+
+    from specrt.errors import SpecrtError
+    from specrt.manifest import load_manifest
+
+    broken = tmp_path / "other-heads"
+    shutil.copytree(medusa_gen.manifest.root, broken)
+    m = json.loads((broken / "manifest.json").read_text())
+    name = next(k for k, v in m["engines"].items() if v["role"] == "medusa")
+    m["engines"][name]["hidden_size"] += 8
+    (broken / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecrtError, match="different hidden sizes.*train-medusa"):
+        load_manifest(broken)
