@@ -77,9 +77,19 @@ class Ours:
     def load(self, log=print) -> None:
         from ..runtime.generate import Generator, plain_decode
 
-        key = (str(self.manifest.root), self.precision, self.threads)
+        self.draft_engine = None
+        if self.strategy == "plain":
+            drafting = False
+        else:
+            from ..runtime.speculative import resolve_mode
+
+            drafting = resolve_mode(self.strategy, self.manifest, self.precision) == "draft"
+        # the target takes turns with a draft model only where one drafts, as `specrt generate` loads it: the
+        # set-wide default (taking_turns=None: on whenever the set has a draft) stopped ORT's spinning for
+        # plain-fp32 too, i.e. a slower baseline than users run (plain steps 0-6% slower with it, engine.py)
+        key = (str(self.manifest.root), self.precision, self.threads, drafting)
         if key not in _GENERATORS:  # strategies on one precision share weights and cache (each call rewinds)
-            _GENERATORS[key] = Generator(self.manifest, self.precision, self.threads)
+            _GENERATORS[key] = Generator(self.manifest, self.precision, self.threads, taking_turns=drafting)
         self.gen = _GENERATORS[key]
         if self.strategy == "plain":
             self.decode = plain_decode
@@ -90,6 +100,10 @@ class Ours:
                 self.decode = make_decoder(self.strategy, self.manifest, self.precision, threads=self.threads)
             except SpecrtError as e:
                 raise Unavailable(str(e)) from None
+            if drafting:
+                from ..runtime.speculative import draft_entry
+
+                self.draft_engine = draft_entry(self.manifest, self.precision).name
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
         from ..runtime.tokenizer import Message
@@ -110,10 +124,15 @@ class Ours:
         for _ in s:
             pass
         r, total = s.result, clock.trace().total_s
-        n = len(r.token_ids)
-        spec = self.strategy != "plain"
-        return Trace(list(r.token_ids), clock.times[:n], total, tau=r.stats.tau if spec else 1.0,
-                     acceptance=tuple(r.stats.acceptance_by_position) if spec else ())
+        n, st = len(r.token_ids), r.stats
+        if self.strategy == "plain":
+            return Trace(list(r.token_ids), clock.times[:n], total, tau=1.0, rounds=st.rounds)
+        # kept counts from the 4-decimal rates: exact while a position was drafted in < 10^4 rounds
+        kept = tuple(round(a * d) for a, d in zip(st.acceptance_by_position, st.drafted_by_position))
+        proposer = st.proposer + (f" ({self.draft_engine})" if self.draft_engine else "")
+        return Trace(list(r.token_ids), clock.times[:n], total, tau=st.tau, acceptance=tuple(st.acceptance_by_position),
+                     rounds=st.rounds, drafted=tuple(st.drafted_by_position), accepted=kept, proposer=proposer)
+
 
 
 def make(name: str, manifest: Manifest, ck: Checkpoint):

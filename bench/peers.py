@@ -36,6 +36,12 @@ class Trace:
     total_s: float
     tau: float | None = None  # tokens per target pass, where the contender reports it
     acceptance: tuple[float, ...] = ()  # acceptance rate per draft position
+    # the counts behind them, so the runner pools runs (a mean of per-run rates weighs a 2-round run like a
+    # 40-round one): target passes, and per draft position the rounds that drafted it and kept it
+    rounds: int | None = None
+    drafted: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()
+    proposer: str | None = None  # what drafted (Stats.proposer, e.g. what `auto` resolved to; a draft model's engine)
 
 
 class Unavailable(Exception):

@@ -30,10 +30,27 @@ def markdown(res: dict, command: str) -> str:
         + ", ".join(res.get("load_order", res["modes"])),
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
         + f"; OMP_WAIT_POLICY={meta.get('omp_wait_policy')}",
-        f"- tok/s = new tokens / wall time of the call (prefill included), per prompt the median of reps; "
-        f"speedup = geometric mean over prompts against `{meta['reference']}` of this run; decode speedup = the "
-        "same with prefill left out (tokens after the first round / time after it); "
-        "agreement = prompts whose greedy tokens equal the reference's, and the earliest divergence index",
+        "- tok/s = new tokens / wall time of the call (prefill included): per prompt the median of reps, per "
+        "category and over all prompts the arithmetic mean of those per-prompt medians; new tokens = mean over runs",
+        f"- speedup = per prompt the median over reps of (tok/s / `{meta['reference']}`'s tok/s in the same rep: "
+        "reps are interleaved, so each pair ran close in time), then the geometric mean over prompts; decode "
+        "speedup = the same with prefill left out (tokens after the first round / time after it)",
+        "- tau = tokens per target pass; acceptance at draft position i = P(draft token i kept | the round drafted "
+        ">= i tokens), cumulative from position 1 (token i is kept only if 1..i-1 were); both pooled over runs "
+        "(summed counts)",
+        "- gap p50/p99: the gaps between streamed tokens of every prompt and every rep pooled, so one slow rep "
+        "can set p99; agreement = prompts whose greedy tokens equal the reference's, and the earliest divergence index",
+    ]
+    if any(r.get("pooled") is False and r["tau"] is not None for r in rows):
+        out.append("- **this results.json predates the round and draft counts**: tau and acceptance are unweighted "
+                   "means of per-run figures here (the old way), not pooled")
+    left = [f"{r['mode']} ({', '.join(r['speedup_left_out'])})" for r in rows
+            if r["category"] == "all" and r.get("speedup_left_out")]
+    if left:
+        out.append("- left out of the speedups (0 new tokens on either side in every rep: no ratio to average): "
+                   + "; ".join(left))
+    out += _meta_lines(res, cell)
+    out += [
         "",
         "## tok/s (speedup) per category",
         "",
@@ -47,23 +64,24 @@ def markdown(res: dict, command: str) -> str:
             cells.append("–" if r is None else f"{r['tok_s']:.1f} ({_f(r['speedup'], '{:.2f}')}x)")
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     out += ["", "## All prompts", "",
-            "| mode | tok/s | speedup | decode speedup | tau | TTFT ms | gap p50 ms | gap p99 ms | identical | "
-            "first divergence | acceptance by position |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| mode | tok/s | new tokens | speedup | decode speedup | tau | TTFT ms | gap p50 ms | gap p99 ms | "
+            "identical | first divergence | acceptance by position |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for m in res["modes"]:
         r = cell[(m, "all")]
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"][:8]) or "–"
-        out.append(f"| {m} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | "
+        out.append(f"| {m} | {r['tok_s']:.1f} | {r['new_tokens']:g} | {_f(r['speedup'], '{:.2f}')}x | "
                    f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'], '{:.1f}')} | {_f(r['gap_p99_ms'], '{:.1f}')} | "
                    f"{r['identical']} | {_f(r['first_divergence'], '{}')} | {acc} |")
     out += ["", "## Per (mode, category)", "",
-            "| mode | category | tok/s | speedup | decode speedup | tau | TTFT ms | gap p50/p99 ms | identical | "
-            "first divergence |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| mode | category | tok/s | new tokens | speedup | decode speedup | tau | TTFT ms | gap p50/p99 ms | "
+            "identical | first divergence |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["category"] == "all":
             continue
-        out.append(f"| {r['mode']} | {r['category']} | {r['tok_s']:.1f} | {_f(r['speedup'], '{:.2f}')}x | "
+        out.append(f"| {r['mode']} | {r['category']} | {r['tok_s']:.1f} | {r['new_tokens']:g} | "
+                   f"{_f(r['speedup'], '{:.2f}')}x | "
                    f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
                    f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
     out += _per_prompt(res)
@@ -74,12 +92,30 @@ def markdown(res: dict, command: str) -> str:
     return "\n".join(out)
 
 
+def _meta_lines(res: dict, cell: dict) -> list[str]:
+    """What drafted for each speculative mode (what `auto` resolved to, a draft model's engine) and the Medusa
+    heads' accuracy from training, beside the acceptance measured here."""
+    out = []
+    drafted = [f"{m}: {cell[(m, 'all')]['proposer']}" for m in res["modes"] if cell[(m, "all")].get("proposer")]
+    if drafted:
+        out.append("- proposers: " + "; ".join(drafted))
+    heads = res["meta"].get("medusa")
+    if heads:
+        pct = lambda xs: " ".join(f"{x:.0%}" for x in xs)  # noqa: E731
+        out.append(f"- Medusa heads `{heads['engine']}`, held-out accuracy from training per head (head k guesses the "
+                   f"token k places past the target's next): top-1 {pct(heads['top1'])}"
+                   + (f", top-5 {pct(heads['top5'])}" if heads.get("top5") else "")
+                   + (f" ({heads['heldout_positions']} positions)" if heads.get("heldout_positions") else ""))
+    return out
+
+
 def _per_prompt(res: dict) -> list[str]:
     """Median tok/s per prompt and mode, and issue 2's goal: ours >= genai at the same precision, every prompt."""
     from .runner import median_by_case
 
-    med = {(m, case): v for m in res["modes"]
-           for case, v in median_by_case([r for r in res["runs"] if r["mode"] == m], "tok_s").items()}
+    med, n = ({(m, case): v for m in res["modes"]
+                for case, v in median_by_case([r for r in res["runs"] if r["mode"] == m], key).items()}
+              for key in ("tok_s", "new_tokens"))
     cases = [c["id"] for c in res["cases"]]
     out = ["", "## tok/s per prompt (median of reps)", "", "| prompt | " + " | ".join(res["modes"]) + " |",
            "|---|" + "---:|" * len(res["modes"])]
@@ -91,8 +127,12 @@ def _per_prompt(res: dict) -> list[str]:
         if ours in res["modes"] and peer in res["modes"]:
             wins = [c for c in cases if med[(ours, c)] >= med[(peer, c)]]
             lost = [c for c in cases if c not in wins]
+            # two int4 models stop at different EOS positions: a shorter answer's tok/s carries more prefill
+            odd = [f"{c} {n[(ours, c)]:g} vs {n[(peer, c)]:g}" for c in cases if n[(ours, c)] != n[(peer, c)]]
             lines.append(f"- {ours} >= {peer} on {len(wins)}/{len(cases)} prompts"
-                         + (f" (behind on: {', '.join(lost)})" if lost else ""))
+                         + (f" (behind on: {', '.join(lost)})" if lost else "")
+                         + (f"; new tokens differ (ours vs peer) on: {', '.join(odd)}" if odd else
+                            "; same new tokens on every prompt"))
     return out + (["", "Goal (issue 2): ours >= onnxruntime-genai at the same precision on every prompt:", ""] + lines
                   if lines else [])
 

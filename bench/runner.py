@@ -7,12 +7,15 @@
 4. figures per (mode, category) and per mode over all prompts, against `plain-fp32` of the same run
 
 Figures: tok/s = new tokens / wall time of the call, prefill included; per case the median over
-reps, per category the mean of case medians; speedup = geometric mean over cases of
-median(mode) / median(plain-fp32); decode speedup: the same over (tokens after the first round) /
+reps, per category the arithmetic mean of case medians; speedup = geometric mean over cases of the
+median over reps of tok/s(mode) / tok/s(plain-fp32) *of the same rep* (interleaving pairs the two: a
+ratio of medians taken from different reps lets one slow rep of either side decide), cases where either
+made 0 tokens left out and named; decode speedup: the same over (tokens after the first round) /
 (time after it), i.e. with prefill left out; TTFT median; gaps between streamed tokens (a speculative round
-delivers several tokens at once, so gaps within it are 0) as p50/p99 of all gaps pooled; tau and
-acceptance per draft position where the contender reports them; agreement = the index of the
-first token that differs from plain-fp32's greedy output (None = identical).
+delivers several tokens at once, so gaps within it are 0) as p50/p99 of all gaps of all reps pooled;
+tau = tokens / target passes and acceptance at draft position i = kept / drafted at i, both pooled over
+runs, where the contender reports them; agreement = the index of the first token that differs from
+plain-fp32's greedy output (None = identical).
 """
 
 from __future__ import annotations
@@ -121,7 +124,10 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         r["first_divergence"] = first_divergence(ref[r["case"]], r["token_ids"])
     modes = sorted((c.name for c in live), key=names.index)  # tables in the listed order, whatever the load order
     summary = summarize(runs, modes, cases)
-    return {"meta": _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start), "notes": notes,
+    meta = _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start)
+    if any("medusa" in (r["proposer"] or "") for r in runs):  # medusa, lookup+medusa, an auto that resolved to one
+        meta["medusa"] = medusa_accuracy(manifest)
+    return {"meta": meta, "notes": notes,
             "modes": modes, "load_order": [c.name for c in live], "cases": [c.as_dict() for c in cases], "summary": summary,
             "runs": runs}
 
@@ -136,13 +142,18 @@ def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, 
             c.load(log=log)
             c.run(prompt_ids[first.id], first.messages, WARMUP_TOKENS)
             loaded = True
-        except (Unavailable, WorkerError) as e:
-            if isinstance(e, WorkerError) and name not in contenders.PEERS:
-                log(e.detail)  # the worker's traceback: our own modes must run, so this is a bug to see
-                raise  # (a peer crashing in its worker, which isolating is for, becomes a note below)
+        except Exception as e:
+            peer = name in contenders.PEERS
+            if not (peer or isinstance(e, Unavailable)):  # our own modes must run: a bug to see
+                if isinstance(e, WorkerError):
+                    log(e.detail)  # the worker's traceback
+                raise
             if name == contenders.REFERENCE:
                 raise SpecrtError(f"the reference {name} cannot run: {e}") from None
-            notes.append(f"{name}: skipped ({e})")
+            # a peer is someone else's code on our checkpoint: whatever it raises (llama.cpp's ValueError
+            # "Failed to load model", a crash in its worker) costs its column, as a missing package does
+            why = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {_one_line(e)}"
+            notes.append(f"{name}: skipped ({why})")
             log(f"skip {name}: {e}")
             continue
         finally:
@@ -174,7 +185,7 @@ def _interleave(cfg: BenchConfig, cases, prompt_ids, live: list, notes: list, lo
                             log(e.detail)
                         raise
                     failed.add(c.name)
-                    notes.append(f"{c.name}: dropped, failed on {case.id} ({type(e).__name__}: {str(e)[:160]})")
+                    notes.append(f"{c.name}: dropped, failed on {case.id} ({type(e).__name__}: {_one_line(e)})")
                     log(notes[-1])
                     continue
                 runs.append({"mode": c.name, "case": case.id, "category": case.category, "rep": rep,
@@ -182,9 +193,15 @@ def _interleave(cfg: BenchConfig, cases, prompt_ids, live: list, notes: list, lo
                              "total_s": tr.total_s, "tok_s": len(tr.token_ids) / tr.total_s if tr.total_s else 0.0,
                              "ttft_s": tr.t_tokens[0] if tr.t_tokens else None,
                              "gaps_s": np.diff(tr.t_tokens).tolist(), "tau": tr.tau,
-                             "acceptance": list(tr.acceptance), "token_ids": tr.token_ids})
+                             "acceptance": list(tr.acceptance), "rounds": tr.rounds, "drafted": list(tr.drafted),
+                             "accepted": list(tr.accepted), "proposer": tr.proposer, "token_ids": tr.token_ids})
         log(f"rep {rep + 1}/{cfg.reps} done ({time.perf_counter() - t_start:.0f}s)")
     return runs, failed
+
+
+def _one_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:160] if lines else "no message"
 
 
 def median_by_case(runs: list[dict], key: str) -> dict[str, float]:
@@ -203,32 +220,58 @@ def decode_tok_s(run: dict) -> float | None:
     return n_after / (run["total_s"] - ttft) if ttft is not None and n_after > 0 and run["total_s"] > ttft else None
 
 
-def _decode_by_case(runs: list[dict]) -> dict[str, float]:
-    with_dec = [{**r, "dec": d} for r in runs if (d := decode_tok_s(r)) is not None]
-    return median_by_case(with_dec, "dec")
+def paired_speedup(runs: list[dict], ref_runs: list[dict],
+                   speed=lambda r: r["tok_s"]) -> tuple[float | None, list[str]]:
+    """Geometric mean over cases of the median over reps of speed(run) / speed(reference run of the same
+    rep); and the cases left out because no rep has both speeds > 0 (0 new tokens: tok/s 0, whose log
+    would make the mean 0; or speed None: nothing to decode after the first round)."""
+    ref = {(r["case"], r["rep"]): speed(r) for r in ref_runs}
+    ratios: dict[str, list[float]] = {}
+    for r in runs:
+        a, b = speed(r), ref.get((r["case"], r["rep"]))
+        ratios.setdefault(r["case"], [])
+        if a and b:  # None or 0 on either side: no ratio from this rep
+            ratios[r["case"]].append(a / b)
+    med = [statistics.median(v) for v in ratios.values() if v]
+    left_out = [c for c, v in ratios.items() if not v]
+    return (round(float(np.exp(np.mean(np.log(med)))), 3) if med else None), left_out
 
 
-def _geomean_ratio(mine: dict[str, float], ref: dict[str, float]) -> float | None:
-    speed = [mine[c] / ref[c] for c in mine if ref.get(c)]
-    return round(float(np.exp(np.mean(np.log(speed)))), 3) if speed else None
+def pooled_tau_acceptance(runs: list[dict]) -> tuple[float | None, list[float], bool]:
+    """tau = tokens / target passes and acceptance at position i = kept / drafted at i, summed over runs
+    (a mean of per-run rates weighs a 2-round run like a 40-round one). Runs saved before the counts
+    existed (no "rounds"): the old unweighted means of per-run figures, and False for the report to say so."""
+    spec = [r for r in runs if r["tau"] is not None]
+    if not all(r.get("rounds") for r in spec):
+        acc_rows = [r["acceptance"] for r in spec if r["acceptance"]]
+        width = max((len(a) for a in acc_rows), default=0)
+        acceptance = [round(statistics.mean(a[i] for a in acc_rows if len(a) > i), 4) for i in range(width)]
+        return (round(statistics.mean(r["tau"] for r in spec), 3) if spec else None), acceptance, False
+    if not spec:
+        return None, [], True
+    width = max(len(r["drafted"]) for r in spec)
+    drafted, kept = np.zeros(width), np.zeros(width)
+    for r in spec:  # a run's counts cover the positions it drafted at all (a prefix)
+        drafted[: len(r["drafted"])] += r["drafted"]
+        kept[: len(r["accepted"])] += r["accepted"]
+    tau = sum(r["tau"] * r["rounds"] for r in spec) / sum(r["rounds"] for r in spec)  # tau x rounds = tokens
+    return round(tau, 3), np.round(kept / drafted, 4).tolist(), True
 
 
 def _figures(runs: list[dict], ref_runs: list[dict]) -> dict:
     tok = median_by_case(runs, "tok_s")
-    ref = median_by_case(ref_runs, "tok_s")
-    dec, ref_dec = _decode_by_case(runs), _decode_by_case(ref_runs)
+    speedup, left_out = paired_speedup(runs, ref_runs)
+    decode_speedup, _ = paired_speedup(runs, ref_runs, decode_tok_s)
     gaps = [g for r in runs for g in r["gaps_s"]]
     ttft = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
-    taus = [r["tau"] for r in runs if r["tau"] is not None]
-    acc_rows = [r["acceptance"] for r in runs if r["acceptance"]]
-    width = max((len(a) for a in acc_rows), default=0)
-    acceptance = [round(statistics.mean(a[i] for a in acc_rows if len(a) > i), 4) for i in range(width)]
+    tau, acceptance, pooled = pooled_tau_acceptance(runs)
     div = {r["case"]: r["first_divergence"] for r in runs if r["rep"] == 0}
     diverged = [d for d in div.values() if d is not None]
+    proposers = sorted({r["proposer"] for r in runs if r.get("proposer")})
     return {
         "cases": len(tok), "tok_s": round(statistics.mean(tok.values()), 2),
-        "speedup": _geomean_ratio(tok, ref), "decode_speedup": _geomean_ratio(dec, ref_dec),
-        "tau": round(statistics.mean(taus), 3) if taus else None, "acceptance": acceptance,
+        "speedup": speedup, "decode_speedup": decode_speedup, "speedup_left_out": left_out,
+        "tau": tau, "acceptance": acceptance, "pooled": pooled, "proposer": ", ".join(proposers) or None,
         "ttft_ms": round(1000 * statistics.median(ttft), 1) if ttft else None,
         "gap_p50_ms": round(1000 * float(np.percentile(gaps, 50)), 2) if gaps else None,
         "gap_p99_ms": round(1000 * float(np.percentile(gaps, 99)), 2) if gaps else None,
@@ -251,6 +294,17 @@ def summarize(runs: list[dict], modes: list[str], cases: list[PromptCase]) -> li
             if sel:
                 rows.append({"mode": m, "category": cat, **_figures(sel, rsel)})
     return rows
+
+
+def medusa_accuracy(manifest) -> dict | None:
+    """The heads' held-out accuracy from training (manifest: medusa.training.top1/top5, one per head; head k
+    guesses the token k places past the target's next one), beside the acceptance the bench measured."""
+    heads = [e for e in manifest.engines.values() if e.role == "medusa"]  # the speculative loop uses the first
+    t = (heads[0].raw.get("medusa", {}).get("training") or {}) if heads else {}
+    if "top1" not in t:
+        return None
+    return {"engine": heads[0].name, "top1": t["top1"], "top5": t.get("top5"),
+            "heldout_positions": t.get("heldout_positions")}
 
 
 def _versions() -> dict:

@@ -33,7 +33,8 @@ class Stats:
     proposer: str = "off"
     rounds: int = 0
     tau: float = 1.0  # tokens emitted per target pass
-    acceptance_by_position: list[float] = field(default_factory=list)
+    acceptance_by_position: list[float] = field(default_factory=list)  # P(draft token i kept | drafted >= i tokens)
+    drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted >= i tokens (pools runs)
     draft_s: float = 0.0
     verify_s: float = 0.0
     exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated, or lossy

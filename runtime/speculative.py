@@ -88,9 +88,10 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             out = result.tokens
             ctx.extend(out)
             yield out.tolist()
-    finally:  # the Generator closes us when it stops: write the per-position acceptance once
-        used = drafted > 0
+    finally:  # the Generator closes us when it stops: write the per-position acceptance once, with its
+        used = drafted > 0  # denominators, so runs pool by counts (a bench's mean of rates weighs a 1-round run fully)
         stats.acceptance_by_position = np.round(accepted[used] / drafted[used], 4).tolist()
+        stats.drafted_by_position = drafted[used].tolist()
 
 
 def _first(draft: Draft, n: int) -> Draft:
@@ -124,13 +125,17 @@ def _prompt_lookup(manifest: Manifest, precision: str, threads: int, cfg: Specul
     return PromptLookup(sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
 
 
-def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+def draft_entry(manifest: Manifest, precision: str):
+    """The draft engine `--speculate draft` runs: the draft at the target's precision, else the first one."""
     drafts = [e for e in manifest.engines.values() if e.role == "draft"]
     if not drafts:
         raise SpecrtError(f"engine set '{manifest.root}' has no draft engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT` or use --speculate prompt-lookup")
-    e = next((d for d in drafts if d.precision == precision), drafts[0])
-    eng = OrtEngine.from_entry(manifest.root, e, threads, taking_turns=True)
+    return next((d for d in drafts if d.precision == precision), drafts[0])
+
+
+def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+    eng = OrtEngine.from_entry(manifest.root, draft_entry(manifest, precision), threads, taking_turns=True)
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 

@@ -81,6 +81,11 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     assert len(res["runs"]) == 2 * len(CATEGORIES) * len(res["modes"])
     for r in res["runs"]:
         assert r["new_tokens"] >= 1 and r["ttft_s"] is not None and len(r["gaps_s"]) == r["new_tokens"] - 1
+        if r["mode"] in ("prompt-lookup-fp32", "auto-fp32"):  # the counts the summary pools, per run
+            assert r["rounds"] >= 1 and len(r["drafted"]) == len(r["accepted"]) == len(r["acceptance"])
+            assert all(0 <= k <= d for k, d in zip(r["accepted"], r["drafted"]))
+    assert rows[("auto-fp32", "all")]["proposer"] == "prompt-lookup"  # no draft model, no heads in the tiny set
+    assert rows[("prompt-lookup-fp32", "all")]["pooled"] and rows[("plain-fp32", "all")]["tau"] == 1.0
 
     from specrt.bench.report import write
 
@@ -90,6 +95,7 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     md = (out / "report.md").read_text()
     assert "| plain-fp32 |" in md and "specrt bench --quick" in md and "Skipped" in md
     assert "- load order (sessions created later decoded faster here): plain-fp32, plain-int4," in md
+    assert "| new tokens |" in md and "auto-fp32: prompt-lookup" in md and "predates" not in md
     for png in ("speedup.png", "acceptance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert rows[("plain-fp32", "all")]["decode_speedup"] == 1.0
@@ -296,3 +302,157 @@ def test_isolate_reports_a_bad_engine_set_in_one_line(tmp_path):
     ck = Checkpoint("hf", tmp_path, "x", (2,), tmp_path, 1)
     with pytest.raises(SpecrtError, match="manifest"):
         Isolated("plain-fp32", tmp_path, ck).load(log=lambda m: None)
+
+
+def _run(case, rep, tok_s, mode="m", n=10, **kw):
+    """A synthetic runs[] entry (what runner._interleave records), n tokens at tok_s."""
+    return {"mode": mode, "case": case, "category": "chat", "rep": rep, "prompt_tokens": 5, "new_tokens": n,
+            "total_s": n / tok_s if tok_s else 0.5, "tok_s": tok_s if n else 0.0, "ttft_s": 0.1 if n else None,
+            "gaps_s": [0.01] * max(0, n - 1), "tau": None, "acceptance": [], "rounds": None, "drafted": [],
+            "accepted": [], "proposer": None, "token_ids": [1] * n, "first_divergence": None, **kw}
+
+
+def test_speedup_pairs_each_rep_with_the_reference_of_the_same_rep():
+    """Rep 0 slow for both (the machine), rep 1 slow for the mode only: per rep the ratios are 1, 0.5, 1, so
+    the speedup is 1.0; a ratio of medians taken over each side's own reps said 20/40 = 0.5."""
+    from specrt.bench.runner import paired_speedup
+
+    ref = [_run("a", i, v, "plain-fp32") for i, v in enumerate([20.0, 40.0, 40.0])]
+    mine = [_run("a", i, v) for i, v in enumerate([20.0, 20.0, 40.0])]
+    assert paired_speedup(mine, ref) == (1.0, [])
+    # over prompts: the geometric mean of per-prompt medians (b at half speed in every rep: sqrt(1 x 0.5))
+    ref += [_run("b", i, 10.0, "plain-fp32") for i in range(3)]
+    assert paired_speedup(mine + [_run("b", i, 5.0) for i in range(3)], ref) == (round(np.sqrt(0.5), 3), [])
+
+
+def test_a_prompt_with_no_tokens_is_left_out_of_the_speedup_and_named():
+    from specrt.bench.report import markdown
+    from specrt.bench.runner import _figures
+
+    ref = [_run(c, 0, 40.0, "plain-fp32") for c in ("x", "y")]
+    mine = [_run("x", 0, 0.0, n=0), _run("y", 0, 60.0)]  # its first token was EOS: tok/s 0, log 0 = -inf
+    f = _figures(mine, ref)
+    assert f["speedup"] == 1.5 and f["speedup_left_out"] == ["x"] and f["tok_s"] == 30.0
+    res = _result(ref + mine, ["plain-fp32", "m"])
+    assert "left out of the speedups" in markdown(res, "specrt bench") and "m (x)" in markdown(res, "specrt bench")
+
+
+def test_tau_and_acceptance_pool_counts_over_runs():
+    """Run A: 96 tokens in 24 rounds, 8 drafted and kept each round; run B: 10 tokens in 10 rounds, one of
+    which drafted 8 tokens, all rejected. Pooled: tau 106/34, position 1: 24/34, position 8: 24/25; the
+    old means of per-run figures said tau 2.5, 0.5 at every position."""
+    from specrt.bench.runner import pooled_tau_acceptance
+
+    a = _run("a", 0, 50.0, n=96, tau=4.0, rounds=24, acceptance=[1.0] * 8, drafted=[24] * 8, accepted=[24] * 8)
+    b = _run("b", 0, 50.0, n=10, tau=1.0, rounds=10, acceptance=[0.0] * 8, drafted=[10] + [1] * 7, accepted=[0] * 8)
+    plain = _run("a", 0, 40.0, tau=1.0, rounds=10)
+    tau, acc, pooled = pooled_tau_acceptance([a, b])
+    assert pooled and tau == round(106 / 34, 3) and acc[0] == round(24 / 34, 4) and acc[7] == round(24 / 25, 4)
+    assert pooled_tau_acceptance([plain]) == (1.0, [], True)
+    # a results.json saved before the counts: the old way, flagged for the report
+    old = [{k: v for k, v in r.items() if k not in ("rounds", "drafted", "accepted")} for r in (a, b)]
+    assert pooled_tau_acceptance(old) == (2.5, [0.5] * 8, False)
+
+
+def _result(runs: list[dict], modes: list[str], **meta) -> dict:
+    """A results.json around synthetic runs, summarized by this version (as report.rerender does)."""
+    from specrt.bench.prompts import PromptCase
+    from specrt.bench.runner import summarize
+
+    cases = [PromptCase(c, "chat", (("user", "hi"),), 10) for c in dict.fromkeys(r["case"] for r in runs)]
+    return {"meta": {"engine_set": "t", "quick": False, "date": "d", "cpu": "c", "cores": 2, "threads": 2, "cases": 1,
+                     "reps": 1, "bench_s": 1.0, "versions": {}, "reference": "plain-fp32", **meta},
+            "notes": [], "modes": modes, "cases": [c.as_dict() for c in cases], "runs": runs,
+            "summary": summarize(runs, modes, cases)}
+
+
+def test_report_shows_lengths_proposers_and_medusa_accuracy():
+    from specrt.bench.report import markdown
+
+    runs = [_run("a", 0, 40.0, "plain-fp32", n=20), _run("a", 0, 100.0, "plain-int4", n=20),
+            _run("a", 0, 90.0, "genai-int4", n=12),   # stops at another EOS: a length to see beside its tok/s
+            _run("a", 0, 60.0, "auto-fp32", n=20, tau=2.0, rounds=10, acceptance=[0.5], drafted=[10], accepted=[5],
+                 proposer="lookup+medusa")]
+    heads = {"engine": "medusa-fp32", "top1": [0.36, 0.21], "top5": [0.62, 0.44], "heldout_positions": 100}
+    md = markdown(_result(runs, ["plain-fp32", "plain-int4", "genai-int4", "auto-fp32"], medusa=heads), "x")
+    assert "| new tokens |" in md and "| genai-int4 | 90.0 | 12 |" in md
+    assert "plain-int4 >= genai-int4 on 1/1 prompts; new tokens differ (ours vs peer) on: a 20 vs 12" in md
+    assert "- proposers: auto-fp32: lookup+medusa" in md and "top-1 36% 21%, top-5 62% 44%" in md
+    assert "predates" not in md and "arithmetic mean of those per-prompt medians" in md and "one slow rep" in md
+
+
+def test_old_results_without_counts_still_render(tmp_path):
+    """results.json files from before the counts (no rounds/drafted/accepted/proposer per run) re-derive."""
+    from specrt.bench.report import rerender
+
+    runs = [_run("a", r, 40.0, "plain-fp32", tau=1.0) for r in range(2)]
+    runs += [_run("a", r, 60.0, "prompt-lookup-fp32", tau=t, acceptance=[0.5, 0.25]) for r, t in enumerate((2.0, 1.0))]
+    for r in runs:
+        for k in ("rounds", "drafted", "accepted", "proposer"):
+            del r[k]
+    res = _result(runs, ["plain-fp32", "prompt-lookup-fp32"], command="specrt bench")
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    rerender(tmp_path / "results.json")
+    md = (tmp_path / "report.md").read_text()
+    assert "predates the round and draft counts" in md and "| prompt-lookup-fp32 | 60.0 | 10 | 1.50x |" in md
+    assert "| 1.50 |" in md and "0.50 0.25" in md
+
+
+def test_a_peer_that_raises_at_load_or_warm_up_is_skipped(tiny_engines, tmp_path, monkeypatch):
+    """llama.cpp raises ValueError("Failed to load model ...") on a GGUF it cannot read: a note, not a dead run."""
+    from specrt.bench import peers
+
+    class BadLoad:
+        def __init__(self, ck):
+            pass
+
+        def load(self, log=print):
+            raise ValueError("Failed to load model from file: x.gguf\nmore detail")
+
+    class BadWarmUp(BadLoad):
+        def load(self, log=print):
+            pass
+
+        def run(self, *args):
+            raise RuntimeError("segfault avoided")
+
+    monkeypatch.setitem(peers.PEERS, "badload", BadLoad)
+    monkeypatch.setitem(peers.PEERS, "badwarm", BadWarmUp)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
+                      threads=1, modes="plain-fp32,badload,badwarm", categories=("chat",))
+    res = run_bench(cfg, log=lambda m: None)
+    assert res["modes"] == ["plain-fp32"]
+    assert "badload: skipped (ValueError: Failed to load model from file: x.gguf)" in res["notes"]
+    assert "badwarm: skipped (RuntimeError: segfault avoided)" in res["notes"]
+
+
+def test_plain_runs_on_a_lone_target_where_a_draft_model_takes_turns(tiny_engines, monkeypatch):
+    """On a set with a draft, plain-fp32 gets the target as `specrt generate` loads it for plain decoding
+    (ORT spinning on), the draft mode its own turn-taking one; the draft mode names its draft engine and
+    reports the counts the bench pools."""
+    import dataclasses
+
+    from specrt.bench import contenders
+    from specrt.manifest import load_manifest
+
+    real = load_manifest(Path(tiny_engines))
+    target = real.engine("target", "fp32")  # the target as its own draft: cheap, and every draft is kept
+    draft = dataclasses.replace(target, name="draft-fp32", role="draft", raw={**target.raw, "role": "draft"})
+    fake = dataclasses.replace(real, engines={**real.engines, "draft-fp32": draft})
+    monkeypatch.setattr(contenders, "_GENERATORS", {})
+    plain, spec, lookup = (contenders.Ours(m, fake, 1) for m in ("plain-fp32", "draft-fp32", "prompt-lookup-fp32"))
+    for c in (plain, spec, lookup):
+        c.load(log=lambda m: None)
+
+    def spinning_stopped(c) -> bool:
+        try:
+            return c.gen.engine.session.get_session_options().get_session_config_entry(
+                "session.force_spinning_stop") == "1"
+        except RuntimeError:  # ORT raises for an entry that was never set
+            return False
+
+    assert not spinning_stopped(plain) and spinning_stopped(spec) and lookup.gen is plain.gen
+    tr = spec.run([], [("user", "hi")], 12)  # ours render the prompt from the messages
+    assert tr.proposer == "draft (draft-fp32)" and tr.rounds >= 1 and len(tr.drafted) == len(tr.acceptance)
+    assert tr.accepted == tr.drafted and list(tr.drafted) == sorted(tr.drafted, reverse=True)
