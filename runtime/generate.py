@@ -79,6 +79,11 @@ def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
         engine.commit(1)
 
 
+def _stop_prefix(text: str, stop) -> int:
+    """Length of the longest tail of text that is a proper prefix of a stop string (0 if none)."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+
+
 class Generator:
     def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0, huge_pages: bool = True,
                  taking_turns: bool | None = None):
@@ -145,6 +150,7 @@ class Generator:
         engine.reserve(len(ids) + budget + engine.max_pass_tokens)  # a speculative pass writes past the budget
         rounds = decode(engine, ids, sampling, sampling.generator(), stats)
         produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
+        sent, longest = 0, max(map(len, stop), default=0)  # stops: text[:sent] has been yielded
         for tokens in rounds:
             produced += len(tokens)
             if not out:
@@ -156,12 +162,15 @@ class Generator:
                     break
                 out.append(tok)
                 delta = detok.push(tok)
-                if stop:
+                if stop:  # a stop may span tokens: hold back any tail that could still become one
                     text += delta
-                    hit = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                    start = max(0, len(text) - len(delta) - longest + 1)   # stops ending in this delta
+                    hit = min((i for i in (text.find(s, start) for s in stop) if i >= 0), default=-1)
                     if hit >= 0:
-                        delta = delta[: max(0, len(delta) - (len(text) - hit))]
-                        text, reason, done = text[:hit], "stop", True
+                        delta, text, reason, done = text[sent:hit], text[:hit], "stop", True
+                    else:
+                        keep = len(text) - _stop_prefix(text, stop)
+                        delta, sent = text[sent:keep], keep
                 if delta:
                     yield delta
                 if done or len(out) >= budget:
@@ -169,6 +178,8 @@ class Generator:
                     break
             if done:
                 break
+        if stop and reason != "stop" and len(text) > sent:
+            yield text[sent:]   # no stop came: the held-back tail was text after all
         rounds.close()
         stats.total_s = time.perf_counter() - t0
         stats.new_tokens = len(out)

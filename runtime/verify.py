@@ -231,8 +231,9 @@ def verify(p: np.ndarray, draft: Draft, rng: np.random.Generator) -> VerifyResul
     p:     [n + 1, V] float32 target probabilities; row 0 after the committed
            context, row i + 1 after node i (conditioned on the path to node i).
     draft: n nodes; draft.q [n, V] or None (one-hot).
-    rng:   the session's Generator; one uniform per tested node, one draw for
-           the recovered/bonus token.
+    rng:   the session's Generator. Deterministic drafts (q None): one draw per
+           emitted token, as plain sampling does. Sampled drafts: one uniform
+           per tested node, one draw for the recovered/bonus token.
 
     At a node with residual r (initially p at that node), children x_1..x_k:
       accept x_j with prob min(1, r(x_j) / q_j(x_j)), then descend to x_j;
@@ -244,12 +245,21 @@ def verify(p: np.ndarray, draft: Draft, rng: np.random.Generator) -> VerifyResul
     q_j = onehot(x_j): accept with prob r(x_j), else zero x_j and renormalise.
     Each step emits exactly r-distributed tokens:
       P(x_j = y, accepted) + P(rejected) * r'(y) = min(q_j, r)(y) + (r - q_j)^+(y) = r(y).
+
+    Deterministic drafts (q None: prompt lookup, Medusa, greedy drafting) take the equivalent
+    sample-and-match form of that one-hot rule: draw y ~ p at the node, the way plain sampling
+    draws; descend to the child whose token is y, else emit y (recovered). P(accept x) = p(x), and
+    a y != x is p restricted to the other tokens: the residual above. One draw per emitted token,
+    in plain sampling's order, so a seeded run gives plain sampling's own output whatever the
+    draft lengths were (up to p's width rounding).
     """
     p = np.asarray(p)
     _check_p(p, draft)
     kids = draft.children()
     tokens = draft.tokens.tolist()
     q = draft.q
+    if q is None:
+        return _sample_and_match(p, draft, kids, tokens, rng)
     path: list[int] = []
     row = 0
     while True:
@@ -268,6 +278,22 @@ def verify(p: np.ndarray, draft: Draft, rng: np.random.Generator) -> VerifyResul
             res.reject(x, None if q is None else q[c])
         else:                                    # every child rejected: recovered token
             return _result(draft, path, res.sample(rng), bonus=False)
+        path.append(c)
+        row = c + 1
+
+
+def _sample_and_match(p: np.ndarray, draft: Draft, kids: list[list[int]], tokens: list[int],
+                      rng: np.random.Generator) -> VerifyResult:
+    """verify for q None (see there): y ~ p[row]; a child with token y is accepted, else y is emitted."""
+    path: list[int] = []
+    row = 0
+    while True:
+        y = _sample_or_none(p[row], rng)
+        if y is None:
+            raise ValueError(f"p row {row} has no probability mass; check p")
+        c = next((c for c in kids[row] if tokens[c] == y), None)   # duplicate siblings: the first
+        if c is None:
+            return _result(draft, path, y, bonus=not kids[row])
         path.append(c)
         row = c + 1
 

@@ -168,7 +168,9 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible output)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling: the same seed gives the same output, and with prompt lookup "
+                                                         "or Medusa the same output as --speculate off (a draft model samples its own "
+                                                         "drafts: reproducible only with --draft-tokens fixed)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos",
                                     help="Keep generating through end-of-sequence tokens until --max-new-tokens "

@@ -354,3 +354,40 @@ def test_ignore_eos_decodes_through_eos_to_the_budget(tiny_engines):
     assert stopped.token_ids == [5] and stopped.stats.finish_reason == "eos"
     r = gen.generate("hi", max_new_tokens=6, decode=scripted, ignore_eos=True)
     assert r.token_ids == [5, eos, 7, 8, eos, 9] and r.stats.finish_reason == "length"
+
+
+def test_seeded_sampling_gives_plain_output_with_deterministic_drafts(tiny_engines):
+    """verify's sample-and-match form for one-hot drafts draws once per emitted token, in plain
+    sampling's order: a seeded speculative run returns plain sampling's own tokens, whatever draft
+    lengths the adaptive controller picked, and again on a reused Generator."""
+    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    prompt = "def add(a, b):\n    return a + b\n" * 3 + "The quick brown fox jumps over the lazy dog. " * 2
+    kept = 0
+    for seed in (1, 2, 3):
+        params = SamplingParams(temperature=0.5, top_k=40, seed=seed)
+        plain = gen.generate(prompt, max_new_tokens=48, sampling=params).token_ids
+        for _ in range(2):
+            spec = gen.generate(prompt, max_new_tokens=48, sampling=params,
+                                decode=make_decoder("prompt-lookup", gen.manifest))
+            assert spec.token_ids == plain and sum(spec.stats.drafted_by_position) > 0
+            kept += len(plain) - spec.stats.rounds
+    assert kept > 0   # some drafts were accepted, so rounds of several tokens drew in plain's order
+
+
+def test_streamed_text_never_leaks_a_stop_that_spans_tokens(default_engines):
+    """Deltas are held back while the text's tail could still grow into a stop string: the stream
+    joins to exactly result.text, plain or speculative, and a tail that never completes a stop is
+    flushed at the end."""
+    gen = Generator.load(default_engines, "fp32", threads=1)
+    prompt = "Write a short poem about the sea."
+    full = gen.generate(prompt, max_new_tokens=40)
+    pieces = [gen.codec.decode([t]) for t in full.token_ids]
+    at = next(i for i in range(5, len(pieces) - 1) if pieces[i].strip() and pieces[i + 1].strip())
+    spanning = pieces[at][-1] + pieces[at + 1][:2]           # starts in one token, ends in the next
+    never = full.text[-2:] + "\u2603\u2603"                    # its start is the text's tail, the rest never comes
+    for decode in (None, make_decoder("prompt-lookup", gen.manifest)):
+        for stop, expect in ((spanning, full.text[: full.text.find(spanning)]), (never, full.text)):
+            s = gen.stream(prompt, max_new_tokens=40, stop=(stop,), decode=decode)
+            deltas = list(s)
+            assert "".join(deltas) == s.result.text == expect
+            assert s.result.stats.finish_reason == ("stop" if stop == spanning else full.stats.finish_reason)

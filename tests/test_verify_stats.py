@@ -205,6 +205,31 @@ class _SiblingsVsP(verify_mod._Residual):
         return u * q_x < float(self.base[x]) and x not in self.excluded
 
 
+def _match_no_exclusion(p, d, kids, tokens, rng) -> VerifyResult:
+    """One-hot children accepted with prob p(x), then a redraw from p that may give x again."""
+    path, row = [], 0
+    while True:
+        for c in kids[row]:
+            if rng.random() < p[row][tokens[c]]:
+                break
+        else:
+            return verify_mod._result(d, path, verify_mod._sample_or_none(p[row], rng), bonus=not kids[row])
+        path.append(c)
+        row = c + 1
+
+
+def _match_stale_bonus(p, d, kids, tokens, rng) -> VerifyResult:
+    """Sample-and-match, but the bonus after a full match is drawn from the row before the leaf's."""
+    path, row = [], 0
+    while True:
+        y = verify_mod._sample_or_none(p[row if kids[row] or not path else path[-1]], rng)
+        c = next((c for c in kids[row] if tokens[c] == y), None)
+        if c is None:
+            return verify_mod._result(d, path, y, bonus=not kids[row])
+        path.append(c)
+        row = c + 1
+
+
 def _paths_longest(p: np.ndarray, d: Draft, rng) -> VerifyResult:
     par = np.arange(-1, d.tokens.size - 1) if d.parents is None else d.parents
     best = None
@@ -224,12 +249,13 @@ def _paths_longest(p: np.ndarray, d: Draft, rng) -> VerifyResult:
 
 @pytest.mark.parametrize("bug, shape, stochastic", [
     ("no_residual", "chain3", True),
-    ("no_residual", "tree", False),
     ("unnormalised", "chain3", True),
     ("siblings_vs_p", "tree", True),
-    ("siblings_vs_p", "tree", False),
     ("paths_longest", "tree", True),
     ("paths_longest", "tree", False),
+    ("onehot_no_exclusion", "chain3", False),   # one-hot drafts go through sample-and-match, not _Residual
+    ("onehot_no_exclusion", "tree", False),
+    ("onehot_stale_bonus", "chain1", False),    # token 2 is the bonus whenever token 1 matched
 ])
 def test_biased_samplers_are_caught(bug, shape, stochastic, monkeypatch):
     if bug == "no_residual":
@@ -238,6 +264,10 @@ def test_biased_samplers_are_caught(bug, shape, stochastic, monkeypatch):
         monkeypatch.setattr(verify_mod, "_Residual", _Unnormalised)
     elif bug == "siblings_vs_p":
         monkeypatch.setattr(verify_mod, "_Residual", _SiblingsVsP)
+    elif bug == "onehot_no_exclusion":
+        monkeypatch.setattr(verify_mod, "_sample_and_match", _match_no_exclusion)
+    elif bug == "onehot_stale_bonus":
+        monkeypatch.setattr(verify_mod, "_sample_and_match", _match_stale_bonus)
     verifier = _paths_longest if bug == "paths_longest" else verify
     counts, joint = emitted_pairs(verifier, shape, stochastic, PARAMS["t1"], 101, n=3000)
     assert gof_pvalue(counts, joint) < ALPHA
