@@ -64,7 +64,15 @@ def build_key(prec: OrtPrecision) -> str:
     from .gptq import recipe_key
 
     calibration = recipe_key() if prec.method == "gptq" else ()
-    return hashlib.sha256(f"{BUILD_FORMAT}:{prec!r}:{calibration}".encode()).hexdigest()[:10]
+    tools = build_versions()  # ORT's optimizer and quantizers write the saved graph: an upgrade rebuilds
+    return hashlib.sha256(f"{BUILD_FORMAT}:{prec!r}:{calibration}:{tools}".encode()).hexdigest()[:10]
+
+
+def build_versions() -> dict:
+    """The tools that shape a built engine (recorded per engine in the manifest, part of build_key)."""
+    import importlib.metadata as md
+
+    return {pkg: md.version(pkg) for pkg in ("onnx", "onnxruntime")}
 
 
 def precision(name: str) -> OrtPrecision:

@@ -35,11 +35,11 @@ def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"loading {src.label}")
     model, tokenizer = load(src)
-    spec = DecoderSpec.from_hf(model)
-    if max_context > spec.max_position_embeddings:
-        raise SpecrtError(f"--max-context {max_context} exceeds the model's {spec.max_position_embeddings} "
-                          "positions; choose a smaller --max-context")
+    spec = DecoderSpec.from_hf(model, max_context)   # refuses a context this model cannot be exported for
     ids = np.array(tokenizer(GOLDEN_PROMPT)["input_ids"], np.int64) % spec.vocab_size
+    if len(ids) + GREEDY_TOKENS > max_context:  # the parity check decodes the golden prompt + its greedy tokens
+        raise SpecrtError(f"--max-context {max_context} is too small to check this export (the golden prompt is "
+                          f"{len(ids)} tokens + {GREEDY_TOKENS} decoded); use at least {len(ids) + GREEDY_TOKENS}")
     log("computing PyTorch golden tensors")
     ref_logits, greedy = torch_greedy(model, ids, GREEDY_TOKENS)
     np.savez(out_dir / "golden.npz", version=np.int64(GOLDEN_VERSION), input_ids=ids,

@@ -175,6 +175,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
     """weights: the Hugging Face state dict as float32 numpy arrays (names as in transformers).
     data_path: stream weights to this external-data file (save the model beside it, without
     save_as_external_data); None keeps them inline (tiny models, tests)."""
+    spec.check_max_context(max_context)  # before any weight is written: past it the graph would silently differ
     g = _Graph(data_path)
     n, kv, d, h = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
     w = lambda name: weights[name]
@@ -219,6 +220,8 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         )
         g.nodes[-1].output[1], g.nodes[-1].output[2] = f"present.{i}.key", f"present.{i}.value"
         o = g.op("MatMul", [attn, g.const(p + "self_attn.o_proj.weight_t", w(p + "self_attn.o_proj.weight").T)])
+        if spec.o_bias:
+            o = g.op("Add", [o, g.const(p + "self_attn.o_proj.bias", w(p + "self_attn.o_proj.bias"))])
         x = g.op("Add", [x, o])
         hn = rmsnorm(x, p + "post_attention_layernorm.weight")
         wgu = np.concatenate([w(p + "mlp.gate_proj.weight").T, w(p + "mlp.up_proj.weight").T], axis=1)

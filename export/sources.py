@@ -67,13 +67,24 @@ def _check_gguf(src: Source) -> Source:
     from .spec import SUPPORTED_ARCHITECTURES
 
     try:
-        field = GGUFReader(str(src.path)).get_field("general.architecture")
+        reader = GGUFReader(str(src.path))
+        field = reader.get_field("general.architecture")
         arch = field.contents() if field is not None else None
+        scaling = reader.get_field(f"{arch}.rope.scaling.type")
+        scaling = scaling.contents() if scaling is not None else "none"
+        rope_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     except Exception as e:  # a truncated or corrupt file fails anywhere in the parser
         raise SpecrtError(f"'{src.path}' is a corrupt GGUF file ({type(e).__name__}); re-download it") from None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise SpecrtError(f"GGUF architecture '{arch}' is not supported; supported: "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama- and Qwen2-family decoders)")
+    # transformers' GGUF loader drops RoPE scaling for these architectures (Llama 3.1+ stores it as a
+    # rope_freqs tensor, others as {arch}.rope.scaling.*), so PyTorch and the graph would be wrong alike
+    # and parity could not tell. From a HF directory the scaling comes from config.json and is exported.
+    if rope_freqs or scaling != "none":
+        what = "a rope_freqs.weight tensor" if rope_freqs else f"{arch}.rope.scaling.type = {scaling}"
+        raise SpecrtError(f"'{src.path.name}' uses RoPE scaling ({what}), which transformers' GGUF loader ignores; "
+                          "export from the model's Hugging Face directory instead")
     return src
 
 

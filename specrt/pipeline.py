@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .errors import SpecrtError
 from .manifest import SCHEMA_VERSION, file_sha256, load_manifest
 
 EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
+MIN_CONTEXT = 64    # the export's parity check decodes a ~16-token golden prompt + 32 tokens
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     built = req.precisions + (req.draft_precisions if req.draft_source else ())
     for p in built:
         precision(p)  # validates before any work
-    if req.max_context < 16:
-        raise SpecrtError(f"--max-context {req.max_context} is too small; use at least 16 (default 4096)")
+    if req.max_context < MIN_CONTEXT:
+        raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
     src = resolve(req.source)
     dsrc = resolve(req.draft_source) if req.draft_source else None
     if dsrc is not None:  # from the configs, before minutes of export; the tokenizers are compared after it
@@ -72,8 +74,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     log(f"fingerprinting {src.path.name}")
     fp = fingerprint(src)
 
-    recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe rebuilds
-    key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, recipes, SCHEMA_VERSION]
+    recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
+    tools = _export_tools()
+    key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, tools, recipes, SCHEMA_VERSION]
     if dsrc is not None:
         log(f"fingerprinting {dsrc.path.name}")
         dfp = fingerprint(dsrc)
@@ -85,14 +88,20 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
-    if _up_to_date(final, inputs_key):
-        log(f"{final} is up to date")
-        return final
-    cache = req.out_root / ".cache" / f"export-{fp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}"
+    with _one_build_at_a_time(Path(req.out_root), log):
+        if _up_to_date(final, inputs_key):
+            log(f"{final} is up to date")
+            return final
+        return _make(req, final, inputs_key, fp, dfp if dsrc is not None else None, src, dsrc, tools, log)
+
+
+def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str | None, src, dsrc, tools: str,
+          log) -> Path:
+    cache = req.out_root / ".cache" / f"export-{fp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}-t{tools}"
     facts = _cached_export(src, cache, req.max_context, log)
     roles = [("target", cache, facts, req.precisions)]
     if dsrc is not None:
-        dcache = req.out_root / ".cache" / f"export-{dfp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}"
+        dcache = req.out_root / ".cache" / f"export-{dfp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}-t{tools}"
         roles.append(("draft", dcache, _cached_export(dsrc, dcache, req.max_context, log), req.draft_precisions))
         _check_same_tokenizer(req, cache, dcache, facts, roles[1][2])
     req.out_root.mkdir(parents=True, exist_ok=True)
@@ -126,6 +135,40 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     return final
 
 
+def _export_tools() -> str:
+    """Short hash of the versions that shape an export (torch runs the golden pass, transformers converts
+    the checkpoint and GGUF files, onnx writes the graph): an upgrade re-exports instead of reusing."""
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "transformers", "gguf", "onnx"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
+
+
+@contextmanager
+def _one_build_at_a_time(out_root: Path, log):
+    """An exclusive lock on out_root/.cache/.lock for a build or a prune: two runs building the same set
+    raced on the export cache and the .part files (review: 3 of 5 concurrent tries failed), and a prune
+    could delete what a build was writing. A second run waits, then usually finds the set up to date."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no locking
+        yield
+        return
+    (out_root / ".cache").mkdir(parents=True, exist_ok=True)
+    with open(out_root / ".cache" / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another specrt build or prune in {out_root} to finish")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def _up_to_date(final: Path, inputs_key: str) -> bool:
     """The set at final was built from these inputs and still loads: every file its manifest lists is there
     and its tokenizer is the recorded one (a set missing a file is rebuilt, as the load error tells users)."""
@@ -137,7 +180,7 @@ def _up_to_date(final: Path, inputs_key: str) -> bool:
 
 def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -> dict:
     """Build (or reuse) <role>-<p>.onnx in the export cache, link it into tmp, check it -> manifest entry."""
-    from .build.ort import build_key, build_ort_engine, precision
+    from .build.ort import build_key, build_ort_engine, build_versions, precision
 
     bdir = cache / f"build-{build_key(precision(p))}"  # a changed build recipe never reuses a stale engine
     bdir.mkdir(exist_ok=True)
@@ -178,6 +221,7 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
                               "checkpoint is wrong, please report it (with `pip list | grep onnx`)")
     entry = _entry(facts, p, built.name, info, parity)
     entry["role"], entry["tokenizer_sha256"] = role, file_sha256(cache / "tokenizer.json")
+    entry["build_versions"] = build_versions()   # the set's "versions" are the export's
     return entry
 
 
@@ -447,6 +491,11 @@ def prune_cache(out_root: Path, log=print) -> int:
     """Delete the stale entries of cache_entries; returns the bytes freed. A stale export's builds are
     all stale too and listed after it, so each entry's bytes count once. Leftovers go first: a half-written
     set hard-links builds, which count as in use only until it is gone."""
+    with _one_build_at_a_time(out_root, log):
+        return _prune(out_root, log)
+
+
+def _prune(out_root: Path, log) -> int:
     freed = 0
     for listing in (_leftovers, cache_entries):  # the second listing runs after the leftovers are gone
         for e in listing(out_root):

@@ -339,3 +339,26 @@ def test_disk_full_during_a_build_is_one_line_and_leaves_no_partial_engine(tiny_
     assert_user_error(r, "no space left", "cache --prune")
     no_leftovers(out)
     assert [p for p in (out / ".cache").rglob("*") if p.is_file() and "build-" in str(p.parent.name)] == []
+
+
+def test_two_builds_of_one_set_at_once_both_succeed(tiny_dir, tmp_path):
+    """The second run waits for the first (a lock per --out), then finds the set up to date; without it
+    they raced on the export cache and the .part files."""
+    out = tmp_path / "eng"
+    args = [sys.executable, "-m", "specrt.cli", "engines", "--source", str(tiny_dir), "--name", "t",
+            "--precisions", "fp32,int8", "--max-context", "256", "--out", str(out)]
+    runs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
+    results = [r.communicate(timeout=300) + (r.returncode,) for r in runs]
+    assert all(rc == 0 for _, _, rc in results), [err[-500:] for _, err, _ in results]
+    assert sum("is up to date" in " ".join(err.split()) for _, err, _ in results) == 1   # rich wraps long paths
+    no_leftovers(out)
+    from specrt.runtime.generate import Generator
+
+    assert Generator.load(out / "t").generate("hi", max_new_tokens=2).token_ids
+
+
+def test_too_small_a_context_for_the_parity_check_is_one_line(tiny_dir, tmp_path):
+    assert_user_error(specrt("engines", "--source", tiny_dir, "--max-context", "32", "--out", tmp_path),
+                      "--max-context 32 is too small", "at least 64")
+    assert_user_error(specrt("engines", "--source", tiny_dir, "--max-context", "64", "--out", tmp_path),
+                      "too small to check this export", "use at least")

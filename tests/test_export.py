@@ -202,3 +202,136 @@ def test_huge_page_advice_covers_large_anonymous_memory():
     assert int(block.sum()) == block.size  # contents unchanged by the advice
     middle = block.nbytes // 2  # (the kernel may have merged block and host into one mapping: ranges count)
     assert "hg" in vm_flags(block.ctypes.data + middle) and "hg" not in vm_flags(host.ctypes.data + middle)
+
+
+# Architecture variants: each must either reproduce PyTorch at every position up to max_context or be refused.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 128}
+ROPES = {"linear": {"rope_type": "linear", "factor": 4.0}, "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+         "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 128}, "longrope": LONGROPE}
+
+
+def _model(arch: str, **overrides):
+    """A tiny random model whose config differs from tiny.py's by `overrides`; biases drawn large so a dropped one shows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+               tie_word_embeddings=False)
+    cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[arch]
+    model = cls(cfg_cls(**{**cfg, **overrides})).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # output that depends on the context, as in tiny.py
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def _variant(out: Path, arch: str, **overrides) -> Path:
+    from tiny import make_tokenizer
+
+    _model(arch, **overrides).save_pretrained(str(out))
+    make_tokenizer(out, 384)
+    return out
+
+
+@pytest.mark.parametrize("rope", [None, *ROPES])
+def test_rope_tables_equal_pytorch_up_to_the_context_limit(rope):
+    """Golden-prompt parity sees ~60 positions; the tables must hold at every position export allows."""
+    import torch
+
+    from specrt.export.spec import DecoderSpec
+
+    model = _model("llama", rope_scaling=ROPES.get(rope))
+    spec = DecoderSpec.from_hf(model)
+    n = spec.rope_max_context  # 512 (the model's positions), longrope 128
+    spec.check_max_context(n)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(torch.zeros(1, n, 16), torch.arange(n)[None])
+    ours = spec.rope_tables(n)
+    assert np.abs(cos[0, :, :8].numpy() - ours[0]).max() < 1e-4 and np.abs(sin[0, :, :8].numpy() - ours[1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("arch,overrides,max_context,match", [
+    ("llama", dict(rope_scaling=LONGROPE), 256, r"'longrope' switches .* past 128 .*--max-context <= 128$"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), 128,
+     r"sliding-window attention \(window 64\).*--max-context <= 64$"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), 128, r"--max-context <= 64$"),
+])
+def test_export_refuses_lengths_where_pytorch_changes_behaviour(tmp_path, arch, overrides, max_context, match):
+    """Longrope's long factors and a sliding window only act past a length: export once passed parity
+    there and was wrong beyond it; now it names the largest --max-context that is exact."""
+    from specrt.errors import SpecrtError
+    from specrt.export.exporter import export_checkpoint
+    from specrt.export.sources import resolve
+
+    ckpt = _variant(tmp_path / "ckpt", arch, **overrides)
+    with pytest.raises(SpecrtError, match=match):
+        export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", max_context, log=lambda m: None)
+
+
+@pytest.mark.parametrize("arch,overrides,max_context", [
+    ("llama", dict(rope_scaling=LONGROPE), 128),  # longrope within its original length: short factors only
+    ("qwen2", dict(use_sliding_window=False, sliding_window=32, max_window_layers=1), 256),  # as Qwen2.5 ships
+    ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), 256),  # no layer slides
+    ("qwen2", dict(use_sliding_window=True, sliding_window=256, max_window_layers=0), 256),  # window never binds
+])
+def test_limits_that_do_not_bind_are_accepted(arch, overrides, max_context):
+    from specrt.export.spec import DecoderSpec
+
+    DecoderSpec.from_hf(_model(arch, **overrides), max_context)
+
+
+def test_unchecked_rope_type_is_refused():
+    from specrt.export.spec import DecoderSpec, UnsupportedModelError
+
+    model = _model("llama", rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5})
+    with pytest.raises(UnsupportedModelError, match="RoPE type 'proportional' is not supported.*one of default"):
+        DecoderSpec.from_hf(model)
+
+
+def test_llama_attention_bias_includes_o_proj(tmp_path):
+    """attention_bias=True biases o_proj as well as q/k/v; dropping it failed parity as 'variant not handled'."""
+    from specrt.export.exporter import export_checkpoint
+    from specrt.export.sources import resolve
+
+    ckpt = _variant(tmp_path / "ckpt", "llama", attention_bias=True)
+    facts = export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", 128, log=lambda m: None)
+    assert facts["spec"]["qkv_bias"] and facts["spec"]["o_bias"]
+    assert facts["parity"]["max_abs_logit_diff"] < 1e-4 and facts["parity"]["greedy_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("scaling,rope_freqs,problem", [
+    (None, False, None), ("none", False, None),
+    ("linear", False, "llama.rope.scaling.type = linear"), (None, True, "a rope_freqs.weight tensor"),
+])
+def test_gguf_with_rope_scaling_is_refused(tmp_path, scaling, rope_freqs, problem):
+    """transformers' GGUF loader ignores Llama/Qwen2 RoPE scaling: PyTorch and ONNX would agree, both wrong."""
+    import re
+
+    import gguf
+
+    from specrt.errors import SpecrtError
+    from specrt.export.sources import resolve
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    if scaling is not None:
+        w.add_string("llama.rope.scaling.type", scaling)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.ones(4, np.float32))  # Llama 3.1+ as llama.cpp converts it
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if problem is None:
+        assert resolve(str(path)).kind == "gguf"
+        return
+    with pytest.raises(SpecrtError, match=re.escape(problem) + ".*export from the model's Hugging Face directory"):
+        resolve(str(path))
