@@ -225,6 +225,15 @@ def paired_speedup(runs: list[dict], ref_runs: list[dict],
     """Geometric mean over cases of the median over reps of speed(run) / speed(reference run of the same
     rep); and the cases left out because no rep has both speeds > 0 (0 new tokens: tok/s 0, whose log
     would make the mean 0; or speed None: nothing to decode after the first round)."""
+    by_case = paired_ratios(runs, ref_runs, speed)
+    med = [v for v in by_case.values() if v is not None]
+    left_out = [c for c, v in by_case.items() if v is None]
+    return (round(float(np.exp(np.mean(np.log(med)))), 3) if med else None), left_out
+
+
+def paired_ratios(runs: list[dict], ref_runs: list[dict], speed=lambda r: r["tok_s"]) -> dict[str, float | None]:
+    """Per case: the median over reps of speed(run) / speed(reference run of the same rep); None when no
+    rep has both speeds > 0."""
     ref = {(r["case"], r["rep"]): speed(r) for r in ref_runs}
     ratios: dict[str, list[float]] = {}
     for r in runs:
@@ -232,9 +241,7 @@ def paired_speedup(runs: list[dict], ref_runs: list[dict],
         ratios.setdefault(r["case"], [])
         if a and b:  # None or 0 on either side: no ratio from this rep
             ratios[r["case"]].append(a / b)
-    med = [statistics.median(v) for v in ratios.values() if v]
-    left_out = [c for c, v in ratios.items() if not v]
-    return (round(float(np.exp(np.mean(np.log(med)))), 3) if med else None), left_out
+    return {c: (statistics.median(v) if v else None) for c, v in ratios.items()}
 
 
 def pooled_tau_acceptance(runs: list[dict]) -> tuple[float | None, list[float], bool]:

@@ -376,7 +376,8 @@ def test_report_shows_lengths_proposers_and_medusa_accuracy():
     heads = {"engine": "medusa-fp32", "top1": [0.36, 0.21], "top5": [0.62, 0.44], "heldout_positions": 100}
     md = markdown(_result(runs, ["plain-fp32", "plain-int4", "genai-int4", "auto-fp32"], medusa=heads), "x")
     assert "| new tokens |" in md and "| genai-int4 | 90.0 | 12 |" in md
-    assert "plain-int4 >= genai-int4 on 1/1 prompts; new tokens differ (ours vs peer) on: a 20 vs 12" in md
+    assert ("plain-int4 >= genai-int4 on 1/1 prompts (same-rep pairs; by medians of tok/s 1/1); new tokens "
+            "differ (ours vs peer) on: a 20 vs 12") in md
     assert "- proposers: auto-fp32: lookup+medusa" in md and "top-1 36% 21%, top-5 62% 44%" in md
     assert "predates" not in md and "arithmetic mean of those per-prompt medians" in md and "one slow rep" in md
 
@@ -456,3 +457,14 @@ def test_plain_runs_on_a_lone_target_where_a_draft_model_takes_turns(tiny_engine
     tr = spec.run([], [("user", "hi")], 12)  # ours render the prompt from the messages
     assert tr.proposer == "draft (draft-fp32)" and tr.rounds >= 1 and len(tr.drafted) == len(tr.acceptance)
     assert tr.accepted == tr.drafted and list(tr.drafted) == sorted(tr.drafted, reverse=True)
+
+
+def test_goal_lines_judge_each_prompt_by_same_rep_pairs():
+    """A slow rep must not decide a prompt: ours 30/10/20 vs the peer's 29/21/19 tok/s loses by medians (20 vs 21)
+    but wins in two reps of three (median same-rep ratio 1.03)."""
+    from specrt.bench.report import markdown
+
+    runs = [_run("a", rep, v, "plain-fp32") for rep, v in enumerate((30.0, 10.0, 20.0))]
+    runs += [_run("a", rep, v, "genai-fp32") for rep, v in enumerate((29.0, 21.0, 19.0))]
+    md = markdown(_result(runs, ["plain-fp32", "genai-fp32"]), "x")
+    assert "plain-fp32 >= genai-fp32 on 1/1 prompts (same-rep pairs; by medians of tok/s 0/1)" in md
