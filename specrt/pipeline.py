@@ -256,7 +256,8 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     report = heads["report"]
     targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
     target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
-    cost = _pass_costs(tmp / target, facts, precision(target[len("target-"):-len(".onnx")]).session_config)
+    cost = _plausible_pass_costs(tmp / target, facts, precision(target[len("target-"):-len(".onnx")]).session_config,
+                                 log)
     if "tree_order" in report:
         order, values = report["tree_order"], report["tree_values"]
     else:  # heads trained without the joint measurement: assume independent heads
@@ -319,6 +320,26 @@ def _pass_costs(path: Path, facts: dict, session_config=(),
             eng.forward(np.ones(w, np.int64), num_logits=w)
             best[w] = min(best[w], time.perf_counter() - t0)
     return [(w, round(float(c), 5)) for w, c in zip(widths, np.maximum.accumulate([best[w] for w in widths]))]
+
+
+MIN_WIDTH_SLOPE = 0.01   # a CPU pass costs >= 1% of a one-token step per extra token (measured here: ~5% at fp32)
+PRIOR_WIDTH_SLOPE = 0.05  # what a quiet machine measured for SmolLM2 fp32 (48 tokens: 3.19 steps)
+
+
+def _plausible_pass_costs(path: Path, facts: dict, session_config, log, tries: int = 3) -> list[tuple[int, float]]:
+    """_pass_costs, measured again when the curve is implausibly flat. On a busy machine every one-token pass
+    was slowed and wide passes looked nearly free (48 tokens at 1.14 steps, against 3.19 quiet), which chose a
+    36-node tree that decodes slower than the 3-node one. After `tries` flat curves: a linear prior, said so."""
+    for _ in range(tries):
+        cost = _pass_costs(path, facts, session_config)
+        (w0, c0), (w1, c1) = cost[0], cost[-1]
+        if c1 / c0 >= 1.0 + MIN_WIDTH_SLOPE * (w1 - w0):
+            return cost
+    log(f"pass timings look distorted (a {w1}-token pass at {c1 / c0:.2f} one-token steps: a busy machine, or a "
+        "model so small that call overhead dominates): "
+        f"sizing the Medusa tree with a prior of {PRIOR_WIDTH_SLOPE:.0%} of a step per token. Rebuild on a quiet "
+        "machine, or pass --medusa-tree-nodes N")
+    return [(w, c0 * (1.0 + PRIOR_WIDTH_SLOPE * (w - w0))) for w, _ in cost]
 
 
 def _check_same_vocab(req, tv: int | None, dv: int | None) -> None:
