@@ -55,6 +55,8 @@ def bench(
         for name, v in (("--per-category", per_category), ("--max-new-tokens", max_new_tokens)):
             if v is not None and v < 1:
                 raise SpecrtError(f"{name} must be >= 1, got {v}")
+        if out.exists() and not out.is_dir():  # found before the run, not after twenty minutes of it
+            raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
         if hf_assistant is not None and not hf_assistant.exists():
             raise SpecrtError(f"--hf-assistant '{hf_assistant}' not found; pass a HF folder or a .gguf file")
         cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,

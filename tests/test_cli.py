@@ -362,3 +362,15 @@ def test_too_small_a_context_for_the_parity_check_is_one_line(tiny_dir, tmp_path
                       "--max-context 32 is too small", "at least 64")
     assert_user_error(specrt("engines", "--source", tiny_dir, "--max-context", "64", "--out", tmp_path),
                       "too small to check this export", "use at least")
+
+
+def test_preset_with_source_or_draft_and_bench_out_file_and_training_options(tmp_path, tiny_dir):
+    assert_user_error(specrt("engines", "--preset", "qwen2.5-coder", "--draft", "x.gguf", "--out", tmp_path),
+                      "--preset names both", "drop --source/--draft")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert_user_error(specrt("bench", "--out", f, "--modes", "plain-fp32"), "--out", "is a file")
+    for flag, value in (("--heads", "0"), ("--epochs", "0"), ("--budget-minutes", "0"), ("--threads", "0")):
+        assert_user_error(specrt("train-medusa", "--source", tiny_dir, flag, value, "--work", tmp_path / "w"),
+                          f"{flag} must be > 0")
+    assert_user_error(specrt("train-medusa", "--source", tiny_dir, "--work", f / "w"), "--work", "is a file")

@@ -329,3 +329,24 @@ def test_flat_pass_timings_fall_back_to_a_prior(monkeypatch):
     monkeypatch.setattr(pipeline, "_pass_costs", lambda *a: quiet)
     logs.clear()
     assert pipeline._plausible_pass_costs(None, {}, (), logs.append) == quiet and not logs
+
+
+def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):
+    """An interrupt saves a checkpoint at the last completed step (it used to lose up to a minute of
+    training), and the next run resumes from it."""
+    import torch
+
+    from specrt.export.medusa import TrainConfig, train_heads
+
+    cfg = TrainConfig(vocab=256, batch=32, lr=3e-3, max_epochs=6, budget_s=120.0, ranks=4)
+
+    def interrupt_at_50(msg):
+        if msg.startswith("step 50/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(tiny_heads["data"], tiny_heads["lm_head"], tmp_path / "run", cfg, log=interrupt_at_50)
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["state"]["step"] == 50
+    logs = []
+    train_heads(tiny_heads["data"], tiny_heads["lm_head"], tmp_path / "run", cfg, log=logs.append)
+    assert any("resumed" in m and "50" in m for m in logs)
