@@ -26,6 +26,9 @@ NEAR_TIE = 2 * MAX_ABS_LOGIT_DIFF
 
 
 def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -> dict:
+    """src -> out_dir/model.onnx (+ .data), golden.npz, tokenizer files and export.json; returns the facts
+    written to export.json (spec, source hash, parity, versions). Fails with a SpecrtError when the model
+    or the context is one this static graph cannot reproduce, or when parity against PyTorch is off."""
     import onnx
 
     from .graph import build_decoder

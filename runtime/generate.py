@@ -85,6 +85,11 @@ def _stop_prefix(text: str, stop) -> int:
 
 
 class Generator:
+    """One target engine of a set plus its tokenizer: renders chat prompts, streams text, stops at EOS,
+    stop strings, the token budget or the context, and reports Stats. How tokens are produced is the
+    `decode` strategy's business (plain_decode by default; runtime.speculative for the rest). Reusable
+    across requests; not thread-safe (one KV cache)."""
+
     def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0, huge_pages: bool = True,
                  taking_turns: bool | None = None):
         """huge_pages: ask Linux for transparent huge pages for the engine's memory (runtime/hugepages.py).

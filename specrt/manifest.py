@@ -75,6 +75,10 @@ class Manifest:
 
 
 def load_manifest(root: Path) -> Manifest:
+    """Read and check an engine set's manifest.json once, at load: schema version, field types, every file
+    an engine needs, roles, backends this runtime can run, one vocabulary (target/draft) and one hidden
+    size (target/heads), the tokenizer recorded by each engine and the tokenizer file's hash. Any mismatch
+    is a one-line SpecrtError naming the fix (mostly: rebuild with `specrt engines`)."""
     root = Path(root)
     path = root / "manifest.json"
     rebuild = "rebuild the engine set with `specrt engines`"

@@ -57,6 +57,10 @@ def check_destination(out_root: Path, name: str) -> None:
 
 
 def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
+    """Export (cached per source, context and tool versions), build every requested engine, write the
+    manifest, and move the set into req.out_root / req.name in one rename -> that path. Validates the
+    request before any work; skips everything when the set there was built from the same inputs and still
+    loads; one build per out_root at a time. Errors are one-line SpecrtErrors and leave no partial set."""
     from .build.ort import build_key, precision
     from .export.sources import fingerprint, resolve, vocab_size
 
