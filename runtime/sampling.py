@@ -223,8 +223,8 @@ def sample(probs_row: np.ndarray, rng: np.random.Generator,
            exclude: tuple[int, ...] | list[int] = ()) -> int:
     """Draw one token from ``probs_row`` [V] (>= 0, normalised or not).
 
-    exclude: tokens treated as probability 0 (the rest is renormalised), used
-    by verification for one-hot drafts without a V-sized copy of the row.
+    exclude: tokens treated as probability 0 (the rest is renormalised),
+    without a V-sized copy of the row.
     """
     tok = _sample_or_none(probs_row, rng, exclude)
     if tok is None:

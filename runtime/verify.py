@@ -150,10 +150,9 @@ class _Residual:
 
     Starts as p[row]. Rejecting child x drawn from q_x turns it into
     norm(max(0, r - q_x)) (Leviathan et al.; SpecInfer's multi-step speculative
-    sampling for several siblings). For one-hot q that is "zero x and
-    renormalise", kept as an exclusion list so nothing V-sized is allocated.
-    Stochastic residuals live in at most two buffers, allocated only at rows
-    where a rejection happens. The mass (normaliser) is computed lazily: a
+    sampling for several siblings). Sampled drafts only: deterministic ones go
+    through _sample_and_match. Residuals live in at most two buffers,
+    allocated only at rows where a rejection happens. The mass (normaliser) is computed lazily: a
     chain never needs it, since the sampler draws u * total by itself.
 
     If a rejection leaves no mass (r <= q_x pointwise, i.e. r = q_x up to
@@ -164,21 +163,19 @@ class _Residual:
     def __init__(self, base: np.ndarray) -> None:
         self.base = base                   # [V] view of p[row], never written
         self.cur = base                    # [V] unnormalised residual r * mass
-        self.mass: float | None = 1.0      # sum(cur) minus excluded; p rows sum to 1
-        self.excluded: list[int] = []      # one-hot rejections: zeroed tokens
-        self.undo: tuple | None = None     # (cur, mass, len(excluded)) before the last rejection
+        self.mass: float | None = 1.0      # sum(cur); p rows sum to 1
+        self.undo: tuple | None = None     # (cur, mass) before the last rejection
 
     def accept(self, x: int, q_x: float, u: float) -> bool:
         # accept iff u < min(1, r(x) / q(x)), r = cur / mass; written without
         # the division so q(x) = 0 accepts whenever r(x) > 0 (ratio = inf).
         mass = self._mass()                # first: a zero mass reverts cur
-        r_x = 0.0 if x in self.excluded else _prob(float(self.cur[x]), f"p[{x}]")
+        r_x = _prob(float(self.cur[x]), f"p[{x}]")
         return u * q_x * mass < r_x
 
     def _mass(self) -> float:
         if self.mass is None:
             m = float(self.cur.sum(dtype=np.float64))
-            m -= sum(float(self.cur[t]) for t in self.excluded)
             if not np.isfinite(m):
                 raise ValueError("p or q contains NaN/inf; build them with probs_from_logits")
             if m > 0.0:
@@ -188,20 +185,14 @@ class _Residual:
         return self.mass
 
     def _revert(self) -> None:
-        self.cur, self.mass, k = self.undo
-        del self.excluded[k:]
+        self.cur, self.mass = self.undo
         self.undo = None
 
-    def reject(self, x: int, q_row: np.ndarray | None) -> None:
-        """r <- norm(max(0, r - q_row)); q_row None = one-hot at x (zero x)."""
-        if q_row is None and x in self.excluded:
-            return                         # duplicate sibling: r(x) is already 0
+    def reject(self, q_row: np.ndarray) -> None:
+        """r <- norm(max(0, r - q_row))."""
         mass = self._mass()                # known: accept() just needed it
-        prev, self.undo = self.undo, (self.cur, mass, len(self.excluded))
+        prev, self.undo = self.undo, (self.cur, mass)
         self.mass = None
-        if q_row is None:
-            self.excluded.append(x)
-            return
         # Reuse the buffer the previous undo pointed at (not cur, not base).
         spare = prev[0] if prev is not None and prev[0] is not self.base else None
         new = spare if spare is not None else np.empty(self.cur.shape, np.float32)
@@ -216,10 +207,10 @@ class _Residual:
         self.cur = new
 
     def sample(self, rng: np.random.Generator) -> int:
-        tok = _sample_or_none(self.cur, rng, self.excluded)
+        tok = _sample_or_none(self.cur, rng)
         if tok is None and self.undo is not None:
             self._revert()
-            tok = _sample_or_none(self.cur, rng, self.excluded)
+            tok = _sample_or_none(self.cur, rng)
         if tok is None:
             raise ValueError("target row has no probability mass; check p")
         return tok
@@ -272,10 +263,9 @@ def verify(p: np.ndarray, draft: Draft, rng: np.random.Generator) -> VerifyResul
         res = _Residual(p[row])
         for c in children:
             x = tokens[c]
-            q_x = 1.0 if q is None else _prob(float(q[c, x]), f"q[{c}, {x}]")
-            if res.accept(x, q_x, rng.random()):
+            if res.accept(x, _prob(float(q[c, x]), f"q[{c}, {x}]"), rng.random()):
                 break
-            res.reject(x, None if q is None else q[c])
+            res.reject(q[c])
         else:                                    # every child rejected: recovered token
             return _result(draft, path, res.sample(rng), bonus=False)
         path.append(c)
