@@ -70,9 +70,9 @@ def build_key(prec: OrtPrecision) -> str:
 
 def build_versions() -> dict:
     """The tools that shape a built engine (recorded per engine in the manifest, part of build_key)."""
-    import importlib.metadata as md
+    from ..manifest import tool_versions
 
-    return {pkg: md.version(pkg) for pkg in ("onnx", "onnxruntime")}
+    return tool_versions(("onnx", "onnxruntime"))
 
 
 def precision(name: str) -> OrtPrecision:

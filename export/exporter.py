@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecrtError
+from ..manifest import tool_versions
 from .sources import Source, fingerprint, load
 
 GOLDEN_VERSION = 1
@@ -154,15 +155,3 @@ def first_divergence(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     mism = np.nonzero(a[:n] != b[:n])[0]
     return int(mism[0]) if len(mism) else n
-
-
-def tool_versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("specrt", "torch", "transformers", "onnx", "onnxruntime", "gguf"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out

@@ -21,6 +21,19 @@ BACKENDS = ("onnxruntime", "tensorrt")
 RUNTIME_BACKENDS = ("onnxruntime",)  # what runtime/ can load today (TensorRT: not implemented yet)
 
 
+def tool_versions(packages=("specrt", "torch", "transformers", "onnx", "onnxruntime", "gguf")) -> dict:
+    """Installed versions of `packages` (those not installed are left out), as recorded in manifests."""
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in packages:
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SpecrtError
-from .manifest import SCHEMA_VERSION, file_sha256, load_manifest
+from .manifest import SCHEMA_VERSION, file_sha256, load_manifest, tool_versions
 
 EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
 MIN_CONTEXT = 64    # the export's parity check decodes a ~16-token golden prompt + 32 tokens
@@ -142,14 +142,9 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
 def _export_tools() -> str:
     """Short hash of the versions that shape an export (torch runs the golden pass, transformers converts
     the checkpoint and GGUF files, onnx writes the graph): an upgrade re-exports instead of reusing."""
-    import importlib.metadata as md
-
-    versions = {}
-    for pkg in ("torch", "transformers", "gguf", "onnx"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
+    packages = ("torch", "transformers", "gguf", "onnx")
+    found = tool_versions(packages)
+    versions = {pkg: found.get(pkg) for pkg in packages}   # None = not installed
     return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
 
 
