@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpecrtError
+from ..errors import SpecrtError, first_line
 from ..manifest import load_manifest
 from . import contenders
 from .isolate import Isolated, WorkerError
@@ -200,8 +200,7 @@ def _interleave(cfg: BenchConfig, cases, prompt_ids, live: list, notes: list, lo
 
 
 def _one_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:160] if lines else "no message"
+    return first_line(e, "no message")[:160]
 
 
 def median_by_case(runs: list[dict], key: str) -> dict[str, float]:

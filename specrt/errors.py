@@ -6,3 +6,10 @@ The CLI prints `error: <message>` and exits non-zero for these, never a tracebac
 
 class SpecrtError(Exception):
     """A problem the user can fix (bad input, missing file, mismatched engines)."""
+
+
+def first_line(e: BaseException, default: str | None = None) -> str:
+    """The first non-blank line of an exception's message (libraries' messages run to many lines), else
+    `default` (the exception's type name when not given)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else default if default is not None else type(e).__name__
