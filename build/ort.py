@@ -34,6 +34,7 @@ class OrtPrecision:
     session_config: tuple[tuple[str, str], ...] = ()
     block_size: int = 32  # weights per quantization block (scale + zero point)
     method: str = "rtn"  # "rtn": round to nearest; "gptq": calibrated (build/gptq.py)
+    screen: bool = False  # an 8-bit lm_head beside the fp32 one for exact greedy argmax (build/screen.py)
 
 
 # Weight-only asymmetric blocks through MatMulNBits, the lm_head included (it is a fifth of SmolLM2's
@@ -47,14 +48,15 @@ class OrtPrecision:
 ORT_PRECISIONS = {
     # Smaller work blocks in the intra-op thread pool: fp32 decode steps ~0.5-0.8 ms (3%) faster on 2
     # threads here (interleaved A/B, block base 1, 2, 4, 8 alike); no gain measured on int4, so not there.
-    "fp32": OrtPrecision("fp32", None, 0, (("session.dynamic_block_base", "4"),)),
+    # The logit screen: greedy passes read the lm_head in 8 bits and rescore the few tokens that can win in fp32.
+    "fp32": OrtPrecision("fp32", None, 0, (("session.dynamic_block_base", "4"),), screen=True),
     "int8": OrtPrecision("int8", 8, 4),
     "int4": OrtPrecision("int4", 4, 4, block_size=64, method="gptq"),
     "int4-fp32": OrtPrecision("int4-fp32", 4, 0, block_size=64, method="gptq"),
 }
 
 
-BUILD_FORMAT = 5  # bump when the rewrites below change what an engine contains
+BUILD_FORMAT = 7  # bump when the rewrites below change what an engine contains
 
 
 def build_key(prec: OrtPrecision) -> str:
@@ -201,6 +203,12 @@ def build_ort_engine(src_onnx: Path, dst_onnx: Path, prec: OrtPrecision,
         del model
         ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
         optimized = fuse_skip_norm(onnx.load(str(opt)))
+        if prec.screen:
+            from .screen import add_screen
+
+            screen = add_screen(optimized)  # rewrites the lm_head in place (None: hidden size not in blocks)
+            if screen is not None:
+                facts["screen"] = screen
         # Weights re-written by onnx rather than kept as ORT saved them: decoding from ORT's own file
         # measured ~0.5 ms (2%) slower per step here (both get memory-mapped; cause not pinned down).
         onnx.save_model(optimized, str(dst_onnx), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -12,6 +12,7 @@ and past/present are the same buffer, so there is one host sync per pass and no 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ import onnxruntime as ort
 
 from ..errors import SpecrtError, first_line
 from .hugepages import advise_huge_pages, anonymous_mappings
+
+APPROX_INPUT, GREEDY_OUTPUT = "approx_logits", "greedy_tokens"  # an fp32 engine's logit screen (build/screen.py)
 
 
 class ContextFullError(SpecrtError):
@@ -45,12 +48,33 @@ def open_session(onnx_path: Path, options: ort.SessionOptions) -> ort.InferenceS
         raise SpecrtError(f"cannot load engine '{onnx_path}' ({first_line(e)}); rebuild the engine set with `specrt engines`") from None
 
 
+def screen_unusable(facts: dict | None, built_with: dict | None) -> str | None:
+    """Why an engine's logit screen must not be used here (None: it may). Its error bound assumes the int8
+    kernel `specrt engines` checked it against: the same onnxruntime on the same CPU family (x86-64's MLAS
+    quantizes activations per block; e.g. KleidiAI on Arm quantizes per row, which the bound does not cover)."""
+    import platform
+
+    if not facts:
+        return "engine built without a logit screen"
+    if os.environ.get("SPECRT_LOGIT_SCREEN", "1") == "0":
+        return "off (SPECRT_LOGIT_SCREEN=0)"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"checked on x86-64 only, this is {platform.machine()}"
+    built = (built_with or {}).get("onnxruntime")
+    if built != ort.__version__:
+        return f"built with onnxruntime {built}, running {ort.__version__} (rebuild with `specrt engines`)"
+    if not (facts.get("check") or {}).get("holds"):
+        return "its error bound did not hold when the engine was built"
+    return None
+
+
 class OrtEngine:
     CAPACITY_STEP = 256  # reserve() rounds cache layouts up to a multiple of this many positions
 
     def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0,
-                 with_hidden: bool = False, session_config: dict[str, str] | None = None, huge_pages: bool = True):
+                 with_hidden: bool = False, session_config: dict[str, str] | None = None, huge_pages: bool = True,
+                 screen: bool = False):
         before = anonymous_mappings() if huge_pages else None
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -72,6 +96,16 @@ class OrtEngine:
         self.hidden = self._hidden  # [n, hidden] of the last pass (with_hidden only), a view into a reused buffer
         if with_hidden:
             self.enable_hidden()
+        # An fp32 engine with a logit screen takes a flag per pass (fp32 or screened lm_head) and returns the
+        # greedy token of each row too; screened, those are the exact fp32 argmax at a quarter of the lm_head's
+        # bytes (build/screen.py). `screen`: use it on greedy passes (from_entry decides where it is safe).
+        inputs = {i.name for i in self.session.get_inputs()}
+        self._has_screen = APPROX_INPUT in inputs
+        self.screen = screen and self._has_screen
+        self.screen_note: str | None = None if self.screen else "not in use"
+        self._approx = False
+        self._flags = (np.array(False), np.array(True))
+        self.greedy = np.empty(max_pass_tokens, np.int64)  # [num_logits] greedy tokens of the last pass (screen graphs)
         self._io = self.session.io_binding()
         self.reserve(max_context)
         self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
@@ -104,9 +138,12 @@ class OrtEngine:
         """The engine a manifest entry (specrt.manifest.EngineEntry) describes, under engine-set folder root.
         taking_turns: another session of this process runs between its passes (TAKING_TURNS)."""
         config = {**(entry.raw.get("session_config") or {}), **(TAKING_TURNS if taking_turns else {})}
-        return cls(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                   head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context,
-                   threads=threads, session_config=config, **kwargs)
+        note = screen_unusable(entry.raw.get("screen"), entry.raw.get("build_versions"))
+        engine = cls(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+                     head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context,
+                     threads=threads, session_config=config, screen=note is None, **kwargs)
+        engine.screen_note = note
+        return engine
 
     def enable_hidden(self) -> None:
         """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""
@@ -117,12 +154,22 @@ class OrtEngine:
             self._hidden = np.empty((self.max_pass_tokens, int(outs["hidden_states"][-1])), np.float32)
             self.with_hidden = True
 
+    def argmax(self, tokens: np.ndarray, positions: np.ndarray | None = None,
+               tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
+        """forward(), for the greedy token of each of the last num_logits rows only: [num_logits] int64, a
+        view into a reused buffer. Through the logit screen where the engine has one and may use it."""
+        if not self._has_screen:
+            return self.forward(tokens, positions, tree_mask, num_logits).argmax(axis=1)
+        self.forward(tokens, positions, tree_mask, num_logits, approx=self.screen)
+        return self.greedy[:num_logits]
+
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
-                tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
+                tree_mask: np.ndarray | None = None, num_logits: int = 1, approx: bool = False) -> np.ndarray:
         """tokens [n] int64 -> logits [num_logits, vocab] for the last num_logits tokens.
 
         positions [n] default to length + arange(n); tree_mask [n, n] additive, default causal.
         The returned array is a view into a reused buffer: copy it to keep it past the next pass.
+        approx (screen engines): the logits of the 8-bit lm_head, not fp32; only self.greedy is exact then.
         """
         n = len(tokens)
         if self.length + n > self.max_context:
@@ -142,6 +189,7 @@ class OrtEngine:
         else:  # a long prefill: once per request, so this allocation is fine
             mask = np.zeros((1, n, n), np.float32)
         buf = None
+        self._approx = approx and self._has_screen
         if self.with_hidden:  # a long prefill (once per request) gets its own buffer
             buf = self._hidden if n <= self.max_pass_tokens else np.empty((n, self._hidden.shape[1]), np.float32)
             self.hidden = buf[:n]
@@ -172,6 +220,9 @@ class OrtEngine:
         io.bind_cpu_input("total_sequence_length", np.array(self.length + n, np.int32))
         io.bind_cpu_input("num_logits_to_keep", np.array(num_logits, np.int64))
         io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
+        if self._has_screen:
+            io.bind_cpu_input(APPROX_INPUT, self._flags[self._approx])
+            io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [num_logits], self.greedy[row:].ctypes.data)
         if hidden is not None:
             io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)
         self.session.run_with_iobinding(io)

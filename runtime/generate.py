@@ -65,14 +65,19 @@ def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
                  rng: np.random.Generator, stats: Stats) -> Iterator[list[int]]:
     """Target-only decoding: one pass, one token."""
     engine.rewind(0)
+    if sampling.greedy:  # argmax(): an engine with a logit screen reads its lm_head in 8 bits, exactly
+        token = int(engine.argmax(np.asarray(prompt, np.int64))[0])
+        engine.commit(len(prompt))
+        while True:
+            stats.rounds += 1
+            yield [token]
+            token = int(engine.argmax(np.array([token], np.int64))[0])
+            engine.commit(1)
     logits = engine.forward(np.asarray(prompt, np.int64), num_logits=1)
     engine.commit(len(prompt))
     probs = np.empty((1, engine.vocab_size), np.float32)
     while True:
-        if sampling.greedy:
-            token = int(logits[-1].argmax())
-        else:
-            token = sample(probs_from_logits(logits[-1:], sampling, out=probs)[0], rng)
+        token = sample(probs_from_logits(logits[-1:], sampling, out=probs)[0], rng)
         stats.rounds += 1
         yield [token]
         logits = engine.forward(np.array([token], np.int64))

@@ -64,10 +64,11 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             pending = ctx.ids[engine.length:]
             P, n = len(pending), draft.tokens.size
             pos, mask = (None, None) if draft.parents is None else tree_inputs(engine.length, P, draft.parents)
-            logits = engine.forward(np.concatenate([pending, draft.tokens]), pos, mask, num_logits=n + 1)
-            if sampling.greedy:
-                result = verify_greedy(logits.argmax(axis=1), draft)
+            tokens = np.concatenate([pending, draft.tokens])
+            if sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one
+                result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
             else:
+                logits = engine.forward(tokens, pos, mask, num_logits=n + 1)
                 result = accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
             # 3. commit the pending tokens and the accepted path; rejected nodes are overwritten later
             t2 = time.perf_counter()

@@ -219,6 +219,13 @@ def _build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) -
             raise SpecrtError(f"the {role}-{p} engine does not match PyTorch: {problem}; the ONNX Runtime build of this "
                               "checkpoint is wrong, please report it (with `pip list | grep onnx`)")
     entry = _entry(facts, p, built.name, info, parity)
+    if "screen" in entry["build"]:
+        screen = entry["screen"] = entry["build"].pop("screen")
+        screen["check"] = check_screen(tmp / built.name, facts, cache / "golden.npz", screen, info.get("session_config"))
+        if not screen["check"]["holds"]:
+            log(f"warning: the logit screen's error bound failed on this machine's int8 kernel "
+                f"({screen['check']['max_error_over_bound']:.2f}x the bound); {role}-{p} will decode greedy "
+                "passes with its full fp32 lm_head. Please report it (with `pip list | grep onnx`)")
     entry["role"], entry["tokenizer_sha256"] = role, file_sha256(cache / "tokenizer.json")
     entry["build_versions"] = build_versions()   # the set's "versions" are the export's
     return entry
@@ -402,6 +409,34 @@ def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None
     return {"max_abs_logit_diff_vs_torch": float(np.abs(logits - ref).max()),
             "greedy_agreement_vs_torch": agree["agreement"], "greedy_divergence_gap_vs_torch": agree["divergence_gap"],
             "width_max_abs_diff": width, "width_exact": width <= 1e-3}
+
+
+def check_screen(path: Path, facts: dict, golden_path: Path, screen: dict, session_config=None) -> dict:
+    """The logit screen's bound (build/screen.py) against this machine's int8 kernel, on real hidden states:
+    the golden prompt and its greedy continuation, every row against every token. The runtime uses the
+    screen only where this held ("holds"): no error past the bound, and the screened tokens equal to the
+    argmax of exact fp32 logits (numpy's, which sum in another order than the fp32 pass; the fp32 pass's
+    own argmax is recorded beside it, and could differ only at a tie within ~1e-5)."""
+    from .build.screen import bounds, read_initializer
+
+    g = np.load(golden_path)
+    eng = _engine(path, facts, session_config)
+    eng.enable_hidden()
+    ids = np.concatenate([g["input_ids"], g["greedy_tokens"]]).astype(np.int64)[: eng.max_pass_tokens]
+    exact = eng.forward(ids, num_logits=len(ids)).copy()
+    eng.rewind(0)
+    approx = eng.forward(ids, num_logits=len(ids), approx=True).copy()
+    screened, hidden = eng.greedy[: len(ids)].copy(), eng.hidden.copy()
+    rows = read_initializer(path, screen["rows"])
+    truth = hidden @ rows.T
+    bound = bounds(hidden, read_initializer(path, "screen.weight_err"), read_initializer(path, "screen.qnorm"),
+                   screen["block_size"])
+    ratio = float((np.abs(approx - truth) / bound).max())
+    candidates = float((approx + bound >= (approx - bound).max(axis=1, keepdims=True)).sum(axis=1).mean())
+    agree = bool((screened == truth.argmax(axis=1)).all())
+    return {"rows": len(ids), "max_error_over_bound": round(ratio, 4), "candidates_per_row": round(candidates, 1),
+            "argmax_equal": agree, "argmax_equal_fp32_pass": bool((screened == exact.argmax(axis=1)).all()),
+            "holds": ratio <= 1.0 and agree}
 
 
 def _entry(facts: dict, prec: str, file: str, info: dict, parity: dict) -> dict:

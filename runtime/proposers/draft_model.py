@@ -56,13 +56,12 @@ class DraftModel(OneBucket):
             return EMPTY
         feed = ctx.ids[eng.length:]
         for i in range(k):
-            logits = eng.forward(feed)           # [1, V]: the draft after the context + tokens[:i]
-            eng.commit(len(feed))
-            if self._sample:
-                q = probs_from_logits(logits, self.sampling, out=self._q[i:i + 1])
+            if self._sample:  # the draft's distribution after the context + tokens[:i]
+                q = probs_from_logits(eng.forward(feed), self.sampling, out=self._q[i:i + 1])
                 self._tokens[i] = sample(q[0], self.rng)
             else:
-                self._tokens[i] = logits[0].argmax()
+                self._tokens[i] = eng.argmax(feed)[0]
+            eng.commit(len(feed))
             feed = self._tokens[i:i + 1]
         return Draft(self._tokens[:k], q=self._q[:k] if self._sample else None)
 

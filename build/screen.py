@@ -1,0 +1,186 @@
+"""The logit screen of fp32 engines: exact greedy tokens without reading the whole fp32 lm_head each pass.
+
+The lm_head is a fifth of SmolLM2's weights (49152 x 576 fp32, 113 MB) and a CPU decode step is
+memory-bound, so reading it is ~2 ms of a ~21 ms step. Greedy decoding needs only the argmax of the
+logits, and almost every token is far from winning. So the engine's lm_head becomes
+If(approx_logits): the fp32 MatMul as before (sampling, parity checks: every caller that needs the
+distribution), or this screen, all inside the graph:
+
+1. approximate logits through an 8-bit copy of the lm_head (MatMulNBits, blocks of 16, int8 compute:
+   a quarter of the bytes);
+2. a proven bound per token r on |approx_r - exact_r|, from the two error sources:
+   weights:     |h . (w_r - w^_r)|  <= ||h||_2 ||w_r - w^_r||_2                      (Cauchy-Schwarz)
+   activations: |(h - h^) . w^_r|   <= ||h - h^||_2 ||w^_r||_2, and ||h - h^||_2 <= sqrt(block) / 254 *
+                sqrt(sum_b max|h_b|^2): the int8 kernel (MLAS CompInt8) quantizes h per block of `block`
+                values with scale max|h_b| / 127, so each value moves by at most half a step;
+   plus a margin for the kernel's float rounding (1e-4 of ||h|| ||w^_r||: >100x what float32 loses here),
+   all times 1.001 (the per-token norms are stored in float32);
+3. every token whose approx + bound reaches max_s(approx_s - bound_s) is a candidate (no other can win);
+4. the candidates' exact fp32 logits from their rows of the fp32 lm_head, and the argmax among them (ties:
+   the lowest token id, as ArgMax over the whole row).
+
+ORT runs only the branch taken (an If costs ~10 us), so fp32 passes cost what they did. SmolLM2 on the
+bench prompts: 13 candidates per row on average (median 5, max ~270 of 49152). The bound holds only for
+the kernel it was derived for, so `specrt engines` checks it against the built engine on real hidden
+states (specrt/pipeline.py check_screen) and the runtime uses the screen only on the CPU family and
+onnxruntime version it was checked with (runtime/engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
+INPUT, OUTPUT = "approx_logits", "greedy_tokens"
+SLACK = 1.0 + 1e-3
+ROUNDING = 1e-4
+
+
+def bounds(hidden: np.ndarray, weight_err: np.ndarray, qnorm: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """[n, V]: the bound of step 2 for hidden [n, H], in numpy (the graph computes the same in float32)."""
+    h = np.asarray(hidden, np.float64)
+    n, H = h.shape
+    hn = np.linalg.norm(h, axis=1, keepdims=True)
+    blockmax = np.abs(h).reshape(n, H // block, block).max(axis=2)
+    da = math.sqrt(block) / 254.0 * np.linalg.norm(blockmax, axis=1, keepdims=True)
+    return SLACK * (hn * weight_err[None] + (da + ROUNDING * hn) * qnorm[None])
+
+
+def _lm_head(model: onnx.ModelProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:
+    node = next((n for n in model.graph.node if list(n.output) == ["logits"]), None)
+    inits = {i.name: i for i in model.graph.initializer}
+    if node is None or node.op_type != "MatMul" or node.input[1] not in inits:
+        raise ValueError("no fp32 MatMul lm_head producing 'logits' in this graph")
+    return node, inits[node.input[1]]
+
+
+def quantize_rows(w_t: np.ndarray, block: int = BLOCK) -> tuple[onnx.NodeProto, list[onnx.TensorProto], np.ndarray]:
+    """w_t [H, V] fp32 -> (MatMulNBits node reading 'X', its initializers, the dequantized rows [V, H] float64)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    for name in ("onnxruntime.quantization", "onnxruntime.quantization.matmul_nbits_quantizer"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    H, V = w_t.shape
+    g = helper.make_graph([helper.make_node("MatMul", ["X", "screen.lm_head"], ["Y"], name="screen.lm_head_q8")],
+                          "lm_head", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, "n", H])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, "n", V])],
+                          [numpy_helper.from_array(w_t, "screen.lm_head")])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), bits=8,
+                             block_size=block, is_symmetric=False, accuracy_level=4)
+    q.process()
+    node = next(n for n in q.model.model.graph.node if n.op_type == "MatMulNBits")
+    inits = list(q.model.model.graph.initializer)
+    arr = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in inits}
+    qb = arr[node.input[1]].reshape(V, H // block, block)
+    scales, zp = (arr[name].reshape(V, H // block, 1) for name in node.input[2:4])
+    return node, inits, ((qb - zp) * scales).reshape(V, H)
+
+
+def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
+    """Rewrite the fp32 lm_head of `model` (loaded with its weights) into If(approx_logits, screen, fp32),
+    with a second output `greedy_tokens` [n]. Returns the screen's manifest facts, or None (and leaves the
+    model alone) where the hidden size is not a multiple of `block`."""
+    node, weight = _lm_head(model)
+    w_t = numpy_helper.to_array(weight)
+    H, V = w_t.shape
+    if H % block:
+        return None
+    qnode, qinits, deq = quantize_rows(w_t, block)
+    rows = np.ascontiguousarray(w_t.T)
+    rows_name = _tied_embedding(model, rows)
+    consts = {"screen.weight_err": np.linalg.norm(rows - deq, axis=1).astype(np.float32),
+              "screen.qnorm": np.linalg.norm(deq, axis=1).astype(np.float32),
+              "screen.blocks": np.array([0, H // block, block], np.int64),
+              "screen.act": np.array(math.sqrt(block) / 254.0, np.float32),
+              "screen.rounding": np.array(ROUNDING, np.float32), "screen.slack": np.array(SLACK, np.float32),
+              "screen.ax0": np.array([0], np.int64), "screen.ax1": np.array([1], np.int64),
+              "screen.i0": np.array(0, np.int64), "screen.i1": np.array(1, np.int64)}
+    if not rows_name:  # untied: the fp32 rows the candidates are rescored from, laid out [V, H]
+        rows_name, consts["screen.rows"] = "screen.rows", rows
+    x = node.input[0]
+    qnode.input[0] = x
+    qnode.output[0] = "screen.logits"
+    N = helper.make_node
+    screen = [
+        qnode,
+        N("Squeeze", ["screen.logits", "screen.ax0"], ["screen.A"]),                    # [n, V]
+        N("Squeeze", [x, "screen.ax0"], ["screen.h"]),                                  # [n, H]
+        N("ReduceL2", ["screen.h"], ["screen.hn"], axes=[1], keepdims=1),               # [n, 1]
+        N("Abs", ["screen.h"], ["screen.habs"]),
+        N("Reshape", ["screen.habs", "screen.blocks"], ["screen.hb"]),
+        N("ReduceMax", ["screen.hb"], ["screen.bmax"], axes=[2], keepdims=0),           # [n, H / block]
+        N("ReduceL2", ["screen.bmax"], ["screen.bn"], axes=[1], keepdims=1),
+        N("Mul", ["screen.bn", "screen.act"], ["screen.dh"]),                           # ||h - h^|| bound
+        N("Mul", ["screen.hn", "screen.rounding"], ["screen.hr"]),
+        N("Add", ["screen.dh", "screen.hr"], ["screen.c0"]),
+        N("Mul", ["screen.c0", "screen.slack"], ["screen.c"]),
+        N("Mul", ["screen.hn", "screen.slack"], ["screen.a"]),
+        N("Mul", ["screen.a", "screen.weight_err"], ["screen.ba"]),                     # [n, V]
+        N("Mul", ["screen.c", "screen.qnorm"], ["screen.bc"]),
+        N("Add", ["screen.ba", "screen.bc"], ["screen.bound"]),
+        N("Sub", ["screen.A", "screen.bound"], ["screen.lo"]),
+        N("ReduceMax", ["screen.lo"], ["screen.floor"], axes=[1], keepdims=1),           # [n, 1]
+        N("Add", ["screen.A", "screen.bound"], ["screen.hi"]),
+        N("GreaterOrEqual", ["screen.hi", "screen.floor"], ["screen.is_cand"]),
+        N("NonZero", ["screen.is_cand"], ["screen.cand"]),                              # [2, k]: (row, token)
+        N("Gather", ["screen.cand", "screen.i0"], ["screen.cand_row"], axis=0),
+        N("Gather", ["screen.cand", "screen.i1"], ["screen.cand_tok"], axis=0),
+        N("Gather", [rows_name, "screen.cand_tok"], ["screen.w"], axis=0),               # [k, H] fp32 rows
+        N("Gather", ["screen.h", "screen.cand_row"], ["screen.hk"], axis=0),
+        N("Mul", ["screen.w", "screen.hk"], ["screen.wh"]),
+        N("ReduceSum", ["screen.wh", "screen.ax1"], ["screen.exact"], keepdims=0),      # [k] exact logits
+        N("Shape", ["screen.A"], ["screen.shape"]),
+        N("ConstantOfShape", ["screen.shape"], ["screen.empty"],
+          value=helper.make_tensor("ninf", TensorProto.FLOAT, [1], [-np.inf])),
+        N("Transpose", ["screen.cand"], ["screen.at"], perm=[1, 0]),
+        N("ScatterND", ["screen.empty", "screen.at", "screen.exact"], ["screen.S"]),     # exact at candidates
+        N("ArgMax", ["screen.S"], [OUTPUT + "_q8"], axis=1, keepdims=0),               # first max: lowest id
+    ]
+    exact = [N("MatMul", [x, weight.name], ["logits_fp32"], name="logits_fp32"),
+             N("Squeeze", ["logits_fp32", "screen.ax0"], ["screen.fp32"]),
+             N("ArgMax", ["screen.fp32"], [OUTPUT + "_fp32"], axis=1, keepdims=0)]
+    f32 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+    i64 = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, None)  # noqa: E731
+    branch = N("If", [INPUT], ["logits", OUTPUT], name="logits",
+               then_branch=helper.make_graph(screen, "screen", [], [f32("screen.logits"), i64(OUTPUT + "_q8")]),
+               else_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64(OUTPUT + "_fp32")]))
+    nodes = list(model.graph.node)
+    i = nodes.index(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[:i] + [branch] + nodes[i + 1:])
+    model.graph.initializer.extend(qinits + [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model.graph.input.append(helper.make_tensor_value_info(INPUT, TensorProto.BOOL, []))
+    model.graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.INT64, ["num_logits"]))
+    return {"block_size": block, "method": "8-bit lm_head (MatMulNBits, int8 compute) + proven bound + fp32 rescoring",
+            "rows": rows_name}
+
+
+def _tied_embedding(model: onnx.ModelProto, rows: np.ndarray) -> str:
+    """The name of the embedding initializer equal to the lm_head rows ('' if untied)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Gather" and n.input[0] in inits:
+            t = inits[n.input[0]]
+            if list(t.dims) == list(rows.shape) and np.array_equal(numpy_helper.to_array(t), rows):
+                return t.name
+    return ""
+
+
+def read_initializer(onnx_path: Path, name: str) -> np.ndarray:
+    """One initializer of a saved engine, read from its external data file (onnx's own loader refuses the
+    hard-linked files an engine set shares with the build cache)."""
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    t = next(i for i in m.graph.initializer if i.name == name)
+    if t.data_location != TensorProto.EXTERNAL:
+        return numpy_helper.to_array(t)
+    info = {e.key: e.value for e in t.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    count = int(info["length"]) // np.dtype(dtype).itemsize
+    data = np.fromfile(Path(onnx_path).parent / info["location"], dtype, count=count, offset=int(info.get("offset", 0)))
+    return data.reshape(list(t.dims))
