@@ -29,7 +29,14 @@ def spec_modes() -> tuple[str, ...]:
 def our_modes(manifest: Manifest) -> dict[str, tuple[str, str]]:
     """name -> (strategy, precision); built from the parts, never split (both may contain '-')."""
     precs = [e.precision for e in manifest.engines.values() if e.role == "target"]
-    return {f"{s}-{p}": (s, p) for s in ("plain",) + spec_modes() for p in precs}
+    modes = {f"{s}-{p}": (s, p) for s in ("plain",) + spec_modes() for p in precs}
+    # plain decoding with the fp32 lm_head read in full every step, where the engine has a logit screen
+    # (build/screen.py): what the screen itself buys, side by side
+    screened = [e.precision for e in manifest.engines.values() if e.role == "target" and e.raw.get("screen")]
+    return {**modes, **{f"{FULL_HEAD}-{p}": (FULL_HEAD, p) for p in screened}}
+
+
+FULL_HEAD = "plain-fullhead"
 
 
 QUICK = ("plain-fp32", "plain-int4", "auto-fp32", "genai-fp32", "genai-int4", "llamacpp", "hf")
@@ -44,7 +51,8 @@ def default_modes(manifest: Manifest, quick: bool = False) -> list[str]:
     roles = manifest.roles
     needs = {"draft": "draft", "medusa": "medusa", "lookup+medusa": "medusa"}
     spec = [m for m in spec_modes() if m != "auto" and needs.get(m, "target") in roles]
-    out = [f"plain-{p}" for p in precs] + [f"{m}-fp32" for m in spec]
+    out = [f"plain-{p}" for p in precs] + [m for m in our_modes(manifest) if m.startswith(FULL_HEAD)]
+    out += [f"{m}-fp32" for m in spec]
     out += [f"auto-{p}" for p in ("fp32", "int4") if p in precs and "auto" in spec_modes()]
     return out + list(PEERS)
 
@@ -78,7 +86,8 @@ class Ours:
         from ..runtime.generate import Generator, plain_decode
 
         self.draft_engine = None
-        if self.strategy == "plain":
+        plain = self.strategy in ("plain", FULL_HEAD)
+        if plain:
             drafting = False
         else:
             from ..runtime.speculative import resolve_mode
@@ -87,11 +96,13 @@ class Ours:
         # the target takes turns with a draft model only where one drafts, as `specrt generate` loads it: the
         # set-wide default (taking_turns=None: on whenever the set has a draft) stopped ORT's spinning for
         # plain-fp32 too, i.e. a slower baseline than users run (plain steps 0-6% slower with it, engine.py)
-        key = (str(self.manifest.root), self.precision, self.threads, drafting)
+        full_head = self.strategy == FULL_HEAD
+        key = (str(self.manifest.root), self.precision, self.threads, drafting, full_head)
         if key not in _GENERATORS:  # strategies on one precision share weights and cache (each call rewinds)
             _GENERATORS[key] = Generator(self.manifest, self.precision, self.threads, taking_turns=drafting)
+            _GENERATORS[key].engine.screen &= not full_head
         self.gen = _GENERATORS[key]
-        if self.strategy == "plain":
+        if plain:
             self.decode = plain_decode
         else:
             from ..runtime.speculative import make_decoder
@@ -125,7 +136,7 @@ class Ours:
             pass
         r, total = s.result, clock.trace().total_s
         n, st = len(r.token_ids), r.stats
-        if self.strategy == "plain":
+        if self.strategy in ("plain", FULL_HEAD):
             return Trace(list(r.token_ids), clock.times[:n], total, tau=1.0, rounds=st.rounds)
         # kept counts from the 4-decimal rates: exact while a position was drafted in < 10^4 rounds
         kept = tuple(round(a * d) for a, d in zip(st.acceptance_by_position, st.drafted_by_position))

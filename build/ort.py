@@ -67,7 +67,12 @@ def build_key(prec: OrtPrecision) -> str:
 
     calibration = recipe_key() if prec.method == "gptq" else ()
     tools = build_versions()  # ORT's optimizer and quantizers write the saved graph: an upgrade rebuilds
-    return hashlib.sha256(f"{BUILD_FORMAT}:{prec!r}:{calibration}:{tools}".encode()).hexdigest()[:10]
+    recipe = f"{BUILD_FORMAT}:{prec!r}:{calibration}:{tools}"
+    if prec.screen:
+        from .screen import BLOCK
+
+        recipe += f":screen-{BLOCK}"
+    return hashlib.sha256(recipe.encode()).hexdigest()[:10]
 
 
 def build_versions() -> dict:

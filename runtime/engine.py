@@ -57,7 +57,7 @@ def screen_unusable(facts: dict | None, built_with: dict | None) -> str | None:
     if not facts:
         return "engine built without a logit screen"
     if os.environ.get("SPECRT_LOGIT_SCREEN", "1") == "0":
-        return "off (SPECRT_LOGIT_SCREEN=0)"
+        return "SPECRT_LOGIT_SCREEN=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"checked on x86-64 only, this is {platform.machine()}"
     built = (built_with or {}).get("onnxruntime")

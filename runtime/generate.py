@@ -39,6 +39,7 @@ class Stats:
     verify_s: float = 0.0
     exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated, or lossy
     lossy: bool = False  # True when a round used the lossy typical acceptance (--lossy-typical), whatever the engine
+    logit_screen: bool = False  # greedy passes read the lm_head through the fp32 engine's screen (exact; build/screen.py)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -150,7 +151,7 @@ class Generator:
 
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
         t0 = time.perf_counter()
-        stats = Stats(prompt_tokens=len(ids))
+        stats = Stats(prompt_tokens=len(ids), logit_screen=self.engine.screen and sampling.greedy)
         room = self.engine.max_context - len(ids)
         budget = min(max_new_tokens, room)
         detok, out, text = Detokenizer(self.codec), [], ""

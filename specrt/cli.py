@@ -325,19 +325,32 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         m = load_manifest(engines_dir)
         t = Table(title=f"{m.name}  ({m.root})")
         for col in ("engine", "role", "backend", "precision", "max ctx", "vocab", "|Δlogit| vs torch",
-                    "greedy agree", "width-exact"):
+                    "greedy agree", "width-exact", "logit screen"):
             t.add_column(col)
         for e in m.engines.values():
             p = e.raw.get("parity", {})
             t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
                       _fmt(p.get("max_abs_logit_diff_vs_torch"), ".2g"),
-                      _fmt(p.get("greedy_agreement_vs_torch"), ".0%"), str(e.width_exact) if p else "-")
+                      _fmt(p.get("greedy_agreement_vs_torch"), ".0%"), str(e.width_exact) if p else "-",
+                      _screen_status(e.raw))
         console = Console(width=None if sys.stdout.isatty() else 160)  # pipes get the full table
         console.print(t)
         src = m.raw.get("source", {})
         console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 
     _guard(run)
+
+
+def _screen_status(entry: dict) -> str:
+    """An fp32 engine's logit screen (build/screen.py): in use here, or why not."""
+    facts = entry.get("screen")
+    if not facts:
+        return "-"
+    from .runtime.engine import screen_unusable
+
+    why = screen_unusable(facts, entry.get("build_versions"))
+    check = facts.get("check") or {}
+    return f"off: {why}" if why else f"on (error <= {check.get('max_error_over_bound', 0):.2f} of its bound)"
 
 
 from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
