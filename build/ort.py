@@ -69,9 +69,9 @@ def build_key(prec: OrtPrecision) -> str:
     tools = build_versions()  # ORT's optimizer and quantizers write the saved graph: an upgrade rebuilds
     recipe = f"{BUILD_FORMAT}:{prec!r}:{calibration}:{tools}"
     if prec.screen:
-        from .screen import BLOCK
+        from .screen import BLOCK, FORMAT
 
-        recipe += f":screen-{BLOCK}"
+        recipe += f":screen-{BLOCK}-{FORMAT}"
     return hashlib.sha256(recipe.encode()).hexdigest()[:10]
 
 

@@ -38,6 +38,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
 INPUT, OUTPUT = "approx_logits", "greedy_tokens"
+MAX_CANDIDATES = 1024  # more (row, token) candidates in a pass: read the fp32 lm_head instead (~1.3 us each to rescore)
+FORMAT = 5  # bump when the screen's graph changes (part of the fp32 engines' build key)
 SLACK = 1.0 + 1e-3
 ROUNDING = 1e-4
 
@@ -84,7 +86,7 @@ def quantize_rows(w_t: np.ndarray, block: int = BLOCK) -> tuple[onnx.NodeProto, 
 
 def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     """Rewrite the fp32 lm_head of `model` (loaded with its weights) into If(approx_logits, screen, fp32),
-    with a second output `greedy_tokens` [n]. Returns the screen's manifest facts, or None (and leaves the
+    with a second output `greedy_tokens` [batch, n] (the screen: batch 1 only, as the runtime runs). Returns the screen's manifest facts, or None (and leaves the
     model alone) where the hidden size is not a multiple of `block`."""
     node, weight = _lm_head(model)
     w_t = numpy_helper.to_array(weight)
@@ -100,13 +102,36 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
               "screen.act": np.array(math.sqrt(block) / 254.0, np.float32),
               "screen.rounding": np.array(ROUNDING, np.float32), "screen.slack": np.array(SLACK, np.float32),
               "screen.ax0": np.array([0], np.int64), "screen.ax1": np.array([1], np.int64),
-              "screen.i0": np.array(0, np.int64), "screen.i1": np.array(1, np.int64)}
+              "screen.i0": np.array(0, np.int64), "screen.i1": np.array(1, np.int64),
+              "screen.max_candidates": np.array(MAX_CANDIDATES, np.int64)}
     if not rows_name:  # untied: the fp32 rows the candidates are rescored from, laid out [V, H]
         rows_name, consts["screen.rows"] = "screen.rows", rows
     x = node.input[0]
     qnode.input[0] = x
     qnode.output[0] = "screen.logits"
     N = helper.make_node
+    f32 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+    i64 = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, None)  # noqa: E731
+    # Rescoring k candidates gathers k scattered fp32 rows (~1.3 us each): where the bound is loose (unusual
+    # hidden states: a soup of random tokens left ~3000 of 49152 per row) the fp32 lm_head is cheaper. That
+    # MatMul sits in a first-level If (second If below): ORT pre-packs the weights of a MatMul in a subgraph,
+    # but not in a subgraph's subgraph (a 2-row pass then took 10.8 ms instead of 2.5 here).
+    rescore = [
+        N("Gather", ["screen.cand", "screen.i0"], ["screen.cand_row"], axis=0),
+        N("Gather", ["screen.cand", "screen.i1"], ["screen.cand_tok"], axis=0),
+        N("Gather", [rows_name, "screen.cand_tok"], ["screen.w"], axis=0),               # [k, H] fp32 rows
+        N("Gather", ["screen.h", "screen.cand_row"], ["screen.hk"], axis=0),
+        N("Mul", ["screen.w", "screen.hk"], ["screen.wh"]),
+        N("ReduceSum", ["screen.wh", "screen.ax1"], ["screen.exact"], keepdims=0),      # [k] exact logits
+        N("Shape", ["screen.A"], ["screen.shape"]),
+        N("ConstantOfShape", ["screen.shape"], ["screen.empty"],
+          value=helper.make_tensor("ninf", TensorProto.FLOAT, [1], [-np.inf])),
+        N("Transpose", ["screen.cand"], ["screen.at"], perm=[1, 0]),
+        N("ScatterND", ["screen.empty", "screen.at", "screen.exact"], ["screen.S"]),     # exact at candidates
+        N("ArgMax", ["screen.S"], ["screen.best"], axis=1, keepdims=0),                # first max: lowest id
+        N("Unsqueeze", ["screen.best", "screen.ax0"], ["screen.best1"]),               # [1, n]
+    ]
+    skip = [N("Constant", [], ["screen.none"], value=helper.make_tensor("none", TensorProto.INT64, [1, 1], [0]))]
     screen = [
         qnode,
         N("Squeeze", ["screen.logits", "screen.ax0"], ["screen.A"]),                    # [n, V]
@@ -129,34 +154,35 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
         N("Add", ["screen.A", "screen.bound"], ["screen.hi"]),
         N("GreaterOrEqual", ["screen.hi", "screen.floor"], ["screen.is_cand"]),
         N("NonZero", ["screen.is_cand"], ["screen.cand"]),                              # [2, k]: (row, token)
-        N("Gather", ["screen.cand", "screen.i0"], ["screen.cand_row"], axis=0),
-        N("Gather", ["screen.cand", "screen.i1"], ["screen.cand_tok"], axis=0),
-        N("Gather", [rows_name, "screen.cand_tok"], ["screen.w"], axis=0),               # [k, H] fp32 rows
-        N("Gather", ["screen.h", "screen.cand_row"], ["screen.hk"], axis=0),
-        N("Mul", ["screen.w", "screen.hk"], ["screen.wh"]),
-        N("ReduceSum", ["screen.wh", "screen.ax1"], ["screen.exact"], keepdims=0),      # [k] exact logits
-        N("Shape", ["screen.A"], ["screen.shape"]),
-        N("ConstantOfShape", ["screen.shape"], ["screen.empty"],
-          value=helper.make_tensor("ninf", TensorProto.FLOAT, [1], [-np.inf])),
-        N("Transpose", ["screen.cand"], ["screen.at"], perm=[1, 0]),
-        N("ScatterND", ["screen.empty", "screen.at", "screen.exact"], ["screen.S"]),     # exact at candidates
-        N("ArgMax", ["screen.S"], [OUTPUT + "_q8"], axis=1, keepdims=0),               # first max: lowest id
+        N("Shape", ["screen.cand"], ["screen.cand_shape"]),
+        N("Gather", ["screen.cand_shape", "screen.i1"], ["screen.k"], axis=0),
+        N("Greater", ["screen.k", "screen.max_candidates"], ["screen.too_many"]),
+        N("If", ["screen.too_many"], ["screen.tokens"], name="screen.rescore",
+          then_branch=helper.make_graph(skip, "skip", [], [i64("screen.none")]),
+          else_branch=helper.make_graph(rescore, "rescore", [], [i64("screen.best1")])),
     ]
+    not_screened = [N("Constant", [], ["screen.no_logits"], value=helper.make_tensor("e", TensorProto.FLOAT, [1, 1, 1], [0.0])),
+                    N("Constant", [], ["screen.no_tokens"], value=helper.make_tensor("t", TensorProto.INT64, [1, 1], [0])),
+                    N("Constant", [], ["screen.yes"], value=helper.make_tensor("y", TensorProto.BOOL, [], [True]))]
+    b = lambda name: helper.make_tensor_value_info(name, TensorProto.BOOL, None)  # noqa: E731
+    first = N("If", [INPUT], ["screen.out_logits", "screen.out_tokens", "screen.need_fp32"], name="screen",
+              then_branch=helper.make_graph(screen, "screen", [], [f32("screen.logits"), i64("screen.tokens"),
+                                                                    b("screen.too_many")]),
+              else_branch=helper.make_graph(not_screened, "fp32", [], [f32("screen.no_logits"), i64("screen.no_tokens"),
+                                                                       b("screen.yes")]))
     exact = [N("MatMul", [x, weight.name], ["logits_fp32"], name="logits_fp32"),
-             N("Squeeze", ["logits_fp32", "screen.ax0"], ["screen.fp32"]),
-             N("ArgMax", ["screen.fp32"], [OUTPUT + "_fp32"], axis=1, keepdims=0)]
-    f32 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
-    i64 = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, None)  # noqa: E731
-    branch = N("If", [INPUT], ["logits", OUTPUT], name="logits",
-               then_branch=helper.make_graph(screen, "screen", [], [f32("screen.logits"), i64(OUTPUT + "_q8")]),
-               else_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64(OUTPUT + "_fp32")]))
+             N("ArgMax", ["logits_fp32"], ["greedy_fp32"], axis=2, keepdims=0)]        # [batch, n]
+    keep = [N("Identity", ["screen.out_logits"], ["screened_logits"]), N("Identity", ["screen.out_tokens"], ["screened_tokens"])]
+    branch = N("If", ["screen.need_fp32"], ["logits", OUTPUT], name="logits",
+               then_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64("greedy_fp32")]),
+               else_branch=helper.make_graph(keep, "screened", [], [f32("screened_logits"), i64("screened_tokens")]))
     nodes = list(model.graph.node)
     i = nodes.index(node)
     del model.graph.node[:]
-    model.graph.node.extend(nodes[:i] + [branch] + nodes[i + 1:])
+    model.graph.node.extend(nodes[:i] + [first, branch] + nodes[i + 1:])
     model.graph.initializer.extend(qinits + [numpy_helper.from_array(v, k) for k, v in consts.items()])
     model.graph.input.append(helper.make_tensor_value_info(INPUT, TensorProto.BOOL, []))
-    model.graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.INT64, ["num_logits"]))
+    model.graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.INT64, ["batch", "num_logits"]))
     return {"block_size": block, "method": "8-bit lm_head (MatMulNBits, int8 compute) + proven bound + fp32 rescoring",
             "rows": rows_name}
 

@@ -22,6 +22,9 @@ from ..errors import SpecrtError, first_line
 from .hugepages import advise_huge_pages, anonymous_mappings
 
 APPROX_INPUT, GREEDY_OUTPUT = "approx_logits", "greedy_tokens"  # an fp32 engine's logit screen (build/screen.py)
+# The screen's work grows with the rows of logits a pass returns, the fp32 lm_head's hardly: SmolLM2 passes over
+# real text saved 1.4 / 1.3 / 1.2 / 0.4 ms at 1 / 2 / 4 / 8 rows and lost 1.3-1.8 ms at 12-16 (BENCHMARKS "Session 10").
+SCREEN_MAX_ROWS = 6
 
 
 class ContextFullError(SpecrtError):
@@ -160,7 +163,7 @@ class OrtEngine:
         view into a reused buffer. Through the logit screen where the engine has one and may use it."""
         if not self._has_screen:
             return self.forward(tokens, positions, tree_mask, num_logits).argmax(axis=1)
-        self.forward(tokens, positions, tree_mask, num_logits, approx=self.screen)
+        self.forward(tokens, positions, tree_mask, num_logits, approx=self.screen and num_logits <= SCREEN_MAX_ROWS)
         return self.greedy[:num_logits]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
@@ -222,7 +225,7 @@ class OrtEngine:
         io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
         if self._has_screen:
             io.bind_cpu_input(APPROX_INPUT, self._flags[self._approx])
-            io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [num_logits], self.greedy[row:].ctypes.data)
+            io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [1, num_logits], self.greedy[row:].ctypes.data)
         if hidden is not None:
             io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)
         self.session.run_with_iobinding(io)
