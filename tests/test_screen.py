@@ -105,7 +105,9 @@ def test_engine_set_screen_checked_and_exact(tiny_engines):
     from specrt.runtime.speculative import make_decoder
 
     entry = json.loads((tiny_engines / "manifest.json").read_text())["engines"]["target-fp32"]
-    assert entry["screen"]["check"]["holds"] and entry["screen"]["check"]["argmax_equal"]
+    check = entry["screen"]["check"]
+    assert check["holds"] and check["argmax_equal"] and check["screened_rows"] * 2 >= check["rows"]
+    assert 0.0 < check["max_error_over_bound"] <= 1.0  # the 8-bit path really ran, and its bound held
     assert read_initializer(tiny_engines / entry["file"], "screen.weight_err").shape == (entry["vocab_size"],)
     gen = Generator.load(tiny_engines)
     assert gen.engine.screen, gen.engine.screen_note
