@@ -412,31 +412,31 @@ def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None
 
 def check_screen(path: Path, facts: dict, golden_path: Path, screen: dict, session_config=None) -> dict:
     """The logit screen's bound (build/screen.py) against this machine's int8 kernel, on real hidden states:
-    the golden prompt and its greedy continuation, one screened pass per position (as decoding runs it; a
-    pass of all rows at once would pass the candidate limit and fall back to the fp32 lm_head, checking
-    nothing), every row against every token. The runtime uses the screen only where this held ("holds"):
-    no error past the bound, the screened tokens equal to the argmax of exact fp32 logits (numpy's, which sum
-    in another order than the fp32 pass; the fp32 pass's own argmax is recorded beside it, and could differ
-    only at a tie within ~1e-5), and at least half the rows screened rather than fallen back."""
+    the golden prompt and its greedy continuation, one position per pass as decoding runs it (a pass of all
+    rows at once would pass the candidate limit and fall back to the fp32 lm_head, checking nothing), each
+    position fp32 then screened, every row against every token. The runtime uses the screen only where this
+    held ("holds"): no error past the bound, the screened tokens equal to the argmax of exact fp32 logits
+    (numpy's, which sum in another order than the fp32 pass; the fp32 pass's own argmax is recorded beside
+    it, and could differ only at a tie within ~1e-5), and at least half the rows screened, not fallen back."""
     from .build.screen import bounds, read_initializer
 
     g = np.load(golden_path)
     eng = _engine(path, facts, session_config)
     eng.enable_hidden()
     ids = np.concatenate([g["input_ids"], g["greedy_tokens"]]).astype(np.int64)[: eng.max_pass_tokens]
-    n = len(ids)
-    exact = eng.forward(ids, num_logits=n).copy()
-    eng.commit(n)
-    approx, hidden, screened = np.empty_like(exact), np.empty((n, eng.hidden.shape[1]), np.float32), np.empty(n, np.int64)
-    for i in range(n):  # the cache holds every position: rewind to i and redo position i screened
-        eng.rewind(i)
+    n, V = len(ids), eng.vocab_size
+    exact, approx = np.empty((n, V), np.float32), np.empty((n, V), np.float32)
+    hidden, screened = np.empty((n, facts["spec"]["hidden_size"]), np.float32), np.empty(n, np.int64)
+    for i in range(n):  # a pass does not commit: both passes write position i, then it is kept
+        exact[i] = eng.forward(ids[i:i + 1])[0]
         approx[i] = eng.forward(ids[i:i + 1], approx=True)[0]
         hidden[i], screened[i] = eng.hidden[0], eng.greedy[0]
+        eng.commit(1)
     rows = read_initializer(path, screen["rows"])
     truth = hidden @ rows.T
     bound = bounds(hidden, read_initializer(path, "screen.weight_err"), read_initializer(path, "screen.qnorm"),
                    screen["block_size"])
-    real = ~(approx == exact).all(axis=1)  # rows that fell back to the fp32 lm_head return its logits exactly
+    real = ~(approx == exact).all(axis=1)  # a fallen-back row is the same one-row fp32 pass: equal bit for bit
     ratio = float((np.abs(approx - truth)[real] / bound[real]).max()) if real.any() else None
     candidates = (approx + bound >= (approx - bound).max(axis=1, keepdims=True)).sum(axis=1)
     agree = bool((screened == truth.argmax(axis=1)).all())
