@@ -81,13 +81,13 @@ class Ours:
     def __init__(self, name: str, manifest: Manifest, threads: int, ignore_eos: bool = False):
         self.name, self.manifest, self.threads, self.ignore_eos = name, manifest, threads, ignore_eos
         self.strategy, self.precision = our_modes(manifest)[name]
+        self.plain = self.strategy in ("plain", FULL_HEAD)  # target-only decoding (FULL_HEAD: the screen off)
 
     def load(self, log=print) -> None:
         from ..runtime.generate import Generator, plain_decode
 
         self.draft_engine = None
-        plain = self.strategy in ("plain", FULL_HEAD)
-        if plain:
+        if self.plain:
             drafting = False
         else:
             from ..runtime.speculative import resolve_mode
@@ -102,7 +102,7 @@ class Ours:
             _GENERATORS[key] = Generator(self.manifest, self.precision, self.threads, taking_turns=drafting)
             _GENERATORS[key].engine.screen &= not full_head
         self.gen = _GENERATORS[key]
-        if plain:
+        if self.plain:
             self.decode = plain_decode
         else:
             from ..runtime.speculative import make_decoder
@@ -136,7 +136,7 @@ class Ours:
             pass
         r, total = s.result, clock.trace().total_s
         n, st = len(r.token_ids), r.stats
-        if self.strategy in ("plain", FULL_HEAD):
+        if self.plain:
             return Trace(list(r.token_ids), clock.times[:n], total, tau=1.0, rounds=st.rounds)
         # kept counts from the 4-decimal rates: exact while a position was drafted in < 10^4 rounds
         kept = tuple(round(a * d) for a, d in zip(st.acceptance_by_position, st.drafted_by_position))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -197,17 +196,3 @@ def _tied_embedding(model: onnx.ModelProto, rows: np.ndarray) -> str:
             if list(t.dims) == list(rows.shape) and np.array_equal(numpy_helper.to_array(t), rows):
                 return t.name
     return ""
-
-
-def read_initializer(onnx_path: Path, name: str) -> np.ndarray:
-    """One initializer of a saved engine, read from its external data file (onnx's own loader refuses the
-    hard-linked files an engine set shares with the build cache)."""
-    m = onnx.load(str(onnx_path), load_external_data=False)
-    t = next(i for i in m.graph.initializer if i.name == name)
-    if t.data_location != TensorProto.EXTERNAL:
-        return numpy_helper.to_array(t)
-    info = {e.key: e.value for e in t.external_data}
-    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-    count = int(info["length"]) // np.dtype(dtype).itemsize
-    data = np.fromfile(Path(onnx_path).parent / info["location"], dtype, count=count, offset=int(info.get("offset", 0)))
-    return data.reshape(list(t.dims))

@@ -90,6 +90,26 @@ class _Graph:
         return name
 
 
+def read_initializers(onnx_path: Path, *names: str) -> list[np.ndarray]:
+    """Initializers of a saved model by name, each read from where it lives (inline or in its external data
+    file) without loading the rest; onnx's own external-data loader refuses the hard-linked files an engine
+    set shares with the build cache."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    tensors = {t.name: t for t in model.graph.initializer if t.name in names}
+    out = []
+    for name in names:
+        t = tensors[name]
+        if t.data_location != TensorProto.EXTERNAL:
+            out.append(numpy_helper.to_array(t))
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        data = np.fromfile(Path(onnx_path).parent / info["location"], dtype, count=int(info["length"]) // dtype.itemsize,
+                           offset=int(info.get("offset", 0)))
+        out.append(data.reshape(list(t.dims)))
+    return out
+
+
 def chain_feeds(tokens, start: int, n_logits: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs of one pass of this graph over `tokens` at positions [start, start + n), as a chain
     (no tree), for callers that drive the graph with onnxruntime directly (export parity, calibration)."""

@@ -106,7 +106,6 @@ class OrtEngine:
         self._has_screen = APPROX_INPUT in inputs
         self.screen = screen and self._has_screen
         self.screen_note: str | None = None if self.screen else "not in use"
-        self._approx = False
         self._flags = (np.array(False), np.array(True))
         self.greedy = np.empty(max_pass_tokens, np.int64)  # [num_logits] greedy tokens of the last pass (screen graphs)
         self._io = self.session.io_binding()
@@ -192,7 +191,6 @@ class OrtEngine:
         else:  # a long prefill: once per request, so this allocation is fine
             mask = np.zeros((1, n, n), np.float32)
         buf = None
-        self._approx = approx and self._has_screen
         if self.with_hidden:  # a long prefill (once per request) gets its own buffer
             buf = self._hidden if n <= self.max_pass_tokens else np.empty((n, self._hidden.shape[1]), np.float32)
             self.hidden = buf[:n]
@@ -201,20 +199,21 @@ class OrtEngine:
             # logits moved by up to 7.8e-3 with a sibling before it; 7e-7 with one token cached), so the
             # first token goes alone: same cache contents and outputs, one extra pass, only for a tree
             # drafted in the very first round (no shipped proposer does that).
-            self._run(tokens[:1], positions[:1], mask[:, :1, :1], 1, 0, buf)
+            self._run(tokens[:1], positions[:1], mask[:, :1, :1], 1, 0, buf, approx)
             self.length = 1
             try:
                 keep = min(num_logits, n - 1)
                 self._run(tokens[1:], positions[1:], np.ascontiguousarray(mask[:, 1:, 1:]), keep,
-                          num_logits - keep, None if buf is None else buf[1:])
+                          num_logits - keep, None if buf is None else buf[1:], approx)
             finally:
                 self.length = 0
         else:
-            self._run(tokens, positions, mask, num_logits, 0, buf)
+            self._run(tokens, positions, mask, num_logits, 0, buf, approx)
         return self._logits[:num_logits]
 
-    def _run(self, tokens, positions, mask, num_logits: int, row: int, hidden) -> None:
-        """One session run: logits into self._logits[row:row + num_logits], hidden states into `hidden`."""
+    def _run(self, tokens, positions, mask, num_logits: int, row: int, hidden, approx: bool = False) -> None:
+        """One session run: logits into self._logits[row:row + num_logits], hidden states into `hidden`; approx:
+        through the logit screen (engines that have one; others ignore it)."""
         n, io = len(tokens), self._io
         io.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, np.int64).reshape(1, n))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(positions, np.int64).reshape(1, n))
@@ -224,7 +223,7 @@ class OrtEngine:
         io.bind_cpu_input("num_logits_to_keep", np.array(num_logits, np.int64))
         io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
         if self._has_screen:
-            io.bind_cpu_input(APPROX_INPUT, self._flags[self._approx])
+            io.bind_cpu_input(APPROX_INPUT, self._flags[approx])
             io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [1, num_logits], self.greedy[row:].ctypes.data)
         if hidden is not None:
             io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)

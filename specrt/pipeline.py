@@ -244,20 +244,14 @@ def default_heads(source: str) -> Path | None:
 
 def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int = 0) -> dict:
     """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa")."""
-    import onnx
-    from onnx import numpy_helper
-    from onnx.external_data_helper import load_external_data_for_tensor
-
+    from .export.graph import read_initializers
     from .export.medusa import export_heads_onnx, load_heads
     from .build.ort import precision
     from .runtime.tree import choose_tree, compile_tree, tree_from_accuracies
 
     log(f"building Medusa heads engine from {heads_path}")
     heads = load_heads(heads_path)
-    model = onnx.load(str(cache / "model.onnx"), load_external_data=False)
-    t = next(i for i in model.graph.initializer if i.name == "lm_head.weight_t")
-    load_external_data_for_tensor(t, str(cache))
-    lm_head = numpy_helper.to_array(t).T                       # [V, H]
+    lm_head = read_initializers(cache / "model.onnx", "lm_head.weight_t")[0].T    # [V, H]
     report = heads["report"]
     targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
     target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
@@ -418,7 +412,8 @@ def check_screen(path: Path, facts: dict, golden_path: Path, screen: dict, sessi
     held ("holds"): no error past the bound, the screened tokens equal to the argmax of exact fp32 logits
     (numpy's, which sum in another order than the fp32 pass; the fp32 pass's own argmax is recorded beside
     it, and could differ only at a tie within ~1e-5), and at least half the rows screened, not fallen back."""
-    from .build.screen import bounds, read_initializer
+    from .build.screen import bounds
+    from .export.graph import read_initializers
 
     g = np.load(golden_path)
     eng = _engine(path, facts, session_config)
@@ -432,10 +427,9 @@ def check_screen(path: Path, facts: dict, golden_path: Path, screen: dict, sessi
         approx[i] = eng.forward(ids[i:i + 1], approx=True)[0]
         hidden[i], screened[i] = eng.hidden[0], eng.greedy[0]
         eng.commit(1)
-    rows = read_initializer(path, screen["rows"])
+    rows, weight_err, qnorm = read_initializers(path, screen["rows"], "screen.weight_err", "screen.qnorm")
     truth = hidden @ rows.T
-    bound = bounds(hidden, read_initializer(path, "screen.weight_err"), read_initializer(path, "screen.qnorm"),
-                   screen["block_size"])
+    bound = bounds(hidden, weight_err, qnorm, screen["block_size"])
     real = ~(approx == exact).all(axis=1)  # a fallen-back row is the same one-row fp32 pass: equal bit for bit
     ratio = float((np.abs(approx - truth)[real] / bound[real]).max()) if real.any() else None
     candidates = (approx + bound >= (approx - bound).max(axis=1, keepdims=True)).sum(axis=1)

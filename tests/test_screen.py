@@ -7,7 +7,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.build.screen import add_screen, bounds, read_initializer
+from specrt.build.screen import add_screen, bounds
+from specrt.export.graph import read_initializers
 from specrt.runtime.engine import screen_unusable
 
 
@@ -108,7 +109,7 @@ def test_engine_set_screen_checked_and_exact(tiny_engines):
     check = entry["screen"]["check"]
     assert check["holds"] and check["argmax_equal"] and check["screened_rows"] * 2 >= check["rows"]
     assert 0.0 < check["max_error_over_bound"] <= 1.0  # the 8-bit path really ran, and its bound held
-    assert read_initializer(tiny_engines / entry["file"], "screen.weight_err").shape == (entry["vocab_size"],)
+    assert read_initializers(tiny_engines / entry["file"], "screen.weight_err")[0].shape == (entry["vocab_size"],)
     gen = Generator.load(tiny_engines)
     assert gen.engine.screen, gen.engine.screen_note
     prompts = ["the quick brown fox", "a b c a b c a b", "hello"]
