@@ -39,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
 INPUT, OUTPUT = "approx_logits", "greedy_tokens"
 MAX_CANDIDATES = 1024  # more (row, token) candidates in a pass: read the fp32 lm_head instead (~1.3 us each to rescore)
-FORMAT = 6  # bump when the screen's graph or its build check changes (part of the fp32 engines' build key)
+FORMAT = 7  # bump when the screen's graph or its build check changes (part of the fp32 engines' build key)
 SLACK = 1.0 + 1e-3
 ROUNDING = 1e-4
 
@@ -96,8 +96,12 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     qnode, qinits, deq = quantize_rows(w_t, block)
     rows = np.ascontiguousarray(w_t.T)
     rows_name = _tied_embedding(model, rows)
-    consts = {"screen.weight_err": np.linalg.norm(rows - deq, axis=1).astype(np.float32),
-              "screen.qnorm": np.linalg.norm(deq, axis=1).astype(np.float32),
+    weight_err, qnorm = np.linalg.norm(rows - deq, axis=1).astype(np.float32), np.linalg.norm(deq, axis=1).astype(np.float32)
+    B = next(b for b in (64, 32, 16, 8, 4, 2, 1) if V % b == 0)  # tokens per block of the candidate search
+    consts = {"screen.err_norm": np.stack([weight_err, qnorm]),                    # [2, V]: per-token bound terms
+              "screen.by_block": np.array([0, V // B, B], np.int64), "screen.rows_of_block": np.array([-1, B], np.int64),
+              "screen.blocks_per_row": np.array(V // B, np.int64), "screen.B": np.array(B, np.int64),
+              "screen.ax2": np.array([2], np.int64), "screen.ninf": np.array(-np.inf, np.float32),
               "screen.blocks": np.array([0, H // block, block], np.int64),
               "screen.act": np.array(math.sqrt(block) / 254.0, np.float32),
               "screen.rounding": np.array(ROUNDING, np.float32), "screen.slack": np.array(SLACK, np.float32),
@@ -116,25 +120,29 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     # hidden states: a soup of random tokens left ~3000 of 49152 per row) the fp32 lm_head is cheaper. That
     # MatMul sits in a first-level If (second If below): ORT pre-packs the weights of a MatMul in a subgraph,
     # but not in a subgraph's subgraph (a 2-row pass then took 10.8 ms instead of 2.5 here).
+    # NonZero over all [n, V] flags walks every element (~100 us a row here), so candidates are found by
+    # blocks: the blocks whose largest upper bound reaches the floor, then the tokens within those blocks.
     rescore = [
-        N("Gather", ["screen.cand", "screen.i0"], ["screen.cand_row"], axis=0),
-        N("Gather", ["screen.cand", "screen.i1"], ["screen.cand_tok"], axis=0),
         N("Gather", [rows_name, "screen.cand_tok"], ["screen.w"], axis=0),               # [k, H] fp32 rows
         N("Gather", ["screen.h", "screen.cand_row"], ["screen.hk"], axis=0),
         N("Mul", ["screen.w", "screen.hk"], ["screen.wh"]),
         N("ReduceSum", ["screen.wh", "screen.ax1"], ["screen.exact"], keepdims=0),      # [k] exact logits
-        N("Shape", ["screen.A"], ["screen.shape"]),
-        N("ConstantOfShape", ["screen.shape"], ["screen.empty"],
-          value=helper.make_tensor("ninf", TensorProto.FLOAT, [1], [-np.inf])),
-        N("Transpose", ["screen.cand"], ["screen.at"], perm=[1, 0]),
-        N("ScatterND", ["screen.empty", "screen.at", "screen.exact"], ["screen.S"]),     # exact at candidates
-        N("ArgMax", ["screen.S"], ["screen.best"], axis=1, keepdims=0),                # first max: lowest id
+        # the argmax of each row among its candidates ([n, k], not [n, V]): candidates come row by row, tokens
+        # ascending, so ArgMax's first maximum is the lowest token id, as ArgMax over the whole row picks
+        N("Range", ["screen.i0", "screen.n", "screen.i1"], ["screen.rows_n"]),
+        N("Unsqueeze", ["screen.rows_n", "screen.ax1"], ["screen.rows_n1"]),            # [n, 1]
+        N("Equal", ["screen.rows_n1", "screen.cand_row"], ["screen.mine"]),             # [n, k]
+        N("Where", ["screen.mine", "screen.exact", "screen.ninf"], ["screen.S"]),
+        N("ArgMax", ["screen.S"], ["screen.j"], axis=1, keepdims=0),                   # [n]
+        N("Gather", ["screen.cand_tok", "screen.j"], ["screen.best"], axis=0),
         N("Unsqueeze", ["screen.best", "screen.ax0"], ["screen.best1"]),               # [1, n]
     ]
     skip = [N("Constant", [], ["screen.none"], value=helper.make_tensor("none", TensorProto.INT64, [1, 1], [0]))]
     screen = [
         qnode,
         N("Squeeze", ["screen.logits", "screen.ax0"], ["screen.A"]),                    # [n, V]
+        N("Shape", ["screen.A"], ["screen.shape"]),
+        N("Gather", ["screen.shape", "screen.i0"], ["screen.n"], axis=0),
         N("Squeeze", [x, "screen.ax0"], ["screen.h"]),                                  # [n, H]
         N("ReduceL2", ["screen.h"], ["screen.hn"], axes=[1], keepdims=1),               # [n, 1]
         N("Abs", ["screen.h"], ["screen.habs"]),
@@ -146,16 +154,34 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
         N("Add", ["screen.dh", "screen.hr"], ["screen.c0"]),
         N("Mul", ["screen.c0", "screen.slack"], ["screen.c"]),
         N("Mul", ["screen.hn", "screen.slack"], ["screen.a"]),
-        N("Mul", ["screen.a", "screen.weight_err"], ["screen.ba"]),                     # [n, V]
-        N("Mul", ["screen.c", "screen.qnorm"], ["screen.bc"]),
-        N("Add", ["screen.ba", "screen.bc"], ["screen.bound"]),
+        N("Concat", ["screen.a", "screen.c"], ["screen.ac"], axis=1),                   # [n, 2]
+        N("MatMul", ["screen.ac", "screen.err_norm"], ["screen.bound"]),                # [n, V]: a werr + c qnorm
         N("Sub", ["screen.A", "screen.bound"], ["screen.lo"]),
         N("ReduceMax", ["screen.lo"], ["screen.floor"], axes=[1], keepdims=1),           # [n, 1]
         N("Add", ["screen.A", "screen.bound"], ["screen.hi"]),
-        N("GreaterOrEqual", ["screen.hi", "screen.floor"], ["screen.is_cand"]),
-        N("NonZero", ["screen.is_cand"], ["screen.cand"]),                              # [2, k]: (row, token)
-        N("Shape", ["screen.cand"], ["screen.cand_shape"]),
-        N("Gather", ["screen.cand_shape", "screen.i1"], ["screen.k"], axis=0),
+        N("Reshape", ["screen.hi", "screen.by_block"], ["screen.hib"]),                 # [n, V / B, B]
+        N("ReduceMax", ["screen.hib"], ["screen.hi_block"], axes=[2], keepdims=1),      # [n, V / B, 1]
+        N("Unsqueeze", ["screen.floor", "screen.ax1"], ["screen.floor3"]),              # [n, 1, 1]
+        N("GreaterOrEqual", ["screen.hi_block", "screen.floor3"], ["screen.blk_ok3"]),
+        N("Squeeze", ["screen.blk_ok3", "screen.ax2"], ["screen.blk_ok"]),
+        N("NonZero", ["screen.blk_ok"], ["screen.blk"]),                                # [2, b]: (row, block)
+        N("Gather", ["screen.blk", "screen.i0"], ["screen.blk_row"], axis=0),
+        N("Gather", ["screen.blk", "screen.i1"], ["screen.blk_id"], axis=0),
+        N("Mul", ["screen.blk_row", "screen.blocks_per_row"], ["screen.blk_off"]),
+        N("Add", ["screen.blk_off", "screen.blk_id"], ["screen.blk_flat"]),
+        N("Reshape", ["screen.hi", "screen.rows_of_block"], ["screen.hi_rows"]),        # [n V / B, B]
+        N("Gather", ["screen.hi_rows", "screen.blk_flat"], ["screen.hi_b"], axis=0),    # [b, B]
+        N("Gather", ["screen.floor", "screen.blk_row"], ["screen.floor_b"], axis=0),    # [b, 1]
+        N("GreaterOrEqual", ["screen.hi_b", "screen.floor_b"], ["screen.in_b"]),
+        N("NonZero", ["screen.in_b"], ["screen.cand_b"]),                               # [2, k]: (block, column)
+        N("Gather", ["screen.cand_b", "screen.i0"], ["screen.cand_j"], axis=0),
+        N("Gather", ["screen.cand_b", "screen.i1"], ["screen.cand_col"], axis=0),
+        N("Gather", ["screen.blk_row", "screen.cand_j"], ["screen.cand_row"], axis=0),
+        N("Gather", ["screen.blk_id", "screen.cand_j"], ["screen.cand_blk"], axis=0),
+        N("Mul", ["screen.cand_blk", "screen.B"], ["screen.cand_base"]),
+        N("Add", ["screen.cand_base", "screen.cand_col"], ["screen.cand_tok"]),         # [k]
+        N("Shape", ["screen.cand_tok"], ["screen.cand_shape"]),
+        N("Gather", ["screen.cand_shape", "screen.i0"], ["screen.k"], axis=0),
         N("Greater", ["screen.k", "screen.max_candidates"], ["screen.too_many"]),
         N("If", ["screen.too_many"], ["screen.tokens"], name="screen.rescore",
           then_branch=helper.make_graph(skip, "skip", [], [i64("screen.none")]),

@@ -90,7 +90,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
         from .runtime.tree import TREE_TOLERANCE
 
-        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE]
+        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     with _one_build_at_a_time(Path(req.out_root), log):
         if _up_to_date(final, inputs_key):
@@ -118,7 +118,7 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
                 engines[f"{role}-{p}"] = _build_engine(role, p, rcache, rfacts, tmp, log)
         if req.medusa_heads is not None:
             engines["medusa-fp32"] = _build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
-                                                   req.medusa_tree_nodes)
+                                                   req.medusa_tree_nodes, engines)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = {
@@ -242,8 +242,10 @@ def default_heads(source: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int = 0) -> dict:
-    """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa")."""
+def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int = 0, built: dict | None = None) -> dict:
+    """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa"). built: the set's
+    engine entries so far (the tree is sized from the target's pass costs, through its logit screen where
+    that was checked, as decoding runs them)."""
     from .export.graph import read_initializers
     from .export.medusa import export_heads_onnx, load_heads
     from .build.ort import precision
@@ -255,8 +257,9 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     report = heads["report"]
     targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
     target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
+    screen = bool(((built.get(target[:-len(".onnx")]) or {}).get("screen") or {}).get("check", {}).get("holds"))
     cost = _plausible_pass_costs(tmp / target, facts, precision(target[len("target-"):-len(".onnx")]).session_config,
-                                 log)
+                                 log, golden=cache / "golden.npz", screen=screen)
     if "tree_order" in report:
         order, values = report["tree_order"], report["tree_values"]
     else:  # heads trained without the joint measurement: assume independent heads
@@ -296,41 +299,55 @@ def _calibration(cache: Path, facts: dict) -> list[list[int]]:
     return [s for s in seqs if s]
 
 
-def _engine(path: Path, facts: dict, session_config=None):
+def _engine(path: Path, facts: dict, session_config=None, screen: bool = False):
     from .runtime.engine import OrtEngine
 
     s = facts["spec"]
     return OrtEngine(path, num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],
-                     vocab_size=s["vocab_size"], max_context=facts["max_context"], session_config=dict(session_config or {}))
+                     vocab_size=s["vocab_size"], max_context=facts["max_context"], session_config=dict(session_config or {}),
+                     screen=screen)
 
 
-def _pass_costs(path: Path, facts: dict, session_config=(),
-                widths=(1, 2, 4, 8, 12, 16, 24, 32, 48)) -> list[tuple[int, float]]:
-    """Seconds of a w-token decode pass of the target after a 64-token context: the minimum of
-    interleaved repetitions (a shared machine's noise only adds time), made non-decreasing in w."""
-    eng = _engine(path, facts, session_config)
-    widths = [w for w in widths if 64 + w <= facts["max_context"]]
-    eng.forward(np.ones(64, np.int64))
-    eng.commit(64)
-    best = dict.fromkeys(widths, float("inf"))
-    for _ in range(5):
+def _pass_costs(path: Path, facts: dict, session_config=(), golden: Path | None = None, screen: bool = False,
+                widths=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48), positions: int = 8) -> list[tuple[int, float]]:
+    """Seconds of a w-token greedy verification pass as the loop runs it (`argmax`: through the logit screen up
+    to its row limit when `screen`), at `positions` consecutive decode positions of real text (the golden
+    prompt, then its greedy continuation, repeated): the screen's cost depends on the hidden states (a soup of
+    one token made its rescoring ~10x busier, and a pass that repeats the same position is cheaper than
+    decoding). The median over positions and interleaved repetitions, made non-decreasing in w."""
+    eng = _engine(path, facts, session_config, screen)
+    g = np.load(golden) if golden is not None else None
+    prompt = g["input_ids"].astype(np.int64) if g is not None else np.ones(16, np.int64)
+    text = g["greedy_tokens"].astype(np.int64) if g is not None else np.ones(1, np.int64)
+    P = len(prompt)
+    widths = [w for w in widths if P + positions + w <= facts["max_context"]]
+    ids = np.concatenate([prompt, np.resize(text, positions + max(widths))])
+    eng.forward(prompt)
+    eng.commit(P)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(3):
         for w in widths:
-            t0 = time.perf_counter()
-            eng.forward(np.ones(w, np.int64), num_logits=w)
-            best[w] = min(best[w], time.perf_counter() - t0)
-    return [(w, round(float(c), 5)) for w, c in zip(widths, np.maximum.accumulate([best[w] for w in widths]))]
+            eng.rewind(P)
+            for i in range(P, P + positions):
+                t0 = time.perf_counter()
+                eng.argmax(ids[i:i + w], num_logits=w)
+                times[w].append(time.perf_counter() - t0)
+                eng.commit(1)
+    med = [float(np.median(times[w])) for w in widths]
+    return [(w, round(c, 5)) for w, c in zip(widths, np.maximum.accumulate(med))]
 
 
+TREE_COSTS = 3  # how the tree's pass costs are measured (3: greedy decode passes over real text, screened; 1-2: np.ones tokens, fp32 path); in the key
 MIN_WIDTH_SLOPE = 0.01   # a CPU pass costs >= 1% of a one-token step per extra token (measured here: ~5% at fp32)
 PRIOR_WIDTH_SLOPE = 0.05  # what a quiet machine measured for SmolLM2 fp32 (48 tokens: 3.19 steps)
 
 
-def _plausible_pass_costs(path: Path, facts: dict, session_config, log, tries: int = 3) -> list[tuple[int, float]]:
+def _plausible_pass_costs(path: Path, facts: dict, session_config, log, tries: int = 3, **kw) -> list[tuple[int, float]]:
     """_pass_costs, measured again when the curve is implausibly flat. On a busy machine every one-token pass
     was slowed and wide passes looked nearly free (48 tokens at 1.14 steps, against 3.19 quiet), which chose a
     36-node tree that decodes slower than the 3-node one. After `tries` flat curves: a linear prior, said so."""
     for _ in range(tries):
-        cost = _pass_costs(path, facts, session_config)
+        cost = _pass_costs(path, facts, session_config, **kw)
         (w0, c0), (w1, c1) = cost[0], cost[-1]
         if c1 / c0 >= 1.0 + MIN_WIDTH_SLOPE * (w1 - w0):
             return cost
@@ -427,7 +444,7 @@ def check_screen(path: Path, facts: dict, golden_path: Path, screen: dict, sessi
         approx[i] = eng.forward(ids[i:i + 1], approx=True)[0]
         hidden[i], screened[i] = eng.hidden[0], eng.greedy[0]
         eng.commit(1)
-    rows, weight_err, qnorm = read_initializers(path, screen["rows"], "screen.weight_err", "screen.qnorm")
+    rows, (weight_err, qnorm) = read_initializers(path, screen["rows"], "screen.err_norm")
     truth = hidden @ rows.T
     bound = bounds(hidden, weight_err, qnorm, screen["block_size"])
     real = ~(approx == exact).all(axis=1)  # a fallen-back row is the same one-row fp32 pass: equal bit for bit

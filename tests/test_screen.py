@@ -68,12 +68,16 @@ def test_screened_argmax_is_the_exact_argmax(tied):
     np.testing.assert_allclose(exact[0], truth, atol=1e-4)
 
 
+def _err_norm(model):
+    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "screen.err_norm"))
+
+
 def read_weight_err(model):
-    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "screen.weight_err"))
+    return _err_norm(model)[0]
 
 
 def read_qnorm(model):
-    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "screen.qnorm"))
+    return _err_norm(model)[1]
 
 
 def test_hidden_size_not_in_blocks_keeps_the_plain_lm_head():
@@ -109,7 +113,7 @@ def test_engine_set_screen_checked_and_exact(tiny_engines):
     check = entry["screen"]["check"]
     assert check["holds"] and check["argmax_equal"] and check["screened_rows"] * 2 >= check["rows"]
     assert 0.0 < check["max_error_over_bound"] <= 1.0  # the 8-bit path really ran, and its bound held
-    assert read_initializers(tiny_engines / entry["file"], "screen.weight_err")[0].shape == (entry["vocab_size"],)
+    assert read_initializers(tiny_engines / entry["file"], "screen.err_norm")[0].shape == (2, entry["vocab_size"])
     gen = Generator.load(tiny_engines)
     assert gen.engine.screen, gen.engine.screen_note
     prompts = ["the quick brown fox", "a b c a b c a b", "hello"]
