@@ -36,8 +36,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..runtime.engine import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT  # the engine's contract
+
 BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
-INPUT, OUTPUT = "approx_logits", "greedy_tokens"
 MAX_CANDIDATES = 1024  # more (row, token) candidates in a pass: read the fp32 lm_head instead (~1.3 us each to rescore)
 FORMAT = 7  # bump when the screen's graph or its build check changes (part of the fp32 engines' build key)
 SLACK = 1.0 + 1e-3

@@ -242,13 +242,14 @@ def default_heads(source: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int = 0, built: dict | None = None) -> dict:
+def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int, built: dict) -> dict:
     """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa"). built: the set's
     engine entries so far (the tree is sized from the target's pass costs, through its logit screen where
     that was checked, as decoding runs them)."""
     from .export.graph import read_initializers
     from .export.medusa import export_heads_onnx, load_heads
     from .build.ort import precision
+    from .runtime.engine import screen_unusable
     from .runtime.tree import choose_tree, compile_tree, tree_from_accuracies
 
     log(f"building Medusa heads engine from {heads_path}")
@@ -257,7 +258,8 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     report = heads["report"]
     targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
     target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
-    screen = bool(((built.get(target[:-len(".onnx")]) or {}).get("screen") or {}).get("check", {}).get("holds"))
+    entry = built[target[:-len(".onnx")]]
+    screen = screen_unusable(entry.get("screen"), entry.get("build_versions")) is None  # the runtime's own rule
     cost = _plausible_pass_costs(tmp / target, facts, precision(target[len("target-"):-len(".onnx")]).session_config,
                                  log, golden=cache / "golden.npz", screen=screen)
     if "tree_order" in report:
@@ -308,7 +310,7 @@ def _engine(path: Path, facts: dict, session_config=None, screen: bool = False):
                      screen=screen)
 
 
-def _pass_costs(path: Path, facts: dict, session_config=(), golden: Path | None = None, screen: bool = False,
+def _pass_costs(path: Path, facts: dict, session_config, golden: Path, screen: bool,
                 widths=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48), positions: int = 8) -> list[tuple[int, float]]:
     """Seconds of a w-token greedy verification pass as the loop runs it (`argmax`: through the logit screen up
     to its row limit when `screen`), at `positions` consecutive decode positions of real text (the golden
@@ -316,9 +318,8 @@ def _pass_costs(path: Path, facts: dict, session_config=(), golden: Path | None 
     one token made its rescoring ~10x busier, and a pass that repeats the same position is cheaper than
     decoding). The median over positions and interleaved repetitions, made non-decreasing in w."""
     eng = _engine(path, facts, session_config, screen)
-    g = np.load(golden) if golden is not None else None
-    prompt = g["input_ids"].astype(np.int64) if g is not None else np.ones(16, np.int64)
-    text = g["greedy_tokens"].astype(np.int64) if g is not None else np.ones(1, np.int64)
+    g = np.load(golden)
+    prompt, text = g["input_ids"].astype(np.int64), g["greedy_tokens"].astype(np.int64)
     P = len(prompt)
     widths = [w for w in widths if P + positions + w <= facts["max_context"]]
     ids = np.concatenate([prompt, np.resize(text, positions + max(widths))])
@@ -342,12 +343,13 @@ MIN_WIDTH_SLOPE = 0.01   # a CPU pass costs >= 1% of a one-token step per extra 
 PRIOR_WIDTH_SLOPE = 0.05  # what a quiet machine measured for SmolLM2 fp32 (48 tokens: 3.19 steps)
 
 
-def _plausible_pass_costs(path: Path, facts: dict, session_config, log, tries: int = 3, **kw) -> list[tuple[int, float]]:
+def _plausible_pass_costs(path: Path, facts: dict, session_config, log, golden: Path, screen: bool,
+                          tries: int = 3) -> list[tuple[int, float]]:
     """_pass_costs, measured again when the curve is implausibly flat. On a busy machine every one-token pass
     was slowed and wide passes looked nearly free (48 tokens at 1.14 steps, against 3.19 quiet), which chose a
     36-node tree that decodes slower than the 3-node one. After `tries` flat curves: a linear prior, said so."""
     for _ in range(tries):
-        cost = _pass_costs(path, facts, session_config, **kw)
+        cost = _pass_costs(path, facts, session_config, golden, screen)
         (w0, c0), (w1, c1) = cost[0], cost[-1]
         if c1 / c0 >= 1.0 + MIN_WIDTH_SLOPE * (w1 - w0):
             return cost

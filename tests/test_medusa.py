@@ -323,12 +323,12 @@ def test_flat_pass_timings_fall_back_to_a_prior(monkeypatch):
     flat = [(1, 0.02), (2, 0.02), (8, 0.0228), (48, 0.0228)]
     calls, logs = [], []
     monkeypatch.setattr(pipeline, "_pass_costs", lambda *a: calls.append(1) or flat)
-    cost = pipeline._plausible_pass_costs(None, {}, (), logs.append)
+    cost = pipeline._plausible_pass_costs(None, {}, (), logs.append, None, False)
     assert len(calls) == 3 and "distorted" in logs[0] and "--medusa-tree-nodes" in logs[0]
     assert cost[-1][1] / cost[0][1] == pytest.approx(1 + pipeline.PRIOR_WIDTH_SLOPE * 47)
     monkeypatch.setattr(pipeline, "_pass_costs", lambda *a: quiet)
     logs.clear()
-    assert pipeline._plausible_pass_costs(None, {}, (), logs.append) == quiet and not logs
+    assert pipeline._plausible_pass_costs(None, {}, (), logs.append, None, False) == quiet and not logs
 
 
 def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):
