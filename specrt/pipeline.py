@@ -88,9 +88,10 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     if req.medusa_heads is not None:
         if not Path(req.medusa_heads).is_file():
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
+        from .export.medusa import HEADS_ENGINE
         from .runtime.tree import TREE_TOLERANCE
 
-        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS]
+        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     with _one_build_at_a_time(Path(req.out_root), log):
         if _up_to_date(final, inputs_key):
@@ -273,7 +274,8 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
         choice["expected_tokens"] = round(1.0 + float(np.sum(values[:nodes])), 3)
     log(f"Medusa tree: {len(tree)} nodes (measured best: {choice['best_nodes']}; the smallest within "
         f"{choice['tolerance']:.0%} of it: {choice['nodes']}), expected {choice['expected_tokens']} tokens per round")
-    info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compile_tree(tree).max_rank)
+    compiled = compile_tree(tree)
+    info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compiled.max_rank, compiled.max_depth)
     s = facts["spec"]
     return {"role": "medusa", "file": "medusa-fp32.onnx", "files": ["medusa-fp32.onnx"], "backend": "onnxruntime",
             "precision": "fp32", "num_layers": 0, "num_heads": 0, "num_kv_heads": 0, "head_dim": 0,
@@ -281,7 +283,7 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
             "inputs": {"hidden": ["batch", s["hidden_size"], "float32"],
                        **({"token": ["batch", "int64"]} if info["token_input"] else {})},
             "outputs": {"candidates": ["batch", info["heads"], info["topk"], "int64"],
-                        "scores": ["batch", info["heads"], info["topk"], "float32"]},
+                        **{o: ["batch", info["heads"], info["topk"], "float32"] for o in ("scores", "probs")}},
             "medusa": {**info, "tree": [list(p) for p in tree], "tree_choice": choice,
                        "pass_seconds_by_width": cost, "heads_file": heads_path.name,
                        "heads_sha256": file_sha256(heads_path),
