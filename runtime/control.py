@@ -1,17 +1,12 @@
 """Draft-length controllers of the speculative loop: how many tokens to ask the proposer for each round.
 
-`FixedK` (--draft-tokens K) and `AdaptiveK` (k from observed acceptance per bucket and the target's
+`FixedK` (--draft-tokens K), `GatedK` (a proposer that sizes its own draft, e.g. Medusa's tree: only
+on/off by measured speed) and `AdaptiveK` (k from observed acceptance per bucket and the target's
 measured pass costs; the default). Each has start() per request, k(bucket) per round, and
 observe(asked=, width=, result=, draft_s=, verify_s=, first=, bucket=) after the target's pass.
 """
 
 from __future__ import annotations
-
-# How much of a bucket's acceptance counts survives each round (AdaptiveK), set per bucket by the
-# proposer: drafts whose hit rate follows the text (prompt lookup, a draft model) remember ~7 rounds;
-# Medusa's confidence bins describe the heads, not the text, so they average ~20 (a replay of 3286
-# recorded rounds: 0.95 gave +2-3% over 0.85 on every category, and fewer spurious switch-offs).
-TEXT_KEEP, HEADS_KEEP = 0.85, 0.95
 
 
 class FixedK:
@@ -28,6 +23,69 @@ class FixedK:
 
     def observe(self, **_) -> None:
         pass
+
+
+class GatedK:
+    """For proposers that size their drafts themselves (Medusa's tree, chosen at build time): ask for
+    the whole draft, but check that it pays. Tokens per second of draft rounds (decayed sums over
+    ~20 rounds, draft time included) against plain rounds (forced every PROBE rounds); judged every
+    JUDGE draft rounds once WARM were seen: when drafting is slower than plain by more than MARGIN,
+    plain decoding for `backoff` rounds (doubling to BACKOFF_MAX while it keeps losing), then a fresh
+    measurement. Measured need: the shipped Medusa tree ran at 0.90x plain on translation prompts,
+    where the heads are rarely right. (A 5-round EMA judged every round switched it off on chat too,
+    where it wins 1.07x: a round keeps 0-2 nodes, so short windows dip below the line by chance.)
+    """
+
+    KEEP, RATE, PROBE, WARM, JUDGE, MARGIN, BACKOFF0, BACKOFF_MAX = 0.95, 0.2, 32, 16, 8, 0.95, 16, 256
+
+    def __init__(self, k: int):
+        self.fixed = k
+        self.t_plain = 0.0                       # EMA seconds of a plain round (0 = not measured yet)
+        self.rounds, self.since_plain, self.off_until, self.backoff = 0, 0, 0, self.BACKOFF0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.tokens, self.seconds, self.n_draft = 0.0, 0.0, 0   # decayed sums over draft rounds, their count
+
+    def start(self) -> None:
+        self.since_plain = 0
+
+    def k(self, bucket: int = 0) -> int:
+        if self.rounds < self.off_until:
+            return 0
+        if self.since_plain >= self.PROBE or (not self.t_plain and self.n_draft >= 2):
+            return 0                             # measure plain decoding now and then
+        return self.fixed
+
+    @property
+    def speedup(self) -> float:
+        """Measured tokens per second of draft rounds over plain rounds (1.0 until both are measured)."""
+        if not self.t_plain or not self.seconds:
+            return 1.0
+        return self.tokens / self.seconds * self.t_plain
+
+    def observe(self, *, asked: int, width: int, result, draft_s: float, verify_s: float, first: bool,
+                bucket: int = 0) -> None:
+        if first:                                # prefill round
+            return
+        self.rounds += 1
+        secs = draft_s + verify_s
+        if width == 1:                           # plain round (asked 0, or an empty draft)
+            self.t_plain = secs if not self.t_plain else self.t_plain + self.RATE * (secs - self.t_plain)
+            self.since_plain = 0
+            return
+        self.since_plain += 1
+        self.tokens = self.tokens * self.KEEP + result.num_accepted + 1
+        self.seconds = self.seconds * self.KEEP + secs
+        self.n_draft += 1
+        if self.n_draft < self.WARM or self.n_draft % self.JUDGE or not self.t_plain:
+            return
+        if self.speedup < self.MARGIN:           # drafting loses: plain for a while, then measure afresh
+            self.off_until = self.rounds + self.backoff
+            self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
+            self._fresh()
+        elif self.n_draft >= 4 * self.WARM:      # a long winning stretch forgives earlier losses
+            self.backoff = self.BACKOFF0
 
 
 class AdaptiveK:
@@ -47,10 +105,8 @@ class AdaptiveK:
     plain decoding (E = 1, T = t(1)); a plain round is forced early and then every PROBE rounds so
     t(1) is measured, not extrapolated. A bucket is judged when it is asked for a draft: when no
     k > 0 beats plain, it is off for `backoff` rounds (doubling to 256 while it keeps losing), then
-    retried for a few of its rounds from the prior alpha before it is judged again (stale costs
-    and acceptance must be re-measured): half its memory, 1 / (2 (1 - keep)), at least EXPLORE (a
-    slowly forgetting bucket has noisy early counts: judged after 3 rounds, a tree at 1.19x plain
-    was switched off in most rounds).
+    retried for EXPLORE of its rounds from the prior alpha before it is judged again (stale costs
+    and acceptance must be re-measured).
 
     Plain Python floats, not numpy: this runs between two target passes, when the pass has just
     streamed the weights through every cache level, and a few dozen small numpy calls measured
@@ -58,19 +114,12 @@ class AdaptiveK:
     """
 
     ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE, EXPLORE = 0.5, 0.3, 0.95, 1.1, 16, 256, 32, 3
-    PRIOR_N = 1.0                               # acceptance counts decay by keeps[bucket] a round
+    KEEP, PRIOR_N = 0.85, 1.0                   # acceptance counts: a window of ~7 rounds per bucket
     COST_RATE, TRUST = 0.1, 10                   # pass times are noisy (shared CPUs): average over ~10,
     # and trust a width's own average over the fitted line only after TRUST passes of that width
 
-    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64, buckets: int = 1,
-                 caps: tuple[int, ...] | None = None, keeps: tuple[float, ...] | None = None):
-        """caps: per bucket, the largest k worth modelling (a Medusa bucket's tree depth: deeper asks give
-        the same draft, and positions never drafted would keep the prior's optimism); default k_max.
-        keeps: per bucket, the decay of its acceptance counts (TEXT_KEEP, HEADS_KEEP); default TEXT_KEEP."""
+    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64, buckets: int = 1):
         self.k_max, self.buckets = k_max, buckets
-        self.caps = tuple(caps) if caps is not None else (k_max,) * buckets
-        self.keeps = tuple(keeps) if keeps is not None else (TEXT_KEEP,) * buckets
-        self.explore_rounds = [max(self.EXPLORE, round(0.5 / (1.0 - k))) for k in self.keeps]
         self.beta = 0.1 if width_exact else 0.22
         self.sums = [0.0] * 5                    # decayed [n, sum x, sum x^2, sum t, sum x t], x = width - 1
         self.t = [0.0] * (max_width + 1)         # EMA pass seconds per width ...
@@ -92,7 +141,7 @@ class AdaptiveK:
         B, K = self.buckets, self.k_max
         self.hits, self.tries = [[0.0] * K for _ in range(B)], [[0.0] * K for _ in range(B)]
         self.off_until = [0] * B                 # off while rounds < off_until (0 = on)
-        self.backoff, self.explore, self.on_rounds = [self.BACKOFF0] * B, list(self.explore_rounds), [0] * B
+        self.backoff, self.explore, self.on_rounds = [self.BACKOFF0] * B, [self.EXPLORE] * B, [0] * B
         self.since_plain = 0
 
     @property
@@ -134,7 +183,7 @@ class AdaptiveK:
         """The k with the best expected rate for this bucket (0 = plain decoding beats every draft)."""
         best_k, best_rate = 0, self.MARGIN / self.pass_cost(self.width[0])
         gain, run = 1.0, 1.0
-        for k, a in enumerate(self._alpha(bucket)[:self.caps[bucket]], 1):
+        for k, a in enumerate(self._alpha(bucket), 1):
             run *= a
             gain += run
             rate = gain / (self.pass_cost(self.width[k]) + self.d * k)
@@ -152,7 +201,7 @@ class AdaptiveK:
             # and the text may have changed), exploring a few rounds before judging
             self.off_until[bucket] = 0
             self.hits[bucket], self.tries[bucket] = [0.0] * self.k_max, [0.0] * self.k_max
-            self.explore[bucket] = self.explore_rounds[bucket]
+            self.explore[bucket] = self.EXPLORE
         best = self.best(bucket)
         if self.explore[bucket] > 0:
             return max(best, 1)
@@ -167,7 +216,7 @@ class AdaptiveK:
         acc = result.acceptance
         if acc.size:                             # positions up to the first rejection were tried
             r = acc.size if acc.all() else int(acc.argmin()) + 1
-            keep = self.keeps[bucket]
+            keep = self.KEEP
             hits, tries = [h * keep for h in self.hits[bucket]], [n * keep for n in self.tries[bucket]]
             for i, a in enumerate(acc[:r].tolist()):
                 tries[i] += 1.0

@@ -28,7 +28,7 @@ from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.hybrid import LookupMedusa
 from .proposers.medusa import Medusa, MedusaHeads
 from .sampling import SamplingParams, probs_from_logits
-from .control import AdaptiveK, FixedK
+from .control import AdaptiveK, FixedK, GatedK
 from .tree import tree_layout
 from .verify import Draft, verify, verify_greedy, verify_typical
 
@@ -190,9 +190,10 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, thre
     proposer = PROPOSERS[mode](manifest, precision, threads, config)
     if k is not None:
         control = FixedK(k)
+    elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
+        control = GatedK(proposer.max_tokens)
     else:
-        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets, caps=proposer.caps,
-                            keeps=proposer.keeps)
+        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets)
 
     def decode(engine, prompt, sampling, rng, stats):
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,

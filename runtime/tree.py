@@ -19,7 +19,7 @@ decided but whose K/V is not yet in the cache), pass index i + 1 is node i. So:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
@@ -63,19 +63,6 @@ class CompiledTree:
     def tokens(self, candidates: np.ndarray) -> np.ndarray:
         """candidates [heads, k] token ids (best first) -> node tokens [n]."""
         return candidates[self.depth - 1, self.rank]
-
-    def expected_accepted(self, probs: np.ndarray) -> float:
-        """The draft tokens the target would accept per round if the heads' probabilities probs [heads, k]
-        (of the candidates, best first) were right and independent: the sum over nodes of the product
-        of the probabilities along their path. Plain floats: it runs once per round, between passes."""
-        p, value = probs.tolist(), []
-        for parent, d, r in self._walk:
-            value.append(p[d - 1][r] * (value[parent] if parent >= 0 else 1.0))
-        return sum(value)
-
-    @cached_property
-    def _walk(self) -> list[tuple[int, int, int]]:
-        return list(zip(self.parents.tolist(), self.depth.tolist(), self.rank.tolist()))
 
 
 def ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -283,7 +283,7 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
             "inputs": {"hidden": ["batch", s["hidden_size"], "float32"],
                        **({"token": ["batch", "int64"]} if info["token_input"] else {})},
             "outputs": {"candidates": ["batch", info["heads"], info["topk"], "int64"],
-                        **{o: ["batch", info["heads"], info["topk"], "float32"] for o in ("scores", "probs")}},
+                        "scores": ["batch", info["heads"], info["topk"], "float32"]},
             "medusa": {**info, "tree": [list(p) for p in tree], "tree_choice": choice,
                        "pass_seconds_by_width": cost, "heads_file": heads_path.name,
                        "heads_sha256": file_sha256(heads_path),

@@ -77,17 +77,11 @@ def test_heads_engine_matches_numpy(tiny_heads, tmp_path):
     x = h + (lm[tok] @ f["a"]).astype(np.float16).astype(np.float32)      # the table is stored in float16
     a = x @ f["w1"] + f["b1"][:, None]
     y = x + (a / (1 + np.exp(-a))) @ f["w2"] + f["b2"][:, None]            # [K, 1, H]
-    logits = y[:, 0] @ lm[heads["vocab"]].T
-    order = np.argsort(-logits, axis=1)[:, :3]
-    p = np.exp(logits - logits.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    for depth in (None, 2):                     # all heads, or the first two (a tree of depth 2 reads no more)
+    ref = heads["vocab"][np.argsort(-(y[:, 0] @ lm[heads["vocab"]].T), axis=1)[:, :3]]
+    for depth in (None, 2):                     # all heads, or the first two (all a tree of depth 2 reads)
         export_heads_onnx(heads, lm, tmp_path / "m.onnx", topk=3, depth=depth)
-        cand, probs = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["candidates", "probs"],
-                                                                         {"hidden": h, "token": tok})
-        n = depth or K
-        assert cand.shape == (1, n, 3) and (cand[0] == heads["vocab"][order][:n]).all()
-        np.testing.assert_allclose(probs[0], np.take_along_axis(p, order, 1)[:n], rtol=1e-4, atol=1e-7)
+        cand = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["candidates"], {"hidden": h, "token": tok})[0][0]
+        assert cand.shape == (depth or K, 3) and (cand == ref[:depth or K]).all()
 
 
 def test_loop_tree_inputs_match_the_compiler():
@@ -155,9 +149,7 @@ class ReplayHeads:
         cand = (truth[:, None] + 1 + np.arange(self.topk)) % self.vocab     # wrong tokens
         hit = np.flatnonzero(self.rank[t] < self.topk)
         cand[hit, self.rank[t, hit]] = truth[hit]
-        probs = np.full(cand.shape, 0.05, np.float32)   # sure where right: the rounds fall in different buckets
-        probs[hit, self.rank[t, hit]] = 0.9
-        return cand, probs
+        return cand
 
 
 # siblings at depths 1 and 2: 6 nodes, depth 3, so near the context end a tree is deeper than wide
@@ -359,35 +351,3 @@ def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):
     logs = []
     train_heads(tiny_heads["data"], tiny_heads["lm_head"], tmp_path / "run", cfg, log=logs.append)
     assert any("resumed" in m and "50" in m for m in logs)
-
-
-def test_medusa_bins_rounds_by_the_heads_confidence_and_runs_them_once_a_round():
-    """The bucket is the full tree's expected accepted tokens by the heads' own probabilities
-    (CompiledTree.expected_accepted), binned by BUCKET_EDGES; the heads run once per context length and
-    the draft reuses that run."""
-    from specrt.runtime.proposers import Context
-    from specrt.runtime.proposers.medusa import BUCKET_EDGES, Medusa
-
-    class Heads:
-        heads, topk, calls = 2, 2, 0
-
-        def __call__(self, hidden, token):
-            self.calls += 1
-            return np.array([[5, 6], [7, 8]]), self.probs
-
-    heads = Heads()
-    medusa = Medusa(heads, [(0,), (1,), (0, 0)])
-    ctx = Context([1, 2, 3], 16)
-    assert medusa.bucket(ctx) == 0 and heads.calls == 0       # no hidden state yet: nothing to draft from
-    medusa._h, medusa._at = np.zeros(4, np.float32), -1
-    buckets = []
-    for p1, p2 in ((0.05, 0.05), (0.5, 0.2), (0.9, 0.9)):
-        heads.probs = np.array([[p1, p2], [p1, p2]])
-        ctx.extend(np.array([4]))
-        buckets.append(medusa.bucket(ctx))
-        assert medusa.bucket(ctx) == buckets[-1]                    # cached for this round
-        expected = p1 + p2 + p1 * p1
-        assert buckets[-1] == sum(expected >= e for e in BUCKET_EDGES)
-    assert heads.calls == 3 and buckets[0] == 0 < buckets[1] < buckets[2] == len(BUCKET_EDGES)
-    medusa.target = type("T", (), {"length": 0})()
-    assert medusa.propose(ctx, 2).tokens.tolist() == [5, 6, 7] and heads.calls == 3

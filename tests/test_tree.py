@@ -29,15 +29,6 @@ def test_compile_small_tree():
     assert t.tokens(cands).tolist() == [10, 11, 20, 21, 20, 30]
 
 
-def test_expected_accepted_sums_path_products():
-    """E = sum over nodes of the product of the heads' probabilities along the node's path."""
-    t = compile_tree([(1, 0), (0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-    p = np.array([[0.5, 0.3], [0.6, 0.2], [0.9, 0.05]])
-    by_hand = 0.5 + 0.3 + 0.5 * 0.6 + 0.5 * 0.2 + 0.3 * 0.6 + 0.5 * 0.6 * 0.9
-    assert t.expected_accepted(p) == pytest.approx(by_hand, rel=1e-12)
-    assert compile_tree([(0,)]).expected_accepted(p) == 0.5
-
-
 def test_mask_is_causal_in_pass_order_and_rows_match_ancestors():
     t = compile_tree(DEFAULT_TREE)
     assert (np.triu(t.mask == 0, 1) == False).all()  # noqa: E712 - parents come before children

@@ -11,7 +11,6 @@ from typing import Protocol
 
 import numpy as np
 
-from ..control import TEXT_KEEP
 from ..sampling import SamplingParams
 from ..verify import Draft, VerifyResult
 
@@ -45,11 +44,12 @@ class Context:
 class Proposer(Protocol):
     name: str        # what --speculate calls it; reported as Stats.proposer
     max_tokens: int  # the most tokens one draft may hold (the adaptive controller's ceiling)
+    # True: the draft length follows the adaptive controller (AdaptiveK, a chain model); False: the
+    # proposer sized its drafts itself (Medusa's tree, chosen at build time) and always gets max_tokens
+    adaptive: bool
     # Drafts of different kinds are right at different rates (a 6-token prompt-lookup match is a
     # surer guess than a 1-token one): the controller keeps acceptance per bucket, 0..buckets - 1
     buckets: int
-    caps: tuple[int, ...]  # per bucket, the deepest draft it can make (Medusa's tree depth in lookup+medusa)
-    keeps: tuple[float, ...]  # per bucket, how long the controller remembers its acceptance (control.TEXT_KEEP)
 
     def bucket(self, ctx: Context) -> int:
         """The bucket of the draft the next propose(ctx, k) would make; called just before it."""
@@ -69,12 +69,6 @@ class OneBucket:
     """For proposers whose drafts are all of one kind: the controller keeps one acceptance profile."""
 
     buckets = 1
-
-    keeps = (TEXT_KEEP,)
-
-    @property
-    def caps(self) -> tuple[int, ...]:
-        return (self.max_tokens,)
 
     def bucket(self, ctx: Context) -> int:
         return 0

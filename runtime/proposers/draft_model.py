@@ -25,6 +25,7 @@ from .base import EMPTY, Context, OneBucket
 
 class DraftModel(OneBucket):
     name = "draft"
+    adaptive = True
 
     def __init__(self, engine: OrtEngine, max_tokens: int = 8, sampled: bool | None = None):
         """sampled: None = sample when the request samples, greedy otherwise; True/False force it."""

@@ -5,10 +5,9 @@ model is about to repeat (summaries, code edits), and is then a far surer guess 
 with no such match (chat, translation) prompt lookup drafts nothing or a 1-token guess that was
 measured right ~22% of the time, while Medusa's first head is right ~34% of the time on chat.
 So each round takes prompt lookup's draft after a match of at least `min_match` tokens, else
-Medusa's tree. Buckets are prompt lookup's for matches of >= min_match tokens (one per n-gram size), so the
-adaptive controller sizes lookup drafts per match size as it does for prompt lookup alone, then
-Medusa's own (how sure its heads are this round), for which it caps the tree's depth (0 = off) from
-their own acceptance and pass costs.
+Medusa's tree. Buckets are prompt lookup's (one per matched n-gram size, then "no match"), so the
+adaptive controller sizes lookup drafts per match size as it does for prompt lookup alone, and for
+the Medusa buckets caps the tree's depth (0 = off) from their own acceptance and pass costs.
 
 The heads read the hidden state of the last accepted position of every pass, lookup rounds
 included, so Medusa is ready whenever the next round has no match.
@@ -24,24 +23,21 @@ from .prompt_lookup import PromptLookup
 
 class LookupMedusa:
     name = "lookup+medusa"
+    adaptive = True
 
     def __init__(self, lookup: PromptLookup, medusa: Medusa, min_match: int = 2):
         self.lookup, self.medusa = lookup, medusa
+        self.buckets = lookup.buckets
         self.max_tokens = max(lookup.max_tokens, medusa.max_tokens)
-        # buckets < first_medusa: prompt lookup's, a match of >= min_match tokens; then Medusa's own
-        # buckets (how sure its heads are) for rounds with a shorter match or none
+        # buckets >= first_medusa: a match shorter than min_match, or none
         self.first_medusa = sum(1 for n in lookup.ngram_sizes if n >= min_match)
-        self.buckets = self.first_medusa + medusa.buckets
-        self.caps = lookup.caps[:self.first_medusa] + medusa.caps
-        self.keeps = lookup.keeps[:self.first_medusa] + medusa.keeps
 
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
         self.lookup.start(ctx, sampling, rng)
         self.medusa.start(ctx, sampling, rng)
 
     def bucket(self, ctx: Context) -> int:
-        b = self.lookup.bucket(ctx)
-        return b if b < self.first_medusa else self.first_medusa + self.medusa.bucket(ctx)
+        return self.lookup.bucket(ctx)
 
     def propose(self, ctx: Context, k: int) -> Draft:
         if self.lookup.bucket(ctx) < self.first_medusa:

@@ -12,50 +12,32 @@ candidates into n nodes, verified in one target pass of n + 1 tokens.
 
 The draft is deterministic (q = None, one-hot), so `verify` keeps the output exactly the
 target's, greedy or sampled. The first round (the prompt is pending, no hidden state yet) drafts
-nothing. At the context end the loop keeps the first nodes that fit.
-
-When to draft: the heads are right on some rounds and hopeless on others (translation), and a tree
-pass costs more than a plain step. The heads engine also gives its softmax probabilities, from which
-the tree's expected accepted tokens E (CompiledTree.expected_accepted) bin each round into one of
-`buckets` (BUCKET_EDGES). The heads are overconfident (E is not the acceptance), so the adaptive
-controller measures each bin's own acceptance and the pass costs and picks the tree's depth per bin,
-0 = a plain step (measured on the 48 bench prompts, SmolLM2: accepted tokens per round 0.12 in the
-lowest tenth of E, 0.69 in the highest). Bins carry over between requests: they describe the heads.
+nothing. k from the controller caps the tree depth (a subtree per depth is compiled once); at the
+context end the loop keeps the first nodes that fit.
 """
 
 from __future__ import annotations
 
-from bisect import bisect
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from ...errors import SpecrtError
-from ..control import HEADS_KEEP
 from ..engine import open_session
 from ..tree import compile_tree
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
-
-
-# E (expected accepted tokens by the heads' own probabilities) -> bucket: bisect(BUCKET_EDGES, E). The
-# shipped 3-node tree's E runs from ~0.1 to ~2 on the bench prompts; these edges give each bin ~1/6 of rounds.
-BUCKET_EDGES = (0.4, 0.6, 0.8, 1.0, 1.25)
+from .base import EMPTY, Context, OneBucket
 
 
 class MedusaHeads:
-    """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first,
-    and the heads' probabilities of them [K, topk]."""
+    """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first."""
 
     def __init__(self, onnx_path: Path, threads: int = 1):
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         self.session = open_session(onnx_path, so)
-        if "probs" not in {o.name for o in self.session.get_outputs()}:
-            raise SpecrtError(f"the Medusa heads engine '{onnx_path}' was built by an older specrt (no 'probs' "
-                              "output); rebuild the engine set with `specrt engines`")
         shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
         self.heads, self.topk = int(shape[1]), int(shape[2])
         self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)
@@ -64,15 +46,18 @@ class MedusaHeads:
         if any(i.name == "token" for i in self.session.get_inputs()):
             self._feed["token"] = self._t
 
-    def __call__(self, hidden: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
         self._h[0], self._t[0] = hidden, token
-        cand, probs = self.session.run(["candidates", "probs"], self._feed)
-        return cand[0], probs[0]
+        return self.session.run(["candidates"], self._feed)[0][0]
 
 
-class Medusa:
+class Medusa(OneBucket):
     name = "medusa"
-    buckets = len(BUCKET_EDGES) + 1
+    # the tree was sized at build time from measured head accuracies and pass costs; AdaptiveK's
+    # chain model (per-position acceptance, width = k + 1) misjudges a tree and was measured
+    # cutting it short (tau 1.36 vs 2.0 with the full tree on a docs prompt), so the loop asks
+    # for the whole tree, and GatedK switches it off while it does not pay
+    adaptive = False
 
     def __init__(self, heads: MedusaHeads, paths):
         full = compile_tree(paths)
@@ -80,7 +65,6 @@ class Medusa:
             raise SpecrtError(f"Medusa tree needs {full.max_depth} heads and top-{full.max_rank}, the heads engine has "
                               f"{heads.heads} and top-{heads.topk}; rebuild the engine set or use a smaller tree")
         self.heads, self.max_tokens = heads, full.max_depth
-        self.caps, self.keeps = (full.max_depth,) * self.buckets, (HEADS_KEEP,) * self.buckets
         # a subtree per depth cap k: paths of length <= k stay prefix-closed
         self.trees = {k: compile_tree([p for p in full.paths if len(p) <= k]) for k in range(1, full.max_depth + 1)}
         self.target = None
@@ -93,25 +77,13 @@ class Medusa:
         self.target.enable_hidden()
         self._h = None
         self._pending = 0
-        self._at = -1                # context length the heads last ran at
-
-    def bucket(self, ctx: Context) -> int:
-        """Runs the heads (once per round) and bins the round by the full tree's expected accepted tokens."""
-        if self._h is None:          # the prompt's round: nothing to draft from yet
-            return 0
-        if self._at != ctx.length:
-            self._candidates, probs = self.heads(self._h, int(ctx.ids[-1]))
-            self._bucket = bisect(BUCKET_EDGES, self.trees[self.max_tokens].expected_accepted(probs))
-            self._at = ctx.length
-        return self._bucket
 
     def propose(self, ctx: Context, k: int) -> Draft:
         self._pending = ctx.length - self.target.length  # tokens the next pass feeds before the nodes
         if k <= 0 or self._h is None:
             return EMPTY
-        self.bucket(ctx)
         tree = self.trees[min(k, self.max_tokens)]
-        return Draft(tree.tokens(self._candidates), tree.parents)
+        return Draft(tree.tokens(self.heads(self._h, int(ctx.ids[-1]))), tree.parents)
 
     def observe(self, result: VerifyResult) -> None:
         # pass index of the last accepted position: the last pending token, or node path[-1]

@@ -18,13 +18,13 @@ or none after short ones (one acceptance profile for all matches was measured mi
 from __future__ import annotations
 
 from ...errors import SpecrtError
-from ..control import TEXT_KEEP
 from ..verify import Draft, VerifyResult
 from .base import EMPTY, Context
 
 
 class PromptLookup:
     name = "prompt-lookup"
+    adaptive = True
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (6, 4, 3, 2, 1), max_tokens: int = 16):
         sizes = tuple(sorted(set(int(n) for n in ngram_sizes), reverse=True))
@@ -34,7 +34,6 @@ class PromptLookup:
             raise SpecrtError(f"prompt-lookup max_tokens must be >= 1, got {max_tokens}")
         self.ngram_sizes, self.max_tokens = sizes, max_tokens
         self.buckets = len(sizes) + 1
-        self.caps, self.keeps = (max_tokens,) * self.buckets, (TEXT_KEEP,) * self.buckets
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self._indexed = 0  # n-grams ending at e < _indexed are in the index
         self._match = (-1, 0, None)  # (context length, bucket, end) of the last lookup
