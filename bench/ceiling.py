@@ -15,7 +15,16 @@ Per-round Python overhead is left out; the first token is counted as a decode st
 unit of pass cost) and end-to-end speedup with the measured prefill, the way `specrt bench`
 counts tok/s. If the oracle stays under a goal, no prompt-lookup policy reaches it on these prompts.
 
+`--medusa HEADS.npz` replays Medusa the same way: at every decode position the rank of the target's
+token among each head's top candidates (all the heads in the file, the hidden states of the target's
+own pass over its output), then for each category the token tree that does best on that category's
+own positions (the greedy joint-accuracy order of `train-medusa`, fitted in-sample, every prefix of
+up to 63 nodes replayed round by round at the measured pass costs; the heads' own time left out).
+An upper bound for any tree of these heads on these prompts; `tau_all` is the tree of every path of
+top-`ranks` candidates, whatever its cost.
+
     python -m specrt.bench.ceiling --engines engines/smollm2-135m --categories summarize,code,chat
+    python -m specrt.bench.ceiling --categories chat,qa,translation --medusa heads/smollm2-135m.npz
 """
 
 from __future__ import annotations
@@ -108,26 +117,33 @@ def best_lengths(replays: list[Replay], which: str, cost, buckets: int) -> list[
     return lengths
 
 
-def measure_costs(engine, context: int, reps: int = 9) -> np.ndarray:
-    """Seconds of a w-token pass, w = 1..MAX_DRAFT + 1 (median of reps), at the given context length."""
+def measure_costs(engine, tokens: np.ndarray, context: int, max_width: int = MAX_DRAFT + 1,
+                  reps: int = 9) -> np.ndarray:
+    """Seconds of a w-token greedy pass as the loop runs it (`argmax`: through the logit screen up to its row
+    limit), w = 1..max_width (median of reps, widths interleaved), after `context` tokens of real text, fed
+    the text that follows (a pass of one repeated token made the screen's rescoring far busier)."""
+    need = context + max_width
+    tokens = np.resize(np.asarray(tokens, np.int64), max(need, len(tokens)))
     engine.rewind(0)
-    engine.forward(np.ones(context, np.int64))
+    engine.reserve(need)
+    engine.forward(tokens[:context])
     engine.commit(context)
-    out = np.zeros(MAX_DRAFT + 2)
-    for w in range(1, MAX_DRAFT + 2):
-        tok, times = np.ones(w, np.int64), []
-        for _ in range(reps):
+    times = [[] for _ in range(max_width + 1)]
+    for _ in range(reps):
+        for w in range(1, max_width + 1):
+            engine.rewind(context)
             t0 = time.perf_counter()
-            engine.forward(tok, num_logits=w)
-            times.append(time.perf_counter() - t0)
-        out[w] = float(np.median(times))
+            engine.argmax(tokens[context: context + w], num_logits=w)
+            times[w].append(time.perf_counter() - t0)
+    out = np.zeros(max_width + 1)
+    out[1:] = [float(np.median(t)) for t in times[1:]]
     return out
 
 
 def report(replays: list[Replay], costs: np.ndarray, buckets: int) -> list[dict]:
     rows = []
     t1 = costs[1]
-    rel = lambda w: costs[min(w, MAX_DRAFT + 1)] / t1  # noqa: E731  (pass cost in decode steps)
+    rel = lambda w: costs[min(w, len(costs) - 1)] / t1  # noqa: E731  (pass cost in decode steps)
     for cat in [c for c in CATEGORIES if any(r.category == c for r in replays)]:
         rs = [r for r in replays if r.category == cat]
         row = {"category": cat, "prompts": len(rs), "tokens": sum(r.new_tokens for r in rs)}
@@ -145,7 +161,93 @@ def report(replays: list[Replay], costs: np.ndarray, buckets: int) -> list[dict]
     return rows
 
 
+MEDUSA_RANKS, MEDUSA_NODES = 10, 63  # a pass returns at most 64 rows of logits (max_pass_tokens)
+
+
+def onnx_heads(path: Path):
+    """A heads engine file as a batch function: hidden [N, H], pending tokens [N] -> candidates [N, K, topk]."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    token = any(i.name == "token" for i in sess.get_inputs())
+    return lambda hidden, tokens: sess.run(["candidates"], {"hidden": hidden, **({"token": tokens} if token else {})})[0]
+
+
+def medusa_ranks(heads, hidden: np.ndarray, seq: list[int], prompt_len: int, n: int, ranks: int) -> np.ndarray:
+    """[n, K] rank of the target's own token among head k's top `ranks` candidates (`ranks`: not among them) at
+    each decode position i of an n-token output (context seq[:P + i]: the heads read the hidden state at
+    P + i - 2 and the pending token seq[P + i - 1], head k guesses seq[P + i - 1 + k]). Row 0 is the prefill
+    round, which drafts nothing; guesses past the output's end are misses. heads: see onnx_heads."""
+    P, arr = prompt_len, np.asarray(seq, np.int64)
+    rows = np.arange(1, n)
+    cand = heads(np.ascontiguousarray(hidden[P + rows - 2], np.float32), arr[P + rows - 1])   # [n - 1, K, R]
+    K = cand.shape[1]
+    out = np.full((n, K), ranks, np.int64)
+    for k in range(1, K + 1):
+        where = P + rows - 1 + k
+        ok = where < P + n
+        hit = cand[ok, k - 1, :ranks] == arr[where[ok]][:, None]
+        out[rows[ok], k - 1] = np.where(hit.any(1), hit.argmax(1), ranks)
+    return out
+
+
+def replay_tree(ranks: np.ndarray, tree: set, cost_of_pass: float) -> tuple[int, int, float]:
+    """(tokens, rounds, pass cost) of Medusa with a fixed tree (prefix-closed set of rank paths) over one output:
+    a round keeps the longest tree path whose every head is right at its rank, then the target's bonus token."""
+    i = rounds = 0
+    total = 0.0
+    n, depth = len(ranks), max((len(p) for p in tree), default=0)
+    while i < n:
+        a = 0
+        if i:                                                # the prefill round drafts nothing
+            while a < depth and tuple(ranks[i, : a + 1].tolist()) in tree:
+                a += 1
+            total += cost_of_pass
+        else:
+            total += 1.0
+        a = min(a, n - 1 - i)
+        rounds += 1
+        i += a + 1
+    return n, rounds, total
+
+
+def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], costs: np.ndarray, ranks: int) -> list[dict]:
+    """Per category: the best in-sample tree (a prefix of the joint-accuracy order) at the measured pass costs,
+    with its tau and speedups, the 1-node tree, and tau of the unlimited tree of top-`ranks` paths."""
+    from ..export.medusa import tree_order
+
+    t1, top = costs[1], len(costs) - 1
+    rows = []
+    for cat in [c for c in CATEGORIES if any(r.category == c for r in replays)]:
+        rs = [r for r in replays if r.category == cat]
+        rk = [ranks_by_case[r.case_id] for r in rs]
+        order, _ = tree_order(np.concatenate([x[1:] for x in rk]), ranks, MEDUSA_NODES)
+
+        def run(nodes: int) -> dict:
+            tree = set(map(tuple, order[:nodes]))
+            rel = costs[min(nodes + 1, top)] / t1
+            tok = rounds = steps = plain = spec = 0.0
+            for r, x in zip(rs, rk):
+                n, k, c = replay_tree(x, tree, rel)
+                tok, rounds, steps = tok + n, rounds + k, steps + c
+                plain += r.prefill_s + n * t1
+                spec += r.prefill_s + c * t1
+            return {"nodes": nodes, "tau": round(tok / rounds, 3), "decode_speedup": round(tok / steps, 3),
+                    "speedup": round(plain / spec, 3)}
+
+        curve = [run(m) for m in range(1, len(order) + 1)]
+        unlimited = [float((np.cumprod(x[1:] < ranks, axis=1)).sum(1).mean()) for x in rk]
+        rows.append({"category": cat, "prompts": len(rs), "best": max(curve, key=lambda c: c["speedup"]),
+                     "one_node": curve[0], "max_tau": max(c["tau"] for c in curve),
+                     "tau_all": round(1.0 + float(np.mean(unlimited)), 3), "curve": curve})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    from ..export.graph import read_initializers
+    from ..export.medusa import export_heads_onnx, load_heads
     from ..manifest import load_manifest
     from ..runtime.generate import Generator
     from ..runtime.tokenizer import Message
@@ -157,13 +259,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--medusa", type=Path, default=None, help="also replay Medusa trees of these heads (.npz)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     cases = select(load_prompts(a.prompts), categories=tuple(a.categories.split(",")),
                    per_category=a.per_category, max_new_tokens=a.max_new_tokens)
-    gen = Generator(load_manifest(a.engines), "fp32", a.threads)
+    manifest = load_manifest(a.engines)
+    gen = Generator(manifest, "fp32", a.threads)
     eos = next(iter(gen.codec.eos_token_ids))
-    replays, prompt_lengths = [], []
+    tmp = Path(tempfile.mkdtemp(prefix="specrt-ceiling-"))
+    heads_onnx = None
+    if a.medusa:
+        lm_head = read_initializers(a.engines / gen.entry.file, "lm_head.weight_t")[0].T
+        heads_onnx = tmp / "heads.onnx"
+        export_heads_onnx(load_heads(a.medusa), lm_head, heads_onnx, MEDUSA_RANKS)
+        heads = onnx_heads(heads_onnx)
+        gen.engine.enable_hidden()
+    replays, prompt_lengths, medusa_ranks_by_case, texts = [], [], {}, []
     for c in cases:
         messages = [Message(r, t) for r, t in c.messages]
         res = gen.generate(messages, max_new_tokens=c.max_new_tokens)
@@ -171,9 +283,19 @@ def main(argv: list[str] | None = None) -> None:
         out = res.token_ids + ([eos] if res.stats.finish_reason == "eos" else [])  # the target emits EOS too
         replays.append(Replay(c.id, c.category, len(out), res.stats.ttft_s, *accepted_runs(prompt, out)))
         prompt_lengths.append(len(prompt))
+        texts.append(prompt + out)
+        if heads_onnx:  # the hidden states of one pass over prompt + output (what decoding computed, to ~1e-5)
+            gen.engine.rewind(0)
+            gen.engine.reserve(len(prompt) + len(out))
+            gen.engine.forward(np.asarray(prompt + out, np.int64))
+            medusa_ranks_by_case[c.id] = medusa_ranks(heads, gen.engine.hidden, prompt + out, len(prompt),
+                                                      len(out), MEDUSA_RANKS)
         print(f"{c.id}: {len(prompt)} prompt + {len(out)} new tokens", flush=True)
-    costs = measure_costs(gen.engine, int(np.median(prompt_lengths)))
-    print("pass cost (steps) by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in range(1, MAX_DRAFT + 2)))
+    context = int(np.median(prompt_lengths))
+    longest = max(texts, key=len)
+    costs = measure_costs(gen.engine, longest, min(context, len(longest) - 1),
+                          MEDUSA_NODES + 1 if heads_onnx else MAX_DRAFT + 1)
+    print("pass cost (steps) by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in range(1, len(costs))))
     rows = report(replays, costs, PromptLookup().buckets)
     print("| category | prompts | lookup tau | lookup decode | lookup end-to-end | oracle tau | oracle decode | oracle end-to-end |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -181,8 +303,19 @@ def main(argv: list[str] | None = None) -> None:
         lk, orc = r["lookup"], r["oracle"]
         print(f"| {r['category']} | {r['prompts']} | {lk['tau']} | {lk['decode_speedup']}x | {lk['speedup']}x "
               f"| {orc['tau']} | {orc['decode_speedup']}x | {orc['speedup']}x |")
+    result = {"rows": rows, "pass_cost_steps": (costs[1:] / costs[1]).round(3).tolist(), "context": context}
+    if heads_onnx:
+        mrows = medusa_report(replays, medusa_ranks_by_case, costs, MEDUSA_RANKS)
+        print("\n| category | prompts | 1-node tau | 1-node decode | 1-node end-to-end | best nodes | best tau "
+              "| best decode | best end-to-end | max tau (<= 63 nodes) | tau, every top-10 path |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in mrows:
+            o, b = r["one_node"], r["best"]
+            print(f"| {r['category']} | {r['prompts']} | {o['tau']} | {o['decode_speedup']}x | {o['speedup']}x "
+                  f"| {b['nodes']} | {b['tau']} | {b['decode_speedup']}x | {b['speedup']}x | {r['max_tau']} | {r['tau_all']} |")
+        result["medusa"] = mrows
     if a.out:
-        a.out.write_text(json.dumps({"rows": rows, "pass_cost_steps": (costs[1:] / costs[1]).round(3).tolist()}, indent=1))
+        a.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

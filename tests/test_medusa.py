@@ -351,3 +351,34 @@ def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):
     logs = []
     train_heads(tiny_heads["data"], tiny_heads["lm_head"], tmp_path / "run", cfg, log=logs.append)
     assert any("resumed" in m and "50" in m for m in logs)
+
+
+def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, tmp_path):
+    """bench/ceiling's Medusa replay (ranks from one pass over the output, rounds replayed offline) counts the
+    same rounds as the loop really runs with that tree and those heads (greedy, FixedK at the tree's depth):
+    with ReplayHeads, whose rounds keep 0 to 3 nodes, siblings included; and through onnx_heads, with the tiny
+    set's trained heads."""
+    from specrt.bench.ceiling import medusa_ranks, onnx_heads, replay_tree
+    from specrt.export.medusa import export_heads_onnx, load_heads
+    from specrt.runtime.proposers.medusa import Medusa, MedusaHeads
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import FixedK, speculative_decode
+
+    prompt, _, seq, hid = replay
+    P, n = len(medusa_gen.prompt_ids(prompt)), 120
+    onnx_path = tmp_path / "heads.onnx"
+    export_heads_onnx(load_heads(tiny_heads["out"] / "heads.npz"), tiny_heads["lm_head"], onnx_path, 2)
+    table = ReplayHeads(seq, hid, medusa_gen.engine.vocab_size)
+    for heads, batch in ((table, lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)])),
+                         (MedusaHeads(onnx_path), onnx_heads(onnx_path))):
+        ranks = medusa_ranks(batch, hid, seq, P, n, 2)
+        assert ranks.shape == (n, 3) and (ranks[0] == 2).all()
+        tokens, rounds, cost = replay_tree(ranks, set(TREE), 2.0)
+        out = medusa_gen.generate(prompt, max_new_tokens=n, sampling=SamplingParams(), ignore_eos=True,
+                                  decode=lambda *a: speculative_decode(*a, proposer=Medusa(heads, TREE), control=FixedK(3)))
+        assert out.token_ids == seq[P: P + n]
+        assert (tokens, rounds, cost) == (n, out.stats.rounds, 1.0 + 2.0 * (rounds - 1))
+    assert table.misses == 0
+    replayed = replay_tree(medusa_ranks(lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)]), hid, seq, P, n, 2),
+                           set(TREE), 1.0)
+    assert replayed[1] < 0.7 * n           # ReplayHeads' rounds keep about one node in two: the check above had work
