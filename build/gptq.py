@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..export.graph import chain_feeds
+from ..interface import chain_feeds
 
 MAX_K = 4096  # larger inputs (e.g. a 1.5B model's 8960-wide MLP) would hold a 640 MB Hessian each: RTN
 TEXTS = 128  # calibration texts: 23k tokens for SmolLM2; 128 texts measured KL 0.310, 64 raw chunks 0.322 (BENCHMARKS)
@@ -45,7 +45,7 @@ def recipe_key() -> str:
 def calibration_texts(n: int = TEXTS) -> list[tuple[str, str]]:
     """("chat", prompt) and ("raw", code) pairs from the Python standard library (local, no downloads),
     never the benchmark's own prompts: half stdlib source chunks, half questions about stdlib docs."""
-    from ..export.medusa_data import code_texts, doc_prompts
+    from ..corpora import code_texts, doc_prompts
 
     rng = np.random.default_rng(0)
     return [("raw", t) for t in code_texts(n // 2, rng)] + [("chat", t) for t in doc_prompts(n - n // 2, rng)]

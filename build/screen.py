@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..runtime.engine import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT  # the engine's contract
+from ..interface import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT  # the engine's contract
 
 BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
 MAX_CANDIDATES = 1024  # more (row, token) candidates in a pass: read the fp32 lm_head instead (~1.3 us each to rescore)

@@ -105,7 +105,7 @@ def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greed
     """Run the standard graph (function inlined by ORT, cache passed in and out, no sharing)."""
     import onnxruntime as ort
 
-    from .graph import chain_feeds
+    from ..interface import chain_feeds
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     cache_shape = (1, spec.num_kv_heads, max_context, spec.head_dim)

@@ -110,16 +110,6 @@ def read_initializers(onnx_path: Path, *names: str) -> list[np.ndarray]:
     return out
 
 
-def chain_feeds(tokens, start: int, n_logits: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The inputs of one pass of this graph over `tokens` at positions [start, start + n), as a chain
-    (no tree), for callers that drive the graph with onnxruntime directly (export parity, calibration)."""
-    n = len(tokens)
-    return {"input_ids": np.asarray(tokens, np.int64)[None], "position_ids": np.arange(start, start + n, dtype=np.int64)[None],
-            "tree_mask": np.zeros((1, n, n), np.float32), "seqlens_k": np.array([start + n - 1], np.int32),
-            "total_sequence_length": np.array(start + n, np.int32),
-            "num_logits_to_keep": np.array(n_logits, np.int64), **past}
-
-
 def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
     """Reference RoPE + attention over a shared static cache, in standard ops (see module docstring)."""
     n, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -19,9 +19,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import SpecrtError, first_line
+from ..interface import APPROX_INPUT, GREEDY_OUTPUT  # an fp32 engine's logit screen (build/screen.py)
 from .hugepages import advise_huge_pages, anonymous_mappings
 
-APPROX_INPUT, GREEDY_OUTPUT = "approx_logits", "greedy_tokens"  # an fp32 engine's logit screen (build/screen.py)
 # The screen's work grows with the rows of logits a pass returns, the fp32 lm_head's hardly: SmolLM2 passes over
 # real text saved 1.4 / 1.3 / 1.2 / 0.4 ms at 1 / 2 / 4 / 8 rows and lost 1.3-1.8 ms at 12-16 (BENCHMARKS "Session 10").
 SCREEN_MAX_ROWS = 6
