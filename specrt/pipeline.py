@@ -89,7 +89,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         if not Path(req.medusa_heads).is_file():
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
         from .export.medusa import HEADS_ENGINE
-        from .runtime.tree import TREE_TOLERANCE
+        from .export.medusa import TREE_TOLERANCE
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
@@ -248,10 +248,10 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     engine entries so far (the tree is sized from the target's pass costs, through its logit screen where
     that was checked, as decoding runs them)."""
     from .export.graph import read_initializers
-    from .export.medusa import export_heads_onnx, load_heads
+    from .export.medusa import choose_tree, export_heads_onnx, load_heads, tree_from_accuracies
     from .build.ort import precision
     from .runtime.engine import screen_unusable
-    from .runtime.tree import choose_tree, compile_tree, tree_from_accuracies
+    from .runtime.tree import compile_tree
 
     log(f"building Medusa heads engine from {heads_path}")
     heads = load_heads(heads_path)
