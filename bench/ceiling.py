@@ -191,24 +191,40 @@ def medusa_ranks(heads, hidden: np.ndarray, seq: list[int], prompt_len: int, n: 
     return out
 
 
-def replay_tree(ranks: np.ndarray, tree: set, cost_of_pass: float) -> tuple[int, int, float]:
-    """(tokens, rounds, pass cost) of Medusa with a fixed tree (prefix-closed set of rank paths) over one output:
-    a round keeps the longest tree path whose every head is right at its rank, then the target's bonus token."""
-    i = rounds = 0
-    total = 0.0
-    n, depth = len(ranks), max((len(p) for p in tree), default=0)
-    while i < n:
-        a = 0
-        if i:                                                # the prefill round drafts nothing
+def tree_accepts(ranks: np.ndarray, tree: set | None, miss: int = MEDUSA_RANKS) -> np.ndarray:
+    """[n] draft nodes a round at each position keeps: the longest path of `tree` (a prefix-closed set of rank
+    paths) whose every head is right at its rank; tree None: the unlimited tree, every path of candidates
+    ranked below `miss` (medusa_ranks' "not among them"). Row 0, the prefill round, keeps none."""
+    if tree is None:
+        out = np.cumprod(ranks < miss, axis=1).sum(1)
+    else:
+        depth = max((len(p) for p in tree), default=0)
+        out = np.zeros(len(ranks), np.int64)
+        for i in range(1, len(ranks)):
+            a = 0
             while a < depth and tuple(ranks[i, : a + 1].tolist()) in tree:
                 a += 1
-            total += cost_of_pass
-        else:
-            total += 1.0
-        a = min(a, n - 1 - i)
+            out[i] = a
+    out[0] = 0
+    return out
+
+
+def replay_accepts(accepted: np.ndarray, cost_of_pass: float) -> tuple[int, int, float]:
+    """(tokens, rounds, pass cost) over one output when a round at position i keeps accepted[i] draft nodes and
+    the target's bonus token; the prefill round costs one step, every other round cost_of_pass."""
+    i = rounds = 0
+    total = 0.0
+    n = len(accepted)
+    while i < n:
+        total += cost_of_pass if i else 1.0
         rounds += 1
-        i += a + 1
+        i += min(int(accepted[i]), n - 1 - i) + 1
     return n, rounds, total
+
+
+def replay_tree(ranks: np.ndarray, tree: set, cost_of_pass: float) -> tuple[int, int, float]:
+    """(tokens, rounds, pass cost) of Medusa with a fixed tree over one output (tree_accepts, replay_accepts)."""
+    return replay_accepts(tree_accepts(ranks, tree), cost_of_pass)
 
 
 def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], costs: np.ndarray, ranks: int) -> list[dict]:
@@ -236,10 +252,11 @@ def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], c
                     "speedup": round(plain / spec, 3)}
 
         curve = [run(m) for m in range(1, len(order) + 1)]
-        unlimited = [float((np.cumprod(x[1:] < ranks, axis=1)).sum(1).mean()) for x in rk]
+        unlimited = [replay_accepts(tree_accepts(x, None, ranks), 1.0) for x in rk]
         rows.append({"category": cat, "prompts": len(rs), "best": max(curve, key=lambda c: c["speedup"]),
                      "one_node": curve[0], "max_tau": max(c["tau"] for c in curve),
-                     "tau_all": round(1.0 + float(np.mean(unlimited)), 3), "curve": curve})
+                     "tau_all": round(sum(u[0] for u in unlimited) / sum(u[1] for u in unlimited), 3),
+                     "curve": curve})
     return rows
 
 
@@ -314,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {r['category']} | {r['prompts']} | {o['tau']} | {o['decode_speedup']}x | {o['speedup']}x "
                   f"| {b['nodes']} | {b['tau']} | {b['decode_speedup']}x | {b['speedup']}x | {r['max_tau']} | {r['tau_all']} |")
         result["medusa"] = mrows
+        result["medusa_ranks"] = {k: v.tolist() for k, v in medusa_ranks_by_case.items()}  # for offline replays
     if a.out:
         a.out.write_text(json.dumps(result, indent=1))
 

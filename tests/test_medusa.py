@@ -358,7 +358,7 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
     same rounds as the loop really runs with that tree and those heads (greedy, FixedK at the tree's depth):
     with ReplayHeads, whose rounds keep 0 to 3 nodes, siblings included; and through onnx_heads, with the tiny
     set's trained heads."""
-    from specrt.bench.ceiling import medusa_ranks, onnx_heads, replay_tree
+    from specrt.bench.ceiling import medusa_ranks, onnx_heads, replay_tree, tree_accepts
     from specrt.export.medusa import export_heads_onnx, load_heads
     from specrt.runtime.proposers.medusa import Medusa, MedusaHeads
     from specrt.runtime.sampling import SamplingParams
@@ -378,6 +378,8 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
                                   decode=lambda *a: speculative_decode(*a, proposer=Medusa(heads, TREE), control=FixedK(3)))
         assert out.token_ids == seq[P: P + n]
         assert (tokens, rounds, cost) == (n, out.stats.rounds, 1.0 + 2.0 * (rounds - 1))
+        kept, every = tree_accepts(ranks, set(TREE)), tree_accepts(ranks, None, 2)   # the unlimited tree keeps more
+        assert (every >= kept).all() and every[0] == 0 and every.max() <= 3
     assert table.misses == 0
     replayed = replay_tree(medusa_ranks(lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)]), hid, seq, P, n, 2),
                            set(TREE), 1.0)
