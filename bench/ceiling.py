@@ -1,4 +1,4 @@
-"""How fast can prompt lookup be on these prompts at best? A replay of the target's greedy outputs.
+"""How fast can prompt lookup (and Medusa) be on these prompts at best? A replay of the target's greedy outputs.
 
 For each prompt: the target's greedy output (our fp32 engine), its prefill time and the measured
 cost of a w-token pass, w = 1..17. Then every round is replayed offline for two candidates:
@@ -270,12 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     from ..runtime.tokenizer import Message
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", type=Path, default=Path("engines/smollm2-135m"))
-    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    ap.add_argument("--categories", default="summarize,code,chat")
-    ap.add_argument("--per-category", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", type=Path, default=Path("engines/smollm2-135m"), help="engine set (its fp32 target)")
+    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt file (JSONL, as `specrt bench`)")
+    ap.add_argument("--categories", default="summarize,code,chat", help="comma-separated prompt categories")
+    ap.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="cap each prompt's max_new_tokens")
+    ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (the pass costs depend on it)")
     ap.add_argument("--medusa", type=Path, default=None, help="also replay Medusa trees of these heads (.npz)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
