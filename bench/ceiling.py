@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,18 +85,23 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def replay_rounds(bucket: list[int], accepted: list[int], lengths: list[int], cost) -> tuple[int, int, float]:
-    """(tokens, rounds, pass cost) of greedy speculation with draft length lengths[bucket] per round."""
+def replay(accepted, costs) -> tuple[int, int, float]:
+    """(tokens, rounds, pass cost) over one output when a round at position i keeps accepted[i] draft tokens, then
+    the target's bonus token, and costs costs[i] (in decode steps)."""
     i = rounds = 0
     total = 0.0
-    n = len(bucket)
+    n = len(accepted)
     while i < n:
-        k = lengths[bucket[i]]
-        a = min(accepted[i], k, n - 1 - i)   # the last token of the output ends the request
-        total += cost(k + 1)
+        total += costs[i]
         rounds += 1
-        i += a + 1
+        i += min(int(accepted[i]), n - 1 - i) + 1   # the last token of the output ends the request
     return n, rounds, total
+
+
+def replay_rounds(bucket: list[int], accepted: list[int], lengths: list[int], cost) -> tuple[int, int, float]:
+    """(tokens, rounds, pass cost) of greedy speculation with draft length lengths[bucket] per round."""
+    ks = [lengths[b] for b in bucket]
+    return replay([min(a, k) for a, k in zip(accepted, ks)], [cost(k + 1) for k in ks])
 
 
 def best_lengths(replays: list[Replay], which: str, cost, buckets: int) -> list[int]:
@@ -122,22 +126,29 @@ def measure_costs(engine, tokens: np.ndarray, context: int, max_width: int = MAX
     """Seconds of a w-token greedy pass as the loop runs it (`argmax`: through the logit screen up to its row
     limit), w = 1..max_width (median of reps, widths interleaved), after `context` tokens of real text, fed
     the text that follows (a pass of one repeated token made the screen's rescoring far busier)."""
+    from ..pipeline import time_passes
+
     need = context + max_width
     tokens = np.resize(np.asarray(tokens, np.int64), max(need, len(tokens)))
     engine.rewind(0)
     engine.reserve(need)
     engine.forward(tokens[:context])
     engine.commit(context)
-    times = [[] for _ in range(max_width + 1)]
-    for _ in range(reps):
-        for w in range(1, max_width + 1):
-            engine.rewind(context)
-            t0 = time.perf_counter()
-            engine.argmax(tokens[context: context + w], num_logits=w)
-            times[w].append(time.perf_counter() - t0)
     out = np.zeros(max_width + 1)
-    out[1:] = [float(np.median(t)) for t in times[1:]]
+    out[1:] = time_passes(engine, tokens, context, range(1, max_width + 1), positions=1, reps=reps)
     return out
+
+
+def _summary(rs: list[Replay], outcomes, t1: float, digits: int) -> dict:
+    """tau, decode speedup and end-to-end speedup (with the measured prefill, the way `specrt bench` counts tok/s:
+    the same tokens in less time) of one category's replays; outcomes: (tokens, rounds, pass cost) per replay."""
+    tok = rounds = steps = plain = spec = 0.0
+    for r, (n, k, c) in zip(rs, outcomes):
+        tok, rounds, steps = tok + n, rounds + k, steps + c
+        plain += r.prefill_s + n * t1
+        spec += r.prefill_s + c * t1
+    return {"tau": round(tok / rounds, digits), "decode_speedup": round(tok / steps, digits),
+            "speedup": round(plain / spec, digits)}
 
 
 def report(replays: list[Replay], costs: np.ndarray, buckets: int) -> list[dict]:
@@ -149,14 +160,8 @@ def report(replays: list[Replay], costs: np.ndarray, buckets: int) -> list[dict]
         row = {"category": cat, "prompts": len(rs), "tokens": sum(r.new_tokens for r in rs)}
         for which in ("lookup", "oracle"):
             ls = best_lengths(rs, which, rel, buckets)
-            tok = rounds = steps = plain = spec = 0.0
-            for r in rs:
-                n, k, c = replay_rounds(r.bucket, getattr(r, which), ls, rel)
-                tok, rounds, steps = tok + n, rounds + k, steps + c
-                plain += r.prefill_s + n * t1   # the bench's tok/s ratio: the same tokens in less time
-                spec += r.prefill_s + c * t1
-            row[which] = {"lengths": ls, "tau": round(tok / rounds, 2), "decode_speedup": round(tok / steps, 2),
-                          "speedup": round(plain / spec, 2)}
+            outcomes = [replay_rounds(r.bucket, getattr(r, which), ls, rel) for r in rs]
+            row[which] = {"lengths": ls, **_summary(rs, outcomes, t1, 2)}
         rows.append(row)
     return rows
 
@@ -209,22 +214,10 @@ def tree_accepts(ranks: np.ndarray, tree: set | None, miss: int = MEDUSA_RANKS) 
     return out
 
 
-def replay_accepts(accepted: np.ndarray, cost_of_pass: float) -> tuple[int, int, float]:
-    """(tokens, rounds, pass cost) over one output when a round at position i keeps accepted[i] draft nodes and
-    the target's bonus token; the prefill round costs one step, every other round cost_of_pass."""
-    i = rounds = 0
-    total = 0.0
-    n = len(accepted)
-    while i < n:
-        total += cost_of_pass if i else 1.0
-        rounds += 1
-        i += min(int(accepted[i]), n - 1 - i) + 1
-    return n, rounds, total
-
-
-def replay_tree(ranks: np.ndarray, tree: set, cost_of_pass: float) -> tuple[int, int, float]:
-    """(tokens, rounds, pass cost) of Medusa with a fixed tree over one output (tree_accepts, replay_accepts)."""
-    return replay_accepts(tree_accepts(ranks, tree), cost_of_pass)
+def replay_tree(ranks: np.ndarray, tree: set | None, cost_of_pass: float, miss: int = MEDUSA_RANKS) -> tuple[int, int, float]:
+    """(tokens, rounds, pass cost) of Medusa with a fixed tree over one output (tree_accepts): the prefill round
+    costs one step, every other round cost_of_pass."""
+    return replay(tree_accepts(ranks, tree, miss), [1.0] + [cost_of_pass] * (len(ranks) - 1))
 
 
 def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], costs: np.ndarray, ranks: int) -> list[dict]:
@@ -239,24 +232,14 @@ def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], c
         rk = [ranks_by_case[r.case_id] for r in rs]
         order, _ = tree_order(np.concatenate([x[1:] for x in rk]), ranks, MEDUSA_NODES)
 
-        def run(nodes: int) -> dict:
-            tree = set(map(tuple, order[:nodes]))
+        def run(tree: set | None, nodes: int) -> dict:
             rel = costs[min(nodes + 1, top)] / t1
-            tok = rounds = steps = plain = spec = 0.0
-            for r, x in zip(rs, rk):
-                n, k, c = replay_tree(x, tree, rel)
-                tok, rounds, steps = tok + n, rounds + k, steps + c
-                plain += r.prefill_s + n * t1
-                spec += r.prefill_s + c * t1
-            return {"nodes": nodes, "tau": round(tok / rounds, 3), "decode_speedup": round(tok / steps, 3),
-                    "speedup": round(plain / spec, 3)}
+            return {"nodes": nodes, **_summary(rs, [replay_tree(x, tree, rel, ranks) for x in rk], t1, 3)}
 
-        curve = [run(m) for m in range(1, len(order) + 1)]
-        unlimited = [replay_accepts(tree_accepts(x, None, ranks), 1.0) for x in rk]
+        curve = [run(set(map(tuple, order[:m])), m) for m in range(1, len(order) + 1)]
         rows.append({"category": cat, "prompts": len(rs), "best": max(curve, key=lambda c: c["speedup"]),
                      "one_node": curve[0], "max_tau": max(c["tau"] for c in curve),
-                     "tau_all": round(sum(u[0] for u in unlimited) / sum(u[1] for u in unlimited), 3),
-                     "curve": curve})
+                     "tau_all": run(None, 0)["tau"], "curve": curve})
     return rows
 
 
@@ -284,13 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     manifest = load_manifest(a.engines)
     gen = Generator(manifest, "fp32", a.threads)
     eos = next(iter(gen.codec.eos_token_ids))
-    tmp = Path(tempfile.mkdtemp(prefix="specrt-ceiling-"))
-    heads_onnx = None
-    if a.medusa:
+    heads = None
+    if a.medusa:  # all the file's heads, top MEDUSA_RANKS (the session holds the graph: the file can go)
         lm_head = read_initializers(a.engines / gen.entry.file, "lm_head.weight_t")[0].T
-        heads_onnx = tmp / "heads.onnx"
-        export_heads_onnx(load_heads(a.medusa), lm_head, heads_onnx, MEDUSA_RANKS)
-        heads = onnx_heads(heads_onnx)
+        with tempfile.TemporaryDirectory(prefix="specrt-ceiling-") as tmp:
+            export_heads_onnx(load_heads(a.medusa), lm_head, Path(tmp) / "heads.onnx", MEDUSA_RANKS)
+            heads = onnx_heads(Path(tmp) / "heads.onnx")
         gen.engine.enable_hidden()
     replays, prompt_lengths, medusa_ranks_by_case, texts = [], [], {}, []
     for c in cases:
@@ -301,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         replays.append(Replay(c.id, c.category, len(out), res.stats.ttft_s, *accepted_runs(prompt, out)))
         prompt_lengths.append(len(prompt))
         texts.append(prompt + out)
-        if heads_onnx:  # the hidden states of one pass over prompt + output (what decoding computed, to ~1e-5)
+        if heads:  # the hidden states of one pass over prompt + output (what decoding computed, to ~1e-5)
             gen.engine.rewind(0)
             gen.engine.reserve(len(prompt) + len(out))
             gen.engine.forward(np.asarray(prompt + out, np.int64))
@@ -311,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     context = int(np.median(prompt_lengths))
     longest = max(texts, key=len)
     costs = measure_costs(gen.engine, longest, min(context, len(longest) - 1),
-                          MEDUSA_NODES + 1 if heads_onnx else MAX_DRAFT + 1)
+                          MEDUSA_NODES + 1 if heads else MAX_DRAFT + 1)
     print("pass cost (steps) by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in range(1, len(costs))))
     rows = report(replays, costs, PromptLookup().buckets)
     print("| category | prompts | lookup tau | lookup decode | lookup end-to-end | oracle tau | oracle decode | oracle end-to-end |")
@@ -321,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['category']} | {r['prompts']} | {lk['tau']} | {lk['decode_speedup']}x | {lk['speedup']}x "
               f"| {orc['tau']} | {orc['decode_speedup']}x | {orc['speedup']}x |")
     result = {"rows": rows, "pass_cost_steps": (costs[1:] / costs[1]).round(3).tolist(), "context": context}
-    if heads_onnx:
+    if heads:
         mrows = medusa_report(replays, medusa_ranks_by_case, costs, MEDUSA_RANKS)
         print("\n| category | prompts | 1-node tau | 1-node decode | 1-node end-to-end | best nodes | best tau "
               "| best decode | best end-to-end | max tau (<= 63 nodes) | tau, every top-10 path |")

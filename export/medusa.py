@@ -249,13 +249,11 @@ def tree_from_accuracies(acc: np.ndarray, size: int) -> tuple[tuple[int, ...], .
     acc = np.asarray(acc, np.float64)
     heads, k = acc.shape
     chosen: list[tuple[int, ...]] = []
-    value = {(): 1.0}
     frontier = {(r,): acc[0, r] for r in range(k)}
     while frontier and len(chosen) < size:
         p = max(frontier, key=lambda x: (frontier[x], -len(x)))
         v = frontier.pop(p)
         chosen.append(p)
-        value[p] = v
         if len(p) < heads:
             for r in range(k):
                 frontier[p + (r,)] = v * acc[len(p), r]

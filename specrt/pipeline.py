@@ -88,8 +88,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     if req.medusa_heads is not None:
         if not Path(req.medusa_heads).is_file():
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
-        from .export.medusa import HEADS_ENGINE
-        from .export.medusa import TREE_TOLERANCE
+        from .export.medusa import HEADS_ENGINE, TREE_TOLERANCE
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
@@ -259,9 +258,10 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     report = heads["report"]
     targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
     target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
-    entry = built[target[:-len(".onnx")]]
+    name = target[:-len(".onnx")]
+    entry = built[name]
     screen = screen_unusable(entry.get("screen"), entry.get("build_versions")) is None  # the runtime's own rule
-    cost = _plausible_pass_costs(tmp / target, facts, precision(target[len("target-"):-len(".onnx")]).session_config,
+    cost = _plausible_pass_costs(tmp / target, facts, precision(name[len("target-"):]).session_config,
                                  log, golden=cache / "golden.npz", screen=screen)
     if "tree_order" in report:
         order, values = report["tree_order"], report["tree_values"]
@@ -330,18 +330,26 @@ def _pass_costs(path: Path, facts: dict, session_config, golden: Path, screen: b
     ids = np.concatenate([prompt, np.resize(text, positions + max(widths))])
     eng.forward(prompt)
     eng.commit(P)
+    med = time_passes(eng, ids, P, widths, positions, reps=3, warmup=1)
+    return [(w, round(c, 5)) for w, c in zip(widths, np.maximum.accumulate(med))]
+
+
+def time_passes(eng, ids: np.ndarray, start: int, widths, positions: int, reps: int, warmup: int = 0) -> list[float]:
+    """Median seconds of a w-token greedy pass (`argmax`, as the loop runs it) for each w in widths, timed at
+    `positions` consecutive decode positions of ids after `start` (the cache holds ids[:start]; each pass is
+    fed the text that follows, and one token of it is committed) in `reps` repetitions, widths interleaved;
+    `warmup` untimed repetitions first. Shared by the Medusa tree's sizing and `specrt.bench.ceiling`."""
     times: dict[int, list[float]] = {w: [] for w in widths}
-    for rep in range(4):
+    for rep in range(warmup + reps):
         for w in widths:
-            eng.rewind(P)
-            for i in range(P, P + positions):
+            eng.rewind(start)
+            for i in range(start, start + positions):
                 t0 = time.perf_counter()
                 eng.argmax(ids[i:i + w], num_logits=w)
-                if rep:                        # rep 0 warms the session up
+                if rep >= warmup:
                     times[w].append(time.perf_counter() - t0)
                 eng.commit(1)
-    med = [float(np.median(times[w])) for w in widths]
-    return [(w, round(c, 5)) for w, c in zip(widths, np.maximum.accumulate(med))]
+    return [float(np.median(times[w])) for w in widths]
 
 
 TREE_COSTS = 4  # how the tree's pass costs are measured (4: as 3, after an untimed warm-up sweep; 3: greedy decode passes over real text, screened; 1-2: np.ones tokens, fp32 path); in the key

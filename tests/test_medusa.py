@@ -369,8 +369,8 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
     onnx_path = tmp_path / "heads.onnx"
     export_heads_onnx(load_heads(tiny_heads["out"] / "heads.npz"), tiny_heads["lm_head"], onnx_path, 2)
     table = ReplayHeads(seq, hid, medusa_gen.engine.vocab_size)
-    for heads, batch in ((table, lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)])),
-                         (MedusaHeads(onnx_path), onnx_heads(onnx_path))):
+    table_batch = lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)])  # noqa: E731
+    for heads, batch in ((table, table_batch), (MedusaHeads(onnx_path), onnx_heads(onnx_path))):
         ranks = medusa_ranks(batch, hid, seq, P, n, 2)
         assert ranks.shape == (n, 3) and (ranks[0] == 2).all()
         tokens, rounds, cost = replay_tree(ranks, set(TREE), 2.0)
@@ -381,6 +381,5 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
         kept, every = tree_accepts(ranks, set(TREE)), tree_accepts(ranks, None, 2)   # the unlimited tree keeps more
         assert (every >= kept).all() and every[0] == 0 and every.max() <= 3
     assert table.misses == 0
-    replayed = replay_tree(medusa_ranks(lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)]), hid, seq, P, n, 2),
-                           set(TREE), 1.0)
+    replayed = replay_tree(medusa_ranks(table_batch, hid, seq, P, n, 2), set(TREE), 1.0)
     assert replayed[1] < 0.7 * n           # ReplayHeads' rounds keep about one node in two: the check above had work
