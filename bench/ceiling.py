@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     from ..export.graph import read_initializers
     from ..export.medusa import export_heads_onnx, load_heads
     from ..manifest import load_manifest
-    from ..runtime.generate import Generator
+    from ..runtime.engine import EngineOptions
+    from ..runtime.session import load
     from ..runtime.tokenizer import Message
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = select(load_prompts(a.prompts), categories=tuple(a.categories.split(",")),
                    per_category=a.per_category, max_new_tokens=a.max_new_tokens)
     manifest = load_manifest(a.engines)
-    gen = Generator(manifest, "fp32", a.threads)
+    gen = load(manifest, "fp32", options=EngineOptions(threads=a.threads)).generator
     eos = next(iter(gen.codec.eos_token_ids))
     heads = None
     if a.medusa:  # all the file's heads, top MEDUSA_RANKS (the session holds the graph: the file can go)

@@ -72,7 +72,7 @@ def parse_modes(text: str | None, manifest: Manifest, quick: bool = False) -> li
     return [REFERENCE] + [m for m in dict.fromkeys(names) if m != REFERENCE]
 
 
-_GENERATORS: dict[tuple, object] = {}
+_GENERATORS: dict = {}  # targets shared by the strategies of one precision (session.load)
 
 
 class Ours:
@@ -84,37 +84,20 @@ class Ours:
         self.plain = self.strategy in ("plain", FULL_HEAD)  # target-only decoding (FULL_HEAD: the screen off)
 
     def load(self, log=print) -> None:
-        from ..runtime.generate import Generator, plain_decode
+        from ..runtime.engine import EngineOptions
+        from ..runtime.session import load
+        from ..runtime.speculative import draft_entry
 
-        self.draft_engine = None
-        if self.plain:
-            drafting = False
-        else:
-            from ..runtime.speculative import resolve_mode
-
-            drafting = resolve_mode(self.strategy, self.manifest, self.precision) == "draft"
-        # the target takes turns with a draft model only where one drafts, as `specrt generate` loads it: the
-        # set-wide default (taking_turns=None: on whenever the set has a draft) stopped ORT's spinning for
-        # plain-fp32 too, i.e. a slower baseline than users run (plain steps 0-6% slower with it, engine.py)
-        full_head = self.strategy == FULL_HEAD
-        key = (str(self.manifest.root), self.precision, self.threads, drafting, full_head)
-        if key not in _GENERATORS:  # strategies on one precision share weights and cache (each call rewinds)
-            _GENERATORS[key] = Generator(self.manifest, self.precision, self.threads, taking_turns=drafting)
-            _GENERATORS[key].engine.screen &= not full_head
-        self.gen = _GENERATORS[key]
-        if self.plain:
-            self.decode = plain_decode
-        else:
-            from ..runtime.speculative import make_decoder
-
-            try:
-                self.decode = make_decoder(self.strategy, self.manifest, self.precision, threads=self.threads)
-            except SpecrtError as e:
-                raise Unavailable(str(e)) from None
-            if drafting:
-                from ..runtime.speculative import draft_entry
-
-                self.draft_engine = draft_entry(self.manifest, self.precision).name
+        # the target takes turns with a draft model only where one drafts, as `specrt generate` loads it (a
+        # plain baseline with spinning stopped would be slower than what users run); FULL_HEAD: the screen off
+        options = EngineOptions(threads=self.threads, logit_screen=self.strategy != FULL_HEAD)
+        try:
+            self.session = load(self.manifest, self.precision, "off" if self.plain else self.strategy, options,
+                                shared=_GENERATORS)
+        except SpecrtError as e:
+            raise Unavailable(str(e)) from None
+        self.gen, self.decode = self.session.generator, self.session.decoder
+        self.draft_engine = draft_entry(self.manifest, self.precision).name if self.session.mode == "draft" else None
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
         from ..runtime.tokenizer import Message

@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     from specrt.manifest import load_manifest
-    from specrt.runtime.engine import OrtEngine
+    from specrt.runtime.engine import EngineOptions, open_engine
 
     m = load_manifest(a.engines)
     e = m.engine("medusa")
@@ -72,7 +72,7 @@ def main() -> None:
     y = np.random.default_rng(0).standard_normal((K, H)).astype(np.float32)
     print(f"full-vocab lm_head for {K} heads:   {best(lambda: y @ full, 5):.2f} ms")
     t = m.engine("target", "fp32")
-    eng = OrtEngine.from_entry(m.root, t, a.threads)
+    eng = open_engine(m.root, t, EngineOptions(threads=a.threads))
     eng.forward(np.ones(64, np.int64))
     eng.commit(64)
     print(f"target decode pass (1 token):     {best(lambda: eng.forward(np.ones(1, np.int64)), 10):.2f} ms")

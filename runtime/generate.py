@@ -8,16 +8,17 @@ detokenization and the stats.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import SpecrtError
 from ..manifest import Manifest, load_manifest
-from .engine import OrtEngine
+from .engine import Engine, EngineOptions, open_engine
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tokenizer import Detokenizer, Message, TextCodec
 
@@ -40,9 +41,18 @@ class Stats:
     exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated, or lossy
     lossy: bool = False  # True when a round used the lossy typical acceptance (--lossy-typical), whatever the engine
     logit_screen: bool = False  # greedy passes read the lm_head through the fp32 engine's screen (exact; build/screen.py)
+    engine: str = ""  # the target engine and its backend (Engine.description)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+    def observe(self, r, width_exact: bool) -> None:
+        """One speculative round (control.Round): its costs, and whether the output is still exact."""
+        self.rounds += 1
+        self.draft_s += r.draft_s
+        self.verify_s += r.verify_s
+        self.exact &= (width_exact or r.drafted == 0) and not r.result.lossy
+        self.lossy |= r.result.lossy
 
 
 @dataclass(frozen=True)
@@ -53,16 +63,35 @@ class Result:
 
 
 class Stream:
-    """Iterate for text deltas; `.result` holds text, token ids and stats once exhausted."""
+    """Iterate for text deltas; `.result` holds text, token ids and stats once exhausted or closed.
+
+    close() stops the loop at the next round boundary, from any thread (a voice agent's barge-in): the result
+    then says finish_reason="cancelled", and the engine is free for the next request."""
 
     def __init__(self, it: Iterator[str]):
-        self._it, self.result = it, None
+        self._it, self.result, self.cancelled = it, None, False
+        self._lock = threading.Lock()   # held while the loop runs: close() then only raises the flag
 
     def __iter__(self):
-        return self._it
+        return self
+
+    def __next__(self) -> str:
+        with self._lock:
+            return next(self._it)
+
+    def close(self) -> None:
+        self.cancelled = True
+        if not self._lock.acquire(blocking=False):
+            return             # another thread is inside the loop: it stops at the next round boundary
+        try:
+            self._it.close()   # not started or paused at a yield: finish now
+        finally:
+            self._lock.release()
+        if self.result is None:  # closed before the first round: nothing ran
+            self.result = Result(text="", token_ids=[], stats=Stats(finish_reason="cancelled"))
 
 
-def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
+def plain_decode(engine: Engine, prompt: list[int], sampling: SamplingParams,
                  rng: np.random.Generator, stats: Stats) -> Iterator[list[int]]:
     """Target-only decoding: one pass, one token."""
     engine.rewind(0)
@@ -85,6 +114,16 @@ def plain_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams,
         engine.commit(1)
 
 
+class PlainDecoder:
+    """The decode strategy of --speculate off."""
+
+    name, proposer, control = "off", None, None
+
+    def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
+                 stats: Stats) -> Iterator[list[int]]:
+        return plain_decode(engine, prompt, sampling, rng, stats)
+
+
 def _stop_prefix(text: str, stop) -> int:
     """Length of the longest tail of text that is a proper prefix of a stop string (0 if none)."""
     return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
@@ -96,24 +135,19 @@ class Generator:
     `decode` strategy's business (plain_decode by default; runtime.speculative for the rest). Reusable
     across requests; not thread-safe (one KV cache)."""
 
-    def __init__(self, manifest: Manifest, precision: str = "fp32", threads: int = 0, huge_pages: bool = True,
-                 taking_turns: bool | None = None):
-        """huge_pages: ask Linux for transparent huge pages for the engine's memory (runtime/hugepages.py).
-        taking_turns: a draft model will run between the target's passes (engine.TAKING_TURNS); None = when
-        the set has a draft (it was built to speculate with it). Pass False for plain decoding on such a set."""
+    def __init__(self, manifest: Manifest, precision: str = "fp32", options: EngineOptions = EngineOptions()):
+        """options: the target engine's backend options (engine.EngineOptions; taking_turns None = off: the
+        loader, runtime/session.py, turns it on when a draft model will run between the target's passes)."""
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        if taking_turns is None:
-            taking_turns = "draft" in manifest.roles
-        self.engine = OrtEngine.from_entry(manifest.root, self.entry, threads, taking_turns=taking_turns,
-                                           huge_pages=huge_pages)
+        self.options = replace(options, taking_turns=bool(options.taking_turns))
+        self.engine = open_engine(manifest.root, self.entry, self.options)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 
     @classmethod
-    def load(cls, path: str | Path, precision: str = "fp32", threads: int = 0, huge_pages: bool = True,
-             taking_turns: bool | None = None) -> "Generator":
-        return cls(load_manifest(Path(path)), precision, threads, huge_pages, taking_turns)
+    def load(cls, path: str | Path, precision: str = "fp32", options: EngineOptions = EngineOptions()) -> "Generator":
+        return cls(load_manifest(Path(path)), precision, options)
 
     def prompt_ids(self, prompt: str | list[Message], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -132,7 +166,7 @@ class Generator:
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
                chat: bool = True, decode=None, ignore_eos: bool = False) -> Stream:
-        """decode: a strategy like `plain_decode` (the default); speculative loops plug in here.
+        """decode: a strategy like `plain_decode` (the default); speculative decoders plug in here.
         ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
         string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed."""
         if max_new_tokens < 1:
@@ -151,51 +185,60 @@ class Generator:
 
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
         t0 = time.perf_counter()
-        stats = Stats(prompt_tokens=len(ids), logit_screen=self.engine.screen and sampling.greedy)
+        engine = self.engine
+        stats = Stats(prompt_tokens=len(ids), logit_screen=bool(getattr(engine, "screen", False)) and sampling.greedy,
+                      engine=engine.description)
         room = self.engine.max_context - len(ids)
         budget = min(max_new_tokens, room)
         detok, out, text = Detokenizer(self.codec), [], ""
         reason = "length" if budget == max_new_tokens else "context"
-        engine = self.engine
         engine.rewind(0)
         engine.reserve(len(ids) + budget + engine.max_pass_tokens)  # a speculative pass writes past the budget
         rounds = decode(engine, ids, sampling, sampling.generator(), stats)
         produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
         sent, longest = 0, max(map(len, stop), default=0)  # stops: text[:sent] has been yielded
-        for tokens in rounds:
-            produced += len(tokens)
-            if not out:
-                stats.ttft_s = time.perf_counter() - t0
-            done = False
-            for tok in tokens:
-                if tok in eos:
-                    reason, done = "eos", True
+        try:
+            for tokens in rounds:
+                produced += len(tokens)
+                if not out:
+                    stats.ttft_s = time.perf_counter() - t0
+                done = False
+                for tok in tokens:
+                    if tok in eos:
+                        reason, done = "eos", True
+                        break
+                    out.append(tok)
+                    delta = detok.push(tok)
+                    if stop:  # a stop may span tokens: hold back any tail that could still become one
+                        text += delta
+                        start = max(0, len(text) - len(delta) - longest + 1)   # stops ending in this delta
+                        hit = min((i for i in (text.find(s, start) for s in stop) if i >= 0), default=-1)
+                        if hit >= 0:
+                            delta, text, reason, done = text[sent:hit], text[:hit], "stop", True
+                        else:
+                            keep = len(text) - _stop_prefix(text, stop)
+                            delta, sent = text[sent:keep], keep
+                    if delta:
+                        yield delta
+                    if done or len(out) >= budget:
+                        done = True
+                        break
+                if done:
                     break
-                out.append(tok)
-                delta = detok.push(tok)
-                if stop:  # a stop may span tokens: hold back any tail that could still become one
-                    text += delta
-                    start = max(0, len(text) - len(delta) - longest + 1)   # stops ending in this delta
-                    hit = min((i for i in (text.find(s, start) for s in stop) if i >= 0), default=-1)
-                    if hit >= 0:
-                        delta, text, reason, done = text[sent:hit], text[:hit], "stop", True
-                    else:
-                        keep = len(text) - _stop_prefix(text, stop)
-                        delta, sent = text[sent:keep], keep
-                if delta:
-                    yield delta
-                if done or len(out) >= budget:
-                    done = True
+                if stream.cancelled:  # Stream.close() from another thread: stop at this round boundary
+                    reason = "cancelled"
                     break
-            if done:
-                break
-        if stop and reason != "stop" and len(text) > sent:
-            yield text[sent:]   # no stop came: the held-back tail was text after all
-        rounds.close()
-        stats.total_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        stats.finish_reason = reason
-        stats.tok_s = len(out) / stats.total_s if stats.total_s > 0 else 0.0  # prefill included
-        stats.tau = produced / stats.rounds if stats.rounds else 0.0  # a round that only emits EOS still counts 1
-        final = detok.emitted if not stop else text
-        stream.result = Result(text=final, token_ids=out, stats=stats)
+            if stop and reason not in ("stop", "cancelled") and len(text) > sent:
+                yield text[sent:]   # no stop came: the held-back tail was text after all
+        except GeneratorExit:       # Stream.close() while paused at a yield
+            reason = "cancelled"
+            raise
+        finally:
+            rounds.close()
+            stats.total_s = time.perf_counter() - t0
+            stats.new_tokens = len(out)
+            stats.finish_reason = reason
+            stats.tok_s = len(out) / stats.total_s if stats.total_s > 0 else 0.0  # prefill included
+            stats.tau = produced / stats.rounds if stats.rounds else 0.0  # a round that only emits EOS still counts 1
+            final = text[:sent] if stop and reason == "cancelled" else detok.emitted if not stop else text
+            stream.result = Result(text=final, token_ids=out, stats=stats)

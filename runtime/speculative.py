@@ -8,27 +8,27 @@ greedy output equals target-only greedy output and sampled output has the target
 manifest says it does not, e.g. int8 activations, Stats.exact is False).
 
 Glossary: pending = context tokens not yet in the target's cache (one, or the prompt on round 1);
-k = draft length asked for (a tree's depth; 0 = plain decoding); tau = tokens per round. `AdaptiveK` (control.py) picks k;
-`make_decoder` maps a --speculate name to a proposer, once.
+k = draft length asked for (a tree's depth; 0 = plain decoding); tau = tokens per round. A controller
+(control.py) picks k; `make_decoder` maps a --speculate name to a proposer and a controller, once.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..errors import SpecrtError
 from ..manifest import Manifest
-from .engine import OrtEngine
-from .generate import Stats, plain_decode
+from .control import AdaptiveK, Controller, FixedK, GatedK, Round
+from .engine import Engine, EngineOptions, open_engine, open_heads
+from .generate import PlainDecoder, Stats
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.hybrid import LookupMedusa
-from .proposers.medusa import Medusa, MedusaHeads
+from .proposers.medusa import Medusa
 from .sampling import SamplingParams, probs_from_logits
-from .control import AdaptiveK, FixedK, GatedK
 from .tree import tree_layout
 from .verify import Draft, verify, verify_greedy, verify_typical
 
@@ -36,9 +36,8 @@ MAX_DRAFT_TOKENS = 32
 MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "auto")
 
 
-def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                       stats: Stats, *, proposer: Proposer, control, width_exact: bool = True,
-                       accept=verify) -> Iterator[list[int]]:
+def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
+                       stats: Stats, *, proposer: Proposer, control: Controller, accept=verify) -> Iterator[list[int]]:
     """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
     explicit, lossy opt-in, which Stats.exact and Stats.lossy report)."""
     ctx = Context(prompt, engine.max_context + 1)
@@ -74,18 +73,14 @@ def speculative_decode(engine: OrtEngine, prompt: list[int], sampling: SamplingP
             t2 = time.perf_counter()
             path = None if draft.parents is None else np.concatenate([np.arange(P), P + result.path])
             engine.commit(P + result.num_accepted, path)
-            # 4. observe: the proposer syncs its state, the controller learns acceptance and costs
+            # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
             proposer.observe(result)
-            control.observe(asked=k, width=P + n, result=result, draft_s=t1 - t0, verify_s=t2 - t1, first=P > 1,
-                            bucket=bucket)
+            r = Round(bucket, k, n, P + n, result, t1 - t0, t2 - t1, P > 1)
+            control.observe(r)
+            stats.observe(r, engine.width_exact)
             d = result.acceptance.size
             drafted[:d] += 1
             accepted[:d] += result.acceptance
-            stats.rounds += 1
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.exact &= (width_exact or n == 0) and not result.lossy
-            stats.lossy |= result.lossy
             out = result.tokens
             ctx.extend(out)
             yield out.tolist()
@@ -117,12 +112,10 @@ class SpeculativeConfig:
     draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
 
 
-def _prompt_lookup(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
     sizes = cfg.ngram_sizes
-    if cfg.draft_tokens is not None:
-        # a fixed K drafts K tokens after any match; after a 1-token match the first is right ~22% of the
-        # time (measured on the shipped prompts), which only pays with the short drafts AdaptiveK picks
-        sizes = tuple(n for n in sizes if n >= 2) or sizes
+    if cfg.draft_tokens is not None:  # a fixed K after a 1-token match rarely pays (docs/runtime-notes.md,
+        sizes = tuple(n for n in sizes if n >= 2) or sizes  # "Prompt lookup with a fixed K")
     return PromptLookup(sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
 
 
@@ -135,22 +128,22 @@ def draft_entry(manifest: Manifest, precision: str):
     return next((d for d in drafts if d.precision == precision), drafts[0])
 
 
-def _draft_model(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
-    eng = OrtEngine.from_entry(manifest.root, draft_entry(manifest, precision), threads, taking_turns=True)
+def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+    eng = open_engine(manifest.root, draft_entry(manifest, precision), replace(options, taking_turns=True))
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 
-def _medusa(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
+def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
     heads = [e for e in manifest.engines.values() if e.role == "medusa"]
     if not heads:
         raise SpecrtError(f"engine set '{manifest.root}' has no Medusa heads; rebuild it with "
                           "`specrt engines --medusa-heads heads/smollm2-135m.npz` or use --speculate prompt-lookup")
     e = heads[0]
-    return Medusa(MedusaHeads(manifest.root / e.file, threads=1), [tuple(p) for p in e.raw["medusa"]["tree"]])
+    return Medusa(open_heads(manifest.root, e, options), [tuple(p) for p in e.raw["medusa"]["tree"]])
 
 
-def _lookup_medusa(manifest: Manifest, precision: str, threads: int, cfg: SpeculativeConfig) -> Proposer:
-    return LookupMedusa(_prompt_lookup(manifest, precision, threads, cfg), _medusa(manifest, precision, threads, cfg))
+def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+    return LookupMedusa(_prompt_lookup(manifest, precision, options, cfg), _medusa(manifest, precision, options, cfg))
 
 
 # --speculate NAME -> proposer factory: the one place a method name picks code
@@ -161,44 +154,47 @@ PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup
 def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
     """The --speculate name 'auto' stands for on this engine set (other names are returned as they are).
 
-    'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32, else
-    prompt lookup."""
+    'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32 (the heads were
+    trained on fp32 hidden states), else prompt lookup (docs/runtime-notes.md, "auto's choice per precision")."""
     if mode not in MODES:
         raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
     if mode != "auto":
         return mode
     roles = manifest.roles
-    # measured on the bench prompts (BENCHMARKS.md, session 5): at fp32 lookup+medusa 1.59-1.61x, prompt
-    # lookup 1.56x, Medusa alone 1.11x over plain; at int4 the heads (trained on fp32 hidden states, ~4% of
-    # a 7.6 ms step) add nothing: 3.38x vs 3.42x. A draft model, where the set has one, beats all of them.
     heads = "medusa" in roles and manifest.engine("target", precision).precision == "fp32"
     return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
 
 
-def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *, threads: int = 0,
-                 config: SpeculativeConfig = SpeculativeConfig()):
-    """A decode strategy for Generator.stream(decode=...): plain for 'off', else the speculative loop
-    ('auto': see resolve_mode). The returned callable keeps the proposer and the measured pass costs
-    across requests. A draft model's target should be loaded with Generator(..., taking_turns=True)."""
+class SpeculativeDecoder:
+    """A decode strategy for Generator.stream(decode=...): the speculative loop with one proposer and one
+    controller, kept across requests (the controller's measured pass costs and per-bucket acceptance)."""
+
+    def __init__(self, proposer: Proposer, control: Controller, accept=verify):
+        self.proposer, self.control, self.accept = proposer, control, accept
+        self.name = proposer.name
+
+    def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
+                 stats: Stats) -> Iterator[list[int]]:
+        return speculative_decode(engine, prompt, sampling, rng, stats, proposer=self.proposer, control=self.control,
+                                  accept=self.accept)
+
+
+def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
+                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig()):
+    """The decoder of a --speculate name: PlainDecoder for 'off', else a SpeculativeDecoder ('auto': see
+    resolve_mode). Engines it opens (a draft model, heads) use `options`, on the target's backend."""
     k = config.draft_tokens
     if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
         raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
     target = manifest.engine("target", precision)
     mode = resolve_mode(mode, manifest, precision)
     if mode == "off":
-        return plain_decode
-    proposer = PROPOSERS[mode](manifest, precision, threads, config)
+        return PlainDecoder()
+    proposer = PROPOSERS[mode](manifest, precision, options, config)
     if k is not None:
         control = FixedK(k)
     elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
         control = GatedK(proposer.max_tokens)
     else:
         control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets)
-
-    def decode(engine, prompt, sampling, rng, stats):
-        return speculative_decode(engine, prompt, sampling, rng, stats, proposer=proposer, control=control,
-                                  width_exact=target.width_exact,
-                                  accept=verify_typical if config.lossy_typical else verify)
-
-    decode.proposer, decode.control = proposer, control
-    return decode
+    return SpeculativeDecoder(proposer, control, verify_typical if config.lossy_typical else verify)

@@ -196,7 +196,6 @@ def generate(
     """Generate from an engine set; streams text, then prints stats to stderr."""
 
     def run():
-        from .runtime.generate import Generator
         from .runtime.sampling import SamplingParams
         from .runtime.tokenizer import load_messages_file
 
@@ -215,16 +214,14 @@ def generate(
             raise SpecrtError(re.sub(r"\b(temperature|top_k|top_p)\b=?",
                                      lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
                                      str(e))) from None
-        from .manifest import load_manifest
-        from .runtime.speculative import SpeculativeConfig, make_decoder, resolve_mode
+        from .runtime.engine import EngineOptions
+        from .runtime.session import load
+        from .runtime.speculative import SpeculativeConfig
 
-        manifest = load_manifest(Path(engines_dir))
-        drafting = resolve_mode(speculate, manifest, precision) == "draft"  # the target takes turns with a draft
-        gen = Generator(manifest, precision, threads, taking_turns=drafting)
-        decode = make_decoder(speculate, gen.manifest, precision, threads=threads,
-                              config=SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical))
-        s = gen.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
-                       decode=decode, ignore_eos=ignore_eos)
+        session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),
+                       SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical))
+        s = session.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
+                           ignore_eos=ignore_eos)
         for delta in s:
             if stream and not as_json:
                 sys.stdout.write(delta)
@@ -346,7 +343,7 @@ def _screen_status(entry: dict) -> str:
     facts = entry.get("screen")
     if not facts:
         return "-"
-    from .runtime.engine import screen_unusable
+    from .runtime.backends.onnxruntime_cpu import screen_unusable
 
     why = screen_unusable(facts, entry.get("build_versions"))
     check = facts.get("check") or {}

@@ -17,8 +17,8 @@ from .errors import SpecrtError
 
 SCHEMA_VERSION = 1
 ROLES = ("target", "draft", "medusa", "eagle")
-BACKENDS = ("onnxruntime", "tensorrt")
-RUNTIME_BACKENDS = ("onnxruntime",)  # what runtime/ can load today (TensorRT: not implemented yet)
+BACKENDS = ("onnxruntime", "tensorrt", "reference")
+RUNTIME_BACKENDS = ("onnxruntime", "reference")  # what runtime/backends/ can open (TensorRT: not implemented yet)
 
 
 def tool_versions(packages=("specrt", "torch", "transformers", "onnx", "onnxruntime", "gguf")) -> dict:

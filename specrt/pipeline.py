@@ -249,7 +249,7 @@ def _build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, no
     from .export.graph import read_initializers
     from .export.medusa import choose_tree, export_heads_onnx, load_heads, tree_from_accuracies
     from .build.ort import precision
-    from .runtime.engine import screen_unusable
+    from .runtime.backends.onnxruntime_cpu import screen_unusable
     from .runtime.tree import compile_tree
 
     log(f"building Medusa heads engine from {heads_path}")
@@ -304,7 +304,7 @@ def _calibration(cache: Path, facts: dict) -> list[list[int]]:
 
 
 def _engine(path: Path, facts: dict, session_config=None, screen: bool = False):
-    from .runtime.engine import OrtEngine
+    from .runtime.backends.onnxruntime_cpu import OrtEngine
 
     s = facts["spec"]
     return OrtEngine(path, num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specrt.runtime.engine import EngineOptions
 from specrt.bench.prompts import CATEGORIES, DEFAULT_PROMPTS, load_prompts, select
 from specrt.bench.runner import BenchConfig, first_divergence, run_bench
 from specrt.errors import SpecrtError
@@ -226,7 +227,7 @@ def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     prompts = write_prompts(tmp_path / "p.jsonl", max_new_tokens=8)
     first = load_prompts(prompts)[0]
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     from specrt.runtime.tokenizer import Message
 
     plain = gen.generate([Message(r, c) for r, c in first.messages], max_new_tokens=8).token_ids

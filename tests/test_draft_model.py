@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from specrt.runtime.engine import EngineOptions
 from specrt.errors import SpecrtError
 from specrt.manifest import load_manifest
 from specrt.pipeline import EngineSetRequest, make_engine_set
@@ -40,7 +41,7 @@ def _generate(engines, mode="draft", k=None, n=48, **kw):
     from specrt.runtime.generate import Generator
     from specrt.runtime.speculative import SpeculativeConfig, make_decoder
 
-    gen = Generator.load(engines, "fp32", threads=1)
+    gen = Generator.load(engines, "fp32", EngineOptions(threads=1))
     dec = None if mode == "off" else make_decoder(mode, gen.manifest, config=SpeculativeConfig(draft_tokens=k))
     return gen.generate(PROMPT, max_new_tokens=n, decode=dec, **kw)
 
@@ -66,18 +67,16 @@ def test_greedy_draft_equals_target_only(pair_engines, k):
 def test_target_and_draft_stop_spinning_between_turns(pair_engines, tiny_engines):
     """Sessions that take turns must not spin on the cores the other one needs (engine.TAKING_TURNS);
     a lone target keeps ORT's default (spinning after a Run makes back-to-back plain steps faster)."""
-    from specrt.runtime.generate import Generator
-    from specrt.runtime.speculative import make_decoder
+    from specrt.runtime.session import load
 
     def entry(engine, key="session.force_spinning_stop") -> str:
         return engine.session.get_session_options().get_session_config_entry(key)
 
-    gen = Generator.load(pair_engines, "fp32", threads=1)
-    dec = make_decoder("draft", gen.manifest)
-    assert entry(gen.engine) == "1" and entry(dec.proposer.engine) == "1"
-    assert entry(gen.engine, "session.dynamic_block_base") == "4"  # the manifest's own settings stay
-    for lone in (Generator.load(tiny_engines, "fp32", threads=1),
-                 Generator.load(pair_engines, "fp32", threads=1, taking_turns=False)):  # plain on a pair set
+    session = load(pair_engines, "fp32", "draft", EngineOptions(threads=1))   # the loader decides: taking turns
+    assert entry(session.engine) == "1" and entry(session.decoder.proposer.engine) == "1"
+    assert entry(session.engine, "session.dynamic_block_base") == "4"  # the manifest's own settings stay
+    for lone in (load(tiny_engines, "fp32", "auto", EngineOptions(threads=1)),
+                 load(pair_engines, "fp32", "off", EngineOptions(threads=1))):  # plain on a pair set
         with pytest.raises(RuntimeError):  # ORT raises for an entry that was never set
             entry(lone.engine)
 
@@ -101,7 +100,7 @@ def test_draft_cache_tracks_accepted_tokens(pair_engines):
 
     from specrt.runtime.generate import Generator
 
-    gen = Generator.load(pair_engines, "fp32", threads=1)
+    gen = Generator.load(pair_engines, "fp32", EngineOptions(threads=1))
     proposer = make_decoder("draft", gen.manifest).proposer
     ids = gen.prompt_ids(PROMPT)
     ctx_tokens = list(ids)
@@ -121,7 +120,7 @@ def test_sampled_drafting_keeps_q(pair_engines):
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import make_decoder
 
-    gen = Generator.load(pair_engines, "fp32", threads=1)
+    gen = Generator.load(pair_engines, "fp32", EngineOptions(threads=1))
     proposer = make_decoder("draft", gen.manifest).proposer
     ctx = Context(gen.prompt_ids(PROMPT), 256)
     proposer.start(ctx, SamplingParams(temperature=0.8, top_k=20, seed=1), np.random.default_rng(1))
@@ -216,7 +215,7 @@ def test_sampled_draft_model_has_the_target_distribution(pair_engines, k):
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import FixedK, make_decoder, speculative_decode
 
-    gen = Generator.load(pair_engines, "fp32", threads=1)
+    gen = Generator.load(pair_engines, "fp32", EngineOptions(threads=1))
     prompt = gen.prompt_ids(PROMPT)
     params = SamplingParams(temperature=1.0, top_k=3)
     proposer = make_decoder("draft", gen.manifest).proposer

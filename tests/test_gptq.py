@@ -90,10 +90,11 @@ def test_hessians_are_the_gram_matrices_of_the_matmul_inputs(tiny_engines):
     seqs = [[1, 5, 9, 12, 7], [3, 3, 8]]
     grams, tokens = hessians(model, cache, seqs)
     assert tokens == 8
-    from specrt.runtime.engine import OrtEngine
+    from specrt.runtime.engine import EngineOptions, open_engine
 
     fp32 = m.engine("target", "fp32")
-    eng = OrtEngine.from_entry(m.root, fp32, 1, with_hidden=True)
+    eng = open_engine(m.root, fp32, EngineOptions(threads=1))
+    eng.enable_hidden()
     hidden = []
     for s in seqs:
         eng.rewind(0)

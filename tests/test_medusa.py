@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specrt.runtime.engine import EngineOptions
 from specrt.runtime.tree import compile_tree
 
 
@@ -103,7 +104,7 @@ def medusa_gen(tiny_dir, tiny_heads, tmp_path_factory):
     path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-medusa", ("fp32", "int4"), 256,
                                             tmp_path_factory.mktemp("engines"),
                                             medusa_heads=tiny_heads["out"] / "heads.npz"), log=lambda m: None)
-    return Generator.load(path, "fp32", threads=1)
+    return Generator.load(path, "fp32", EngineOptions(threads=1))
 
 
 def test_greedy_medusa_equals_target_greedy(medusa_gen):
@@ -117,11 +118,11 @@ def test_greedy_medusa_equals_target_greedy(medusa_gen):
     for prompt in ("def add(a, b):", "The quick brown fox", "Hello, how are you?"):
         plain = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams())
         med = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
-                           decode=make_decoder("medusa", gen.manifest, "fp32", threads=1))
+                           decode=make_decoder("medusa", gen.manifest, "fp32", options=EngineOptions(threads=1)))
         assert med.token_ids == plain.token_ids
         assert med.stats.proposer == "medusa"
         auto = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
-                            decode=make_decoder("auto", gen.manifest, "fp32", threads=1))
+                            decode=make_decoder("auto", gen.manifest, "fp32", options=EngineOptions(threads=1)))
         assert auto.token_ids == plain.token_ids and auto.stats.proposer == "lookup+medusa"
 
 
@@ -220,9 +221,9 @@ def test_sampling_is_exact_unless_lossy_typical_is_asked(medusa_gen):
     m = medusa_gen.manifest
     sp = SamplingParams(temperature=0.8, seed=3)
     exact = medusa_gen.generate("def add(a, b):", max_new_tokens=24, sampling=sp,
-                                decode=make_decoder("medusa", m, "fp32", threads=1))
+                                decode=make_decoder("medusa", m, "fp32", options=EngineOptions(threads=1)))
     lossy = medusa_gen.generate("def add(a, b):", max_new_tokens=24, sampling=sp,
-                                decode=make_decoder("medusa", m, "fp32", threads=1,
+                                decode=make_decoder("medusa", m, "fp32", options=EngineOptions(threads=1),
                                                     config=SpeculativeConfig(lossy_typical=True)))
     assert exact.stats.exact and not exact.stats.lossy
     assert not lossy.stats.exact and lossy.stats.lossy and lossy.stats.as_dict()["lossy"] is True
@@ -256,7 +257,7 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
     from specrt.runtime.speculative import make_decoder
 
     gen = medusa_gen
-    decode = make_decoder("lookup+medusa", gen.manifest, "fp32", threads=1)
+    decode = make_decoder("lookup+medusa", gen.manifest, "fp32", options=EngineOptions(threads=1))
     hybrid = decode.proposer
     assert isinstance(hybrid, LookupMedusa) and hybrid.first_medusa == 4  # sizes 6, 4, 3, 2 look up
     kinds = {"chain": 0, "tree": 0}
@@ -276,8 +277,8 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
         assert out.token_ids == plain.token_ids and out.stats.proposer == "lookup+medusa"
     assert kinds["chain"] > 0 and kinds["tree"] > 0, kinds
     # auto takes it at fp32 only: at int4 the heads (trained on fp32 hidden states) measured no gain
-    assert make_decoder("auto", gen.manifest, "fp32", threads=1).proposer.name == "lookup+medusa"
-    assert make_decoder("auto", gen.manifest, "int4", threads=1).proposer.name == "prompt-lookup"
+    assert make_decoder("auto", gen.manifest, "fp32", options=EngineOptions(threads=1)).proposer.name == "lookup+medusa"
+    assert make_decoder("auto", gen.manifest, "int4", options=EngineOptions(threads=1)).proposer.name == "prompt-lookup"
 
 
 def test_corrupt_heads_engine_is_one_line(medusa_gen, tmp_path):
@@ -293,9 +294,9 @@ def test_corrupt_heads_engine_is_one_line(medusa_gen, tmp_path):
     f.write_bytes(f.read_bytes()[:200])
     from specrt.runtime.generate import Generator
 
-    gen = Generator.load(broken, "fp32", threads=1)
+    gen = Generator.load(broken, "fp32", EngineOptions(threads=1))
     with pytest.raises(SpecrtError, match=r"cannot load engine .*medusa-fp32\.onnx.*rebuild"):
-        make_decoder("medusa", gen.manifest, "fp32", threads=1)
+        make_decoder("medusa", gen.manifest, "fp32", options=EngineOptions(threads=1))
 
 
 def test_heads_of_another_hidden_size_are_an_error_at_load(medusa_gen, tmp_path):
@@ -360,7 +361,8 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
     set's trained heads."""
     from specrt.bench.ceiling import medusa_ranks, onnx_heads, replay_tree, tree_accepts
     from specrt.export.medusa import export_heads_onnx, load_heads
-    from specrt.runtime.proposers.medusa import Medusa, MedusaHeads
+    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.proposers.medusa import Medusa
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import FixedK, speculative_decode
 
@@ -370,7 +372,7 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
     export_heads_onnx(load_heads(tiny_heads["out"] / "heads.npz"), tiny_heads["lm_head"], onnx_path, 2)
     table = ReplayHeads(seq, hid, medusa_gen.engine.vocab_size)
     table_batch = lambda h, t: np.stack([table(a, b) for a, b in zip(h, t)])  # noqa: E731
-    for heads, batch in ((table, table_batch), (MedusaHeads(onnx_path), onnx_heads(onnx_path))):
+    for heads, batch in ((table, table_batch), (OrtHeads(onnx_path), onnx_heads(onnx_path))):
         ranks = medusa_ranks(batch, hid, seq, P, n, 2)
         assert ranks.shape == (n, 3) and (ranks[0] == 2).all()
         tokens, rounds, cost = replay_tree(ranks, set(TREE), 2.0)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specrt.runtime.engine import EngineOptions
 from specrt.errors import SpecrtError
 from specrt.runtime.proposers import Context, PromptLookup
 
@@ -80,7 +81,7 @@ def test_greedy_prompt_lookup_equals_plain_on_tiny_engine(tiny_engines):
     from specrt.runtime.generate import Generator
     from specrt.runtime.speculative import SpeculativeConfig, make_decoder
 
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     prompt = "def add(a, b):\n    return a + b\n" * 3 + "The quick brown fox jumps over the lazy dog. " * 2
     plain = gen.generate(prompt, max_new_tokens=60)
     for cfg in (SpeculativeConfig(), SpeculativeConfig(draft_tokens=5), SpeculativeConfig(ngram_sizes=(1,))):

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from specrt.runtime.engine import EngineOptions
 from specrt.errors import SpecrtError
-from specrt.runtime.generate import Generator, Stats, plain_decode
+from specrt.runtime.generate import Generator, PlainDecoder, Stats, plain_decode
 from specrt.runtime.proposers import Context, OneBucket
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
+from specrt.runtime.control import Round
 from specrt.runtime.speculative import (AdaptiveK, FixedK, GatedK, SpeculativeConfig, make_decoder, speculative_decode,
                                         tree_inputs)
 from specrt.runtime.tree import compile_tree
@@ -65,7 +67,7 @@ def test_tree_inputs_match_compiled_trees():
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_oracle_chain_and_tree_equal_target_only(tiny_engines, tree):
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     prompt = _prompt(gen)
     ref = _run(plain_decode, gen, prompt, 30)
     proposer = Oracle(ref, gen.engine.vocab_size, tree)
@@ -88,7 +90,7 @@ def test_trees_are_cut_to_the_room_left_at_the_end_of_the_context(tiny_engines):
     loop keeps the nodes that fit, and decoding fills the context with target-only greedy's tokens.
     Four prompt lengths put the free places of the last tree rounds at every residue of the 4 tokens
     a round emits (the uncut tree raised ContextFullError with 3, 4 or 5 places left)."""
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     for cut in range(4):
         prompt = _prompt(gen)[cut:]
         n = gen.engine.max_context - len(prompt)
@@ -110,13 +112,14 @@ def _run(decode, gen, prompt, n, stats=None, sampling=SamplingParams(), rng=None
 
 
 def test_stats_say_not_exact_on_width_inexact_engines(tiny_engines):
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     prompt = _prompt(gen)
     ref = _run(plain_decode, gen, prompt, 8)
     for width_exact in (True, False):
         stats = Stats()
-        _run(lambda *a: speculative_decode(*a, proposer=Oracle(ref, 384, False), control=FixedK(2),
-                                           width_exact=width_exact), gen, prompt, 8, stats)
+        gen.engine.width_exact = width_exact   # what the manifest records for the engine
+        _run(lambda *a: speculative_decode(*a, proposer=Oracle(ref, 384, False), control=FixedK(2)),
+             gen, prompt, 8, stats)
         assert stats.exact is width_exact and stats.proposer == "oracle" and not stats.lossy
 
 
@@ -174,7 +177,7 @@ def _bonus_from_the_wrong_row(probs, draft, rng):
 
 
 def _oracle_counts(tiny_engines, k: int, accept=verify, n: int = 1500):
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     prompt = _prompt(gen)
     params = SamplingParams(temperature=1.0, top_k=3)
     ref = _run(plain_decode, gen, prompt, 4)
@@ -209,8 +212,7 @@ def _feed(ctl: AdaptiveK, acc, cost, rounds: int) -> list[int]:
         k = ctl.k()
         ks.append(k)
         a = np.array(acc[:k], bool) if isinstance(acc, list) else np.cumprod(rng.random(k) < acc).astype(bool)
-        ctl.observe(asked=k, width=1 + k, result=SimpleNamespace(acceptance=a), draft_s=1e-5 * k,
-                    verify_s=cost(1 + k), first=False)
+        ctl.observe(Round(0, k, k, 1 + k, SimpleNamespace(acceptance=a), 1e-5 * k, cost(1 + k), False))
     return ks
 
 
@@ -219,7 +221,7 @@ def test_adaptive_k_alpha_is_the_prior_chained_recurrence():
     rng = np.random.default_rng(1)
     tries = rng.random((3, 16)) * 7 * (rng.random((3, 16)) < 0.7)   # unmeasured positions too
     hits = tries * rng.random((3, 16))
-    ctl.tries, ctl.hits = tries.tolist(), hits.tolist()
+    ctl.acceptance.tries, ctl.acceptance.hits = tries.tolist(), hits.tolist()
     expect, prior = np.empty((3, 16)), np.full(3, AdaptiveK.ALPHA0)
     for i in range(16):   # alpha_i = (hits_i + N alpha_{i-1}) / (tries_i + N): the definition, as a loop
         prior = expect[:, i] = (hits[:, i] + ctl.PRIOR_N * prior) / (tries[:, i] + ctl.PRIOR_N)
@@ -239,7 +241,7 @@ def test_adaptive_k_switches_off_when_speculation_does_not_pay_and_retries():
     assert first_off < 10                                   # learns quickly that drafts are wrong
     assert sum(k > 0 for k in ks) < 30                      # mostly off ...
     assert any(k > 0 for k in ks[first_off + 16:])          # ... but retried after the backoff
-    assert ctl.backoff[0] > AdaptiveK.BACKOFF0                 # and backs off longer each time it loses
+    assert ctl.backoff.length[0] > AdaptiveK.BACKOFF0                # and backs off longer each time it loses
 
 
 def test_adaptive_k_prefers_short_drafts_when_wide_passes_are_expensive():
@@ -258,8 +260,8 @@ def test_adaptive_k_sizes_each_bucket_for_its_own_acceptance_and_keeps_it_across
             b = r % 2
             k = ctl.k(b)
             acc = np.ones(k, bool) if b == 0 else np.zeros(min(k, 1), bool)  # bucket 1: always wrong
-            ctl.observe(asked=k, width=1 + k, result=SimpleNamespace(acceptance=acc), draft_s=1e-5 * k,
-                        verify_s=0.01 * (1 + 0.05 * k) * (1 + 0.01 * rng.random()), first=False, bucket=b)
+            ctl.observe(Round(b, k, k, 1 + k, SimpleNamespace(acceptance=acc), 1e-5 * k,
+                              0.01 * (1 + 0.05 * k) * (1 + 0.01 * rng.random()), False))
         assert ctl.k(0) == 8 or ctl.since_plain >= AdaptiveK.PROBE   # the sure bucket drafts long ...
         assert ctl.off[1] > 0 and ctl.off[0] == 0                      # ... the wrong one is off alone
     ctl.start()                                             # a new request starts from what was learned
@@ -274,8 +276,8 @@ def _gate(ctl: GatedK, accepted, cost: float, rounds: int) -> list[int]:
         k = ctl.k()
         ks.append(k)
         kept = accepted if isinstance(accepted, int) else int(rng.choice(3, p=accepted))
-        ctl.observe(asked=k, width=4 if k else 1, result=SimpleNamespace(num_accepted=kept if k else 0),
-                    draft_s=0.0, verify_s=0.010 * (cost if k else 1.0), first=False)
+        ctl.observe(Round(0, k, 3 if k else 0, 4 if k else 1, SimpleNamespace(num_accepted=kept if k else 0),
+                          0.0, 0.010 * (cost if k else 1.0), False))
     return ks
 
 
@@ -296,8 +298,8 @@ def test_gated_k_keeps_a_paying_tree():
 
 
 def test_make_decoder_maps_names_once(tiny_engines):
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
-    assert make_decoder("off", gen.manifest) is plain_decode
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
+    assert isinstance(make_decoder("off", gen.manifest), PlainDecoder)
     auto = make_decoder("auto", gen.manifest)               # no draft engine in this set
     assert auto.proposer.name == "prompt-lookup" and isinstance(auto.control, AdaptiveK)
     assert isinstance(make_decoder("prompt-lookup", gen.manifest,
@@ -327,7 +329,7 @@ def test_real_default_prompt_lookup_equals_plain_greedy(default_engines):
 
 def test_tau_counts_every_token_the_target_emitted(tiny_engines):
     """A round that ends in EOS counts its tokens too: 3 rounds emitting 2 + 2 + EOS -> tau 5/3."""
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     eos = gen.manifest.eos_token_ids[0]
 
     def scripted(engine, prompt, sampling, rng, stats):
@@ -342,7 +344,7 @@ def test_tau_counts_every_token_the_target_emitted(tiny_engines):
 
 def test_ignore_eos_decodes_through_eos_to_the_budget(tiny_engines):
     """ignore_eos keeps EOS in the output and stops only at max_new_tokens (benchmarks at equal length)."""
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     eos = gen.manifest.eos_token_ids[0]
 
     def scripted(engine, prompt, sampling, rng, stats):
@@ -360,7 +362,7 @@ def test_seeded_sampling_gives_plain_output_with_deterministic_drafts(tiny_engin
     """verify's sample-and-match form for one-hot drafts draws once per emitted token, in plain
     sampling's order: a seeded speculative run returns plain sampling's own tokens, whatever draft
     lengths the adaptive controller picked, and again on a reused Generator."""
-    gen = Generator.load(tiny_engines, "fp32", threads=1)
+    gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     prompt = "def add(a, b):\n    return a + b\n" * 3 + "The quick brown fox jumps over the lazy dog. " * 2
     kept = 0
     for seed in (1, 2, 3):
@@ -378,7 +380,7 @@ def test_streamed_text_never_leaks_a_stop_that_spans_tokens(default_engines):
     """Deltas are held back while the text's tail could still grow into a stop string: the stream
     joins to exactly result.text, plain or speculative, and a tail that never completes a stop is
     flushed at the end."""
-    gen = Generator.load(default_engines, "fp32", threads=1)
+    gen = Generator.load(default_engines, "fp32", EngineOptions(threads=1))
     prompt = "Write a short poem about the sea."
     full = gen.generate(prompt, max_new_tokens=40)
     pieces = [gen.codec.decode([t]) for t in full.token_ids]

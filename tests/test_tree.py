@@ -93,7 +93,7 @@ def test_tree_pass_equals_branch_by_branch(tiny_engines):
     decoding that node's root-to-node branch token by token; commit(path) then leaves the cache
     exactly as decoding the accepted branch would."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.engine import OrtEngine
+    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
 
     e = load_manifest(tiny_engines).engine("target", "fp32")
     mk = lambda: OrtEngine(tiny_engines / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,  # noqa: E731
@@ -135,7 +135,7 @@ def test_tree_pass_over_an_empty_cache_keeps_siblings_apart(tiny_engines):
     7e-7 once anything is cached (1, 2 or 5 pending tokens), so a tree proposer that drafts on round 1
     could flip a near-tie later; OrtEngine.forward now feeds the first token alone in that case."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.engine import OrtEngine
+    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
     from specrt.runtime.speculative import tree_inputs
 
     e = load_manifest(tiny_engines).engine("target", "fp32")
@@ -154,7 +154,7 @@ def test_split_first_pass_returns_every_row_in_place(tiny_engines):
     """The empty-cache split (above) must hand back all rows where one pass would: logits and hidden
     states of every token, the first included, and the same cache contents."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.engine import OrtEngine
+    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
     from specrt.runtime.speculative import tree_inputs
 
     e = load_manifest(tiny_engines).engine("target", "fp32")

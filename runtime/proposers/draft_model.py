@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import SpecrtError
-from ..engine import OrtEngine
+from ..engine import Engine
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..verify import Draft, VerifyResult
 from .base import EMPTY, Context, OneBucket
@@ -27,7 +27,7 @@ class DraftModel(OneBucket):
     name = "draft"
     adaptive = True
 
-    def __init__(self, engine: OrtEngine, max_tokens: int = 8, sampled: bool | None = None):
+    def __init__(self, engine: Engine, max_tokens: int = 8, sampled: bool | None = None):
         """sampled: None = sample when the request samples, greedy otherwise; True/False force it."""
         if not 1 <= max_tokens < engine.max_pass_tokens:
             raise SpecrtError(f"draft max_tokens must be in 1..{engine.max_pass_tokens - 1}, got {max_tokens}")

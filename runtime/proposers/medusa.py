@@ -18,48 +18,22 @@ context end the loop keeps the first nodes that fit.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import onnxruntime as ort
 
 from ...errors import SpecrtError
-from ..engine import open_session
+from ..engine import Heads
 from ..tree import compile_tree
 from ..verify import Draft, VerifyResult
 from .base import EMPTY, Context, OneBucket
 
 
-class MedusaHeads:
-    """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first."""
-
-    def __init__(self, onnx_path: Path, threads: int = 1):
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        self.session = open_session(onnx_path, so)
-        shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
-        self.heads, self.topk = int(shape[1]), int(shape[2])
-        self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)
-        self._t = np.zeros(1, np.int64)
-        self._feed = {"hidden": self._h}
-        if any(i.name == "token" for i in self.session.get_inputs()):
-            self._feed["token"] = self._t
-
-    def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
-        self._h[0], self._t[0] = hidden, token
-        return self.session.run(["candidates"], self._feed)[0][0]
-
-
 class Medusa(OneBucket):
     name = "medusa"
-    # the tree was sized at build time from measured head accuracies and pass costs; AdaptiveK's
-    # chain model (per-position acceptance, width = k + 1) misjudges a tree and was measured
-    # cutting it short (tau 1.36 vs 2.0 with the full tree on a docs prompt), so the loop asks
-    # for the whole tree, and GatedK switches it off while it does not pay
+    # the tree was sized at build time; AdaptiveK's chain model misjudges a tree, so the loop asks for the whole
+    # tree and GatedK only switches it on or off (docs/runtime-notes.md, "Why Medusa's tree is not sized by AdaptiveK")
     adaptive = False
 
-    def __init__(self, heads: MedusaHeads, paths):
+    def __init__(self, heads: Heads, paths):
         full = compile_tree(paths)
         if full.max_depth > heads.heads or full.max_rank > heads.topk:
             raise SpecrtError(f"Medusa tree needs {full.max_depth} heads and top-{full.max_rank}, the heads engine has "

@@ -1,0 +1,27 @@
+"""Backend registry: the manifest's `backend` field -> the module that runs engines of that kind.
+
+Each module exposes `open_engine(root, entry, options) -> Engine` and `open_heads(root, entry, options) ->
+Heads` (runtime/engine.py) and is imported only when an engine of its kind opens, so the loop, `--help`
+and the CPU tests never import a backend library they do not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ...errors import SpecrtError
+
+MODULES = {
+    "onnxruntime": "specrt.runtime.backends.onnxruntime_cpu",  # ONNX Runtime's CPU provider
+    "reference": "specrt.runtime.backends.reference",          # numpy, for tests: the contract's executable spec
+}
+
+
+def backend(entry) -> ModuleType:
+    """The module of entry.backend, imported now."""
+    name = entry.backend
+    if name not in MODULES:
+        raise SpecrtError(f"engine '{entry.name}' is a {name} engine, which this specrt cannot run yet (it runs: "
+                          f"{', '.join(MODULES)}); rebuild the engine set with `specrt engines`")
+    return importlib.import_module(MODULES[name])

@@ -1,0 +1,65 @@
+"""One loader for every front end (the CLI, the bench, the server): an engine set, a precision and a --speculate
+name -> a Session that streams answers.
+
+    session = load("engines/smollm2-135m", precision="fp32", speculate="auto")
+    stream = session.stream("Hello", max_new_tokens=64)
+    for delta in stream: ...
+    stream.result.stats        # stream.close() stops it at the next round boundary ("cancelled")
+
+`load` resolves 'auto' once, decides whether the target takes turns with a draft model on the cores, opens the
+target through the backend registry, and builds the decoder (proposer + controller), which keeps what it
+measured across requests. A Session serves one request at a time (one KV cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..manifest import Manifest, load_manifest
+from .engine import Engine, EngineOptions
+from .generate import Generator, Result, Stream
+from .speculative import SpeculativeConfig, make_decoder, resolve_mode
+from .tokenizer import Message
+
+
+@dataclass
+class Session:
+    manifest: Manifest
+    precision: str
+    mode: str              # the resolved --speculate name ('auto' resolved; 'off' = plain decoding)
+    generator: Generator
+    decoder: object        # PlainDecoder or SpeculativeDecoder: .proposer and .control (None when plain)
+
+    @property
+    def engine(self) -> Engine:
+        return self.generator.engine
+
+    def stream(self, prompt: str | list[Message], **kwargs) -> Stream:
+        """Generator.stream's arguments (max_new_tokens, sampling, stop, chat, ignore_eos), this session's decoder."""
+        return self.generator.stream(prompt, decode=self.decoder, **kwargs)
+
+    def generate(self, prompt: str | list[Message], **kwargs) -> Result:
+        return self.generator.generate(prompt, decode=self.decoder, **kwargs)
+
+
+def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "off",
+         options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
+         shared: dict | None = None) -> Session:
+    """Open an engine set for generation. options.taking_turns None: on exactly when a draft model speculates
+    (its passes and the target's alternate on the same cores); plain decoding on a set with a draft keeps it off.
+    shared: a dict in which sessions of one process share their target (same set, precision and options: the
+    bench compares strategies on one engine, each request rewinds it); None = a target of its own."""
+    manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
+    mode = resolve_mode(speculate, manifest, precision)
+    if options.taking_turns is None:
+        options = replace(options, taking_turns=mode == "draft")
+    key = (str(manifest.root), precision, options)
+    if shared is not None and key in shared:
+        generator = shared[key]
+    else:
+        generator = Generator(manifest, precision, options)
+        if shared is not None:
+            shared[key] = generator
+    decoder = make_decoder(mode, manifest, precision, options=options, config=config)
+    return Session(manifest, precision, mode, generator, decoder)

@@ -1,0 +1,212 @@
+"""The engine seam: a backend registry keyed by the manifest, lazily imported; the numpy reference backend runs
+the loop, every proposer, trees and sampling, exactly as ONNX Runtime's engines do; Stream.close()."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.manifest import RUNTIME_BACKENDS, file_sha256
+from specrt.runtime.backends import MODULES
+from specrt.runtime.backends.reference import random_weights
+from specrt.runtime.engine import EngineOptions
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.session import load
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = ["speculative.py", "verify.py", "generate.py", "sampling.py", "control.py", "tree.py", "session.py",
+        "tokenizer.py", "engine.py", "proposers"]
+PROMPT = "def add(a, b):\n    return a + b\n The quick brown fox jumps over the lazy dog. def add(a, b):"
+
+
+def test_the_loop_imports_no_backend_library():
+    code = ("import sys, specrt.runtime.speculative, specrt.runtime.session; "
+            "print(sorted(m for m in sys.modules if m.startswith(('onnxruntime', 'specrt.runtime.backends.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _backend_imports(path: Path) -> set[str]:
+    """Backend modules (runtime/backends/<x>) and backend libraries a file imports; the registry itself
+    (`from .backends import backend`) is the one allowed way in."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".")
+            names = [f"{node.module}.{a.name}" for a in node.names] if parts[-1] == "backends" else [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for n in names:
+            parts = n.split(".")
+            after = parts[parts.index("backends") + 1:] if "backends" in parts else []
+            if parts[0] in ("onnxruntime", "tensorrt", "cuda") or (after and after != ["backend"]):
+                found.add(n)
+    return found
+
+
+def test_the_runtime_core_imports_no_backend_module():
+    files = [p for c in CORE for p in ([REPO / "runtime" / c] if c.endswith(".py") else (REPO / "runtime" / c).rglob("*.py"))]
+    bad = {str(p.relative_to(REPO)): _backend_imports(p) for p in files}
+    assert not {k: v for k, v in bad.items() if v}
+    # the check sees one
+    assert _backend_imports(REPO / "runtime" / "backends" / "onnxruntime_cpu.py") == {"onnxruntime"}
+    assert "specrt.runtime.backends.reference" in _backend_imports(REPO / "tests" / "test_backends.py")
+
+
+def test_the_registry_runs_what_the_manifest_may_name():
+    assert set(MODULES) == set(RUNTIME_BACKENDS)
+
+
+# --- an engine set on the reference backend ------------------------------------------------------------------
+
+def _entry(role: str, file: str, spec: dict, **extra) -> dict:
+    return {"role": role, "file": file, "files": [file], "backend": "reference", "precision": "fp32",
+            "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": spec["hidden"] // 4,
+            "hidden_size": spec["hidden"], "vocab_size": spec["vocab"], "max_context": 256,
+            "parity": {"width_exact": True}, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference_set(tiny_engines, tmp_path_factory) -> Path:
+    """Target, a draft that agrees with it on some tokens, and Medusa heads, all numpy weights; the tiny set's
+    tokenizer (vocab 384)."""
+    root = tmp_path_factory.mktemp("reference") / "ref"
+    root.mkdir()
+    shutil.copy2(tiny_engines / "tokenizer.json", root / "tokenizer.json")
+    tok = json.loads((tiny_engines / "manifest.json").read_text())["tokenizer"]
+    spec = {"vocab": 384, "hidden": 32}
+    target = random_weights(0, spec["vocab"], spec["hidden"])
+    rng = np.random.default_rng(1)
+    draft = {k: v + (0.3 * v.std() * rng.standard_normal(v.shape) if v.ndim > 1 else 0) for k, v in target.items()}
+    np.savez(root / "target.npz", **target)
+    np.savez(root / "draft.npz", **draft)
+    heads = np.stack([target["lm_head"], draft["lm_head"]])          # [K = 2, H, V]: head k guesses token k + 1 ahead
+    np.savez(root / "heads.npz", heads=heads, topk=np.int64(3))
+    sha = tok["sha256"]
+    tree = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    manifest = {"schema_version": 1, "name": "ref", "tokenizer": tok, "source": {"label": "random"},
+                "engines": {"target-fp32": _entry("target", "target.npz", spec, tokenizer_sha256=sha),
+                            "draft-fp32": _entry("draft", "draft.npz", spec, tokenizer_sha256=sha),
+                            "medusa-fp32": _entry("medusa", "heads.npz", spec, medusa={"tree": tree})}}
+    assert file_sha256(root / "tokenizer.json") == sha
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def test_reference_engine_is_width_exact_and_keeps_tree_branches_apart(reference_set):
+    from specrt.manifest import load_manifest
+    from specrt.runtime.engine import open_engine
+
+    m = load_manifest(reference_set)
+    eng = open_engine(m.root, m.engine("target"))
+    ids = np.arange(5, 17, dtype=np.int64)
+    eng.forward(ids[:8])
+    eng.commit(8)
+    wide = eng.forward(ids[8:], num_logits=4).copy()
+    narrow = []
+    for t in ids[8:]:
+        narrow.append(eng.forward(np.array([t]))[0].copy())
+        eng.commit(1)
+    assert np.abs(wide - np.array(narrow)).max() < 1e-4
+    # a two-branch tree after ids[:8]: [a, b] siblings at the same position, then c under b
+    eng.rewind(8)
+    a, b, c = 40, 41, 42
+    mask = np.zeros((3, 3), np.float32)
+    mask[1, 0] = mask[2, 0] = -np.inf
+    tree = eng.forward(np.array([a, b, c]), positions=np.array([8, 8, 9]), tree_mask=mask, num_logits=3).copy()
+    eng.commit(2, path=np.array([1, 2]))                             # keep the branch b, c
+    eng.rewind(8)
+    chain = eng.forward(np.array([b, c]), num_logits=2).copy()
+    eng.rewind(8)
+    alone = eng.forward(np.array([a]))[0].copy()
+    assert np.abs(tree[1:] - chain).max() < 1e-4 and np.abs(tree[0] - alone).max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "draft", "medusa", "lookup+medusa", "auto"])
+def test_every_proposer_is_exact_on_the_reference_backend(reference_set, mode):
+    plain = load(reference_set, speculate="off").generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    session = load(reference_set, speculate=mode)
+    spec = session.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert spec.token_ids == plain.token_ids and len(set(plain.token_ids)) > 8
+    assert spec.stats.exact and spec.stats.proposer != "off" and spec.stats.engine.startswith("reference")
+    assert sum(spec.stats.drafted_by_position) > 0, "the proposer never drafted: nothing was verified"
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "medusa"])
+def test_seeded_sampling_with_a_deterministic_drafter_returns_plain_sampling(reference_set, mode):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    plain = load(reference_set).generate(PROMPT, max_new_tokens=40, sampling=sp, ignore_eos=True)
+    spec = load(reference_set, speculate=mode).generate(PROMPT, max_new_tokens=40, sampling=sp, ignore_eos=True)
+    assert spec.token_ids == plain.token_ids and spec.stats.rounds < plain.stats.rounds
+
+
+def test_a_sampled_draft_model_runs_on_the_reference_backend(reference_set):
+    sp = SamplingParams(temperature=0.8, seed=3)
+    out = load(reference_set, speculate="draft").generate(PROMPT, max_new_tokens=30, sampling=sp, ignore_eos=True)
+    assert len(out.token_ids) == 30 and out.stats.exact and out.stats.acceptance_by_position
+
+
+def test_an_engine_of_a_backend_this_specrt_cannot_run_is_one_line(reference_set, tmp_path):
+    from specrt.manifest import load_manifest
+    from specrt.runtime.engine import open_engine
+
+    m = load_manifest(reference_set)
+    bad = m.engine("target").__class__(**{**m.engine("target").__dict__, "backend": "tensorrt"})
+    with pytest.raises(SpecrtError, match="tensorrt engine, which this specrt cannot run yet") as e:
+        open_engine(m.root, bad)
+    assert "\n" not in str(e.value)
+
+
+# --- Stream.close(): cancellation at a round boundary ------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["off", "prompt-lookup"])
+def test_close_stops_the_stream_and_the_engine_serves_the_next_request(tiny_engines, mode):
+    session = load(tiny_engines, speculate=mode, options=EngineOptions(threads=1))
+    full = session.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    s = session.stream(PROMPT, max_new_tokens=40, ignore_eos=True)
+    got = [next(s) for _ in range(3)]
+    s.close()
+    r = s.result
+    assert r.stats.finish_reason == "cancelled" and 3 <= len(r.token_ids) < 40 and r.text == "".join(got)
+    assert r.token_ids == full.token_ids[:len(r.token_ids)]
+    assert list(s) == []                                                # closed: nothing more comes
+    again = session.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert again.token_ids == full.token_ids and again.stats.finish_reason == "length"
+
+
+def test_close_from_another_thread_stops_at_the_next_round(tiny_engines):
+    session = load(tiny_engines, options=EngineOptions(threads=1))
+    s = session.stream(PROMPT, max_new_tokens=200, ignore_eos=True)
+    seen, started = [], threading.Event()
+
+    def consume():
+        for delta in s:
+            seen.append(delta)
+            started.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    started.wait(30)
+    s.close()
+    t.join(30)
+    assert not t.is_alive() and s.result.stats.finish_reason == "cancelled"
+    assert len(s.result.token_ids) < 200
+
+
+def test_close_before_the_first_round(tiny_engines):
+    session = load(tiny_engines, options=EngineOptions(threads=1))
+    s = session.stream(PROMPT, max_new_tokens=10)
+    s.close()
+    assert s.result.stats.finish_reason == "cancelled" and s.result.token_ids == []
+    assert session.generate(PROMPT, max_new_tokens=5).stats.finish_reason in ("length", "eos")
