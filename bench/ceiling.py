@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         replays.append(Replay(c.id, c.category, len(out), res.stats.ttft_s, *accepted_runs(prompt, out)))
         prompt_lengths.append(len(prompt))
         texts.append(prompt + out)
-        if heads:  # the hidden states of one pass over prompt + output (what decoding computed, to ~1e-5)
+        if heads:  # the hidden states of one pass over prompt + output (what decoding computed, to float noise)
             gen.engine.rewind(0)
             gen.engine.reserve(len(prompt) + len(out))
             gen.engine.forward(np.asarray(prompt + out, np.int64))

@@ -26,8 +26,8 @@ def bench(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap every prompt's max_new_tokens."),
     load_order: str = typer.Option("listed", "--load-order",
                                    help="listed (the order of --modes / the default list) or reversed. ONNX Runtime "
-                                        "sessions created later decoded up to ~10% faster here, so compare two "
-                                        "contenders in both orders (BENCHMARKS.md, 'load order')."),
+                                        "sessions created later in a process can decode up to ~10% faster, so compare "
+                                        "two contenders in both orders (docs/design-notes.md, 'Session load order')."),
     isolate: bool = typer.Option(False, "--isolate",
                                  help="Run every contender in a worker process of its own (as a user's process holds one "
                                       "runtime): no load-order effect, nothing shared; calls stay interleaved."),

@@ -1,11 +1,12 @@
 """`specrt bench --isolate`: every contender in a worker process of its own.
 
 In one process, ONNX Runtime sessions decode faster or slower depending on where their buffers land
-(which depends on what was created and freed before them: BENCHMARKS.md, "load order"), and whatever one
-runtime does to the process (thread pools, allocator state, memory advice) touches the others. A user's
-process holds one runtime, so `--isolate` gives each contender that: the runner still interleaves the
-calls (one at a time, same prompts, same order as without it), a worker sits idle on its pipe between
-them, and each call's timings are taken inside its worker, so the pipe costs nothing in the figures.
+(which depends on what was created and freed before them: docs/design-notes.md, "Session load order"),
+and whatever one runtime does to the process (thread pools, allocator state, memory advice) touches the
+others. A user's process holds one runtime, so `--isolate` gives each contender that: the runner still
+interleaves the calls (one at a time, same prompts, same order as without it), a worker sits idle on its
+pipe between them, and each call's timings are taken inside its worker, so the pipe costs nothing in the
+figures.
 """
 
 from __future__ import annotations

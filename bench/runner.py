@@ -52,9 +52,8 @@ class BenchConfig:
     per_category: int | None = None
     max_new_tokens: int | None = None  # cap every prompt's budget
     hf_assistant: Path | None = None
-    # "listed" or "reversed". Sessions created later in the process decoded faster here (fp32 2 threads,
-    # same file: 25.1 vs 23.0 ms per step for the 2nd of two; cause not pinned down, gone with weight
-    # prepacking off), so whoever loads first is handicapped; the report names the order.
+    # "listed" or "reversed". Sessions created later in the process decode faster, so whoever loads first is
+    # handicapped; the report names the order (docs/design-notes.md, "Session load order").
     load_order: str = "listed"
     # every contender generates exactly max_new_tokens: tok/s then compares engines at equal lengths (two int4
     # models stop at different EOS positions, and a short answer's tok/s is mostly its prefill)
@@ -171,9 +170,8 @@ def _interleave(cfg: BenchConfig, cases, prompt_ids, live: list, notes: list, lo
     for rep in range(cfg.reps):
         for case in cases:
             # a fresh (seeded) order per prompt: a rotation kept each mode behind the same neighbour every
-            # time, and whatever that neighbour leaves behind (torch's threads, evicted caches) hit one mode:
-            # measured, plain-fp32 (always right after transformers) had TTFT 335 ms vs 132-199 ms for the
-            # other modes on the same engine
+            # time, and whatever that neighbour leaves behind (torch's threads, evicted caches) hit one mode
+            # (docs/design-notes.md, "Bench call order")
             for c in [live[i] for i in order_rng.permutation(len(live))]:
                 if c.name in failed:
                     continue

@@ -5,12 +5,12 @@ lazy-batch form of their Algorithm 1).
 
 Why our own ~25 lines rather than onnxruntime.quantization's GPTQ (neural_compressor/weight_only.py,
 ORT 1.32): that one propagates no error. It reads its *upper* Cholesky factor by column
-(`Hinv1[i:, i]`, zero below the diagonal), so it returns plain round-to-nearest; measured on SmolLM2's
-weights here: the same output error as RTN, where this version cuts it ~3x.
+(`Hinv1[i:, i]`, zero below the diagonal), so it returns plain round-to-nearest
+(docs/design-notes.md, "GPTQ instead of onnxruntime's").
 
 The result is returned dequantized (on its grid) and onnxruntime's MatMulNBits quantizer packs it:
 its round-to-nearest over a block's min/max finds the same grid except where a block's extremes moved
-inwards (measured: output error 4.06 after packing vs 3.83 before, RTN 10.99, one SmolLM2 layer).
+inwards, which gives back little of the gain (docs/design-notes.md, same heading).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 from ..interface import chain_feeds
 
 MAX_K = 4096  # larger inputs (e.g. a 1.5B model's 8960-wide MLP) would hold a 640 MB Hessian each: RTN
-TEXTS = 128  # calibration texts: 23k tokens for SmolLM2; 128 texts measured KL 0.310, 64 raw chunks 0.322 (BENCHMARKS)
+TEXTS = 128  # calibration texts: a chat/raw mix beat fewer raw chunks (docs/design-notes.md, "GPTQ calibration texts")
 MAX_TOKENS = 512
 RECIPE = (3, TEXTS, MAX_TOKENS, MAX_K)  # in the engines' build key: bump the first when the algorithm changes
 
@@ -68,7 +68,7 @@ def hessians(model: onnx.ModelProto, model_dir: Path, sequences: list[list[int]]
     The lm_head sees every position too: its input is a Slice (the last num_logits_to_keep rows) of a graph
     output, the final hidden state, so its Gram comes from that output over all rows while the pass keeps
     one logit. Keeping logits at every position instead gives the same matrix, but computes a
-    [tokens x vocab] MatMul per text: 29 GFLOP for a 512-token text on SmolLM2, 139 on a Qwen 0.5B.
+    [tokens x vocab] MatMul per text that only feeds the Gram (docs/design-notes.md, "GPTQ calibration cost").
     `model` is the fp32 graph with its weights still external in `model_dir` (not loaded)."""
     import onnxruntime as ort
 

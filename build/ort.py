@@ -37,17 +37,15 @@ class OrtPrecision:
     screen: bool = False  # an 8-bit lm_head beside the fp32 one for exact greedy argmax (build/screen.py)
 
 
-# Weight-only asymmetric blocks through MatMulNBits, the lm_head included (it is a fifth of SmolLM2's
-# weights). int8 uses int8 compute: per-channel quantize_dynamic produced garbage here and 8-bit blocks
-# with fp32 compute ran at ~2 tok/s. int4 uses int8 compute too (what makes it fast; a 5-token pass then
-# costs ~1.1x a step), which is not width-exact; int4-fp32 keeps fp32 compute, slower but width-exact,
-# so speculative output equals that engine's own plain output.
-# int4 is GPTQ in blocks of 64. Measured on SmolLM2 (BENCHMARKS "Session 7"): KL from fp32 over 24 bench
-# answers, round-to-nearest in blocks of 32 / 64: 0.328 / 0.387, GPTQ in blocks of 64: 0.293; and blocks
-# of 64 decode 6-13% and prefill ~15% faster than blocks of 32 (fewer scales to apply in the int8 kernel).
+# Weight-only asymmetric blocks through MatMulNBits, the lm_head included (a large share of a small model's
+# weights). int8 and int4 use int8 compute, the fast kernels, which are not width-exact; int4-fp32 keeps fp32
+# compute, slower but width-exact, so speculative output equals that engine's own plain output
+# (docs/design-notes.md, "Quantized compute types").
+# int4 is GPTQ in blocks of 64: closer to fp32 than round-to-nearest in blocks of 32, and faster than blocks
+# of 32, with fewer scales to apply in the int8 kernel (docs/design-notes.md, "GPTQ block size").
 ORT_PRECISIONS = {
-    # Smaller work blocks in the intra-op thread pool: fp32 decode steps ~0.5-0.8 ms (3%) faster on 2
-    # threads here (interleaved A/B, block base 1, 2, 4, 8 alike); no gain measured on int4, so not there.
+    # Smaller work blocks in the intra-op thread pool: faster fp32 decode steps, no gain on int4, so not there
+    # (docs/design-notes.md, "fp32 thread-pool block base").
     # The logit screen: greedy passes read the lm_head in 8 bits and rescore the few tokens that can win in fp32.
     "fp32": OrtPrecision("fp32", None, 0, (("session.dynamic_block_base", "4"),), screen=True),
     "int8": OrtPrecision("int8", 8, 4),
@@ -115,8 +113,8 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def fuse_skip_norm(model: onnx.ModelProto) -> onnx.ModelProto:
     """Residual Add + SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization (one kernel, one
-    pass over the hidden state; the Add's sum stays available as its fourth output). Measured on SmolLM2
-    fp32 here: ~0.35 ms of ~23 ms per decode step, identical tokens."""
+    pass over the hidden state; the Add's sum stays available as its fourth output), identical tokens
+    (docs/design-notes.md, "Skip-norm fusion")."""
     from onnxruntime.transformers.fusion_skiplayernorm import FusionSkipLayerNormalization
     from onnxruntime.transformers.onnx_model import OnnxModel
 
@@ -214,8 +212,8 @@ def build_ort_engine(src_onnx: Path, dst_onnx: Path, prec: OrtPrecision,
             screen = add_screen(optimized)  # rewrites the lm_head in place (None: hidden size not in blocks)
             if screen is not None:
                 facts["screen"] = screen
-        # Weights re-written by onnx rather than kept as ORT saved them: decoding from ORT's own file
-        # measured ~0.5 ms (2%) slower per step here (both get memory-mapped; cause not pinned down).
+        # Weights re-written by onnx rather than kept as ORT saved them: decoding from ORT's own file is
+        # slower, for a reason not pinned down (docs/design-notes.md, "Engine weights saved by onnx").
         onnx.save_model(optimized, str(dst_onnx), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=dst_onnx.name + ".data", size_threshold=1024)
         umask = os.umask(0)

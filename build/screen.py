@@ -1,9 +1,9 @@
 """The logit screen of fp32 engines: exact greedy tokens without reading the whole fp32 lm_head each pass.
 
-The lm_head is a fifth of SmolLM2's weights (49152 x 576 fp32, 113 MB) and a CPU decode step is
-memory-bound, so reading it is ~2 ms of a ~21 ms step. Greedy decoding needs only the argmax of the
-logits, and almost every token is far from winning. So the engine's lm_head becomes
-If(approx_logits): the fp32 MatMul as before (sampling, parity checks: every caller that needs the
+The lm_head is a large share of a small model's weights and a CPU decode step is memory-bound, so
+reading it is a visible part of every step (docs/design-notes.md, "Logit screen cost"). Greedy decoding
+needs only the argmax of the logits, and almost every token is far from winning. So the engine's lm_head
+becomes If(approx_logits): the fp32 MatMul as before (sampling, parity checks: every caller that needs the
 distribution), or this screen, all inside the graph:
 
 1. approximate logits through an 8-bit copy of the lm_head (MatMulNBits, blocks of `BLOCK`, int8 compute:
@@ -13,18 +13,19 @@ distribution), or this screen, all inside the graph:
    activations: |(h - h^) . w^_r|   <= ||h - h^||_2 ||w^_r||_2, and ||h - h^||_2 <= sqrt(block) / 254 *
                 sqrt(sum_b max|h_b|^2): the int8 kernel (MLAS CompInt8) quantizes h per block of `block`
                 values with scale max|h_b| / 127, so each value moves by at most half a step;
-   plus a margin for the kernel's float rounding (1e-4 of ||h|| ||w^_r||: >100x what float32 loses here),
+   plus a margin for the kernel's float rounding (1e-4 of ||h|| ||w^_r||, well above what float32 loses:
+   docs/design-notes.md, "Logit screen bound"),
    all times 1.001 (the per-token norms are stored in float32);
 3. every token whose approx + bound reaches max_s(approx_s - bound_s) is a candidate (no other can win);
 4. the candidates' exact fp32 logits from their rows of the fp32 lm_head, and the argmax among them (ties:
    the lowest token id, as ArgMax over the whole row).
 
-ORT runs only the branch taken (an If costs ~10 us), so fp32 passes cost what they did. SmolLM2 on the
-bench prompts: a median of 10 candidates per row of 49152 (blocks of 32). Past MAX_CANDIDATES in a pass
-(unusual hidden states loosen the bound) the fp32 lm_head is read after all. The bound holds only for
-the kernel it was derived for, so `specrt engines` checks it against the built engine on real hidden
-states (specrt/pipeline.py check_screen) and the runtime uses the screen only on the CPU family and
-onnxruntime version it was checked with (runtime/engine.py).
+ORT runs only the branch taken (an If costs next to nothing), so fp32 passes cost what they did; on real
+text only a handful of tokens per row stay candidates. Past MAX_CANDIDATES in a pass (unusual hidden
+states loosen the bound) the fp32 lm_head is read after all. The bound holds only for the kernel it was
+derived for, so `specrt engines` checks it against the built engine on real hidden states
+(specrt/pipeline.py check_screen) and the runtime uses the screen only on the CPU family and onnxruntime
+version it was checked with (runtime/engine.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..interface import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT  # the engine's contract
 
-BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
-MAX_CANDIDATES = 1024  # more (row, token) candidates in a pass: read the fp32 lm_head instead (~1.3 us each to rescore)
+BLOCK = 32  # fewer scale bytes than 16, far fewer candidates than 64 (docs/design-notes.md, "Logit screen block size")
+# more (row, token) candidates in a pass: reading the fp32 lm_head is cheaper than rescoring them
+# (docs/design-notes.md, "Logit screen candidate limit")
+MAX_CANDIDATES = 1024
 FORMAT = 7  # bump when the screen's graph or its build check changes (part of the fp32 engines' build key)
 SLACK = 1.0 + 1e-3
 ROUNDING = 1e-4
@@ -117,12 +120,12 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     N = helper.make_node
     f32 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
     i64 = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, None)  # noqa: E731
-    # Rescoring k candidates gathers k scattered fp32 rows (~1.3 us each): where the bound is loose (unusual
-    # hidden states: a soup of random tokens left ~3000 of 49152 per row) the fp32 lm_head is cheaper. That
-    # MatMul sits in a first-level If (second If below): ORT pre-packs the weights of a MatMul in a subgraph,
-    # but not in a subgraph's subgraph (a 2-row pass then took 10.8 ms instead of 2.5 here).
-    # NonZero over all [n, V] flags walks every element (~100 us a row here), so candidates are found by
-    # blocks: the blocks whose largest upper bound reaches the floor, then the tokens within those blocks.
+    # Rescoring k candidates gathers k scattered fp32 rows: where the bound is loose (unusual hidden states)
+    # the fp32 lm_head is cheaper. That MatMul sits in a first-level If (second If below): ORT pre-packs the
+    # weights of a MatMul in a subgraph, but not in a subgraph's subgraph.
+    # NonZero over all [n, V] flags walks every element, so candidates are found by blocks: the blocks whose
+    # largest upper bound reaches the floor, then the tokens within those blocks.
+    # (docs/design-notes.md, "Logit screen candidate limit" and "Logit screen graph layout")
     rescore = [
         N("Gather", [rows_name, "screen.cand_tok"], ["screen.w"], axis=0),               # [k, H] fp32 rows
         N("Gather", ["screen.h", "screen.cand_row"], ["screen.hk"], axis=0),

@@ -16,7 +16,8 @@ from .sources import Source, fingerprint, load
 GOLDEN_VERSION = 1
 GOLDEN_PROMPT = "Speculative decoding keeps the target distribution exactly. Write a haiku about rivers."
 GREEDY_TOKENS = 32
-MAX_ABS_LOGIT_DIFF = 1e-2  # fp32 export vs PyTorch; measured ~1e-5 on SmolLM2
+# fp32 export vs PyTorch; a correct graph is far inside it (docs/design-notes.md, "Export parity threshold")
+MAX_ABS_LOGIT_DIFF = 1e-2
 # Greedy agreement is the share of the 32 greedy tokens *before the first divergence*, so one flip
 # decides it: a flip at token 3 reads 3/32 although every later token had another context. No fraction
 # is a robust threshold: a true near-tie (two logits within float noise) can flip at any token. The

@@ -48,8 +48,8 @@ class _Graph:
     """Tiny node/initializer accumulator so the decoder below reads like the model.
 
     With `data_path`, weights go straight to that external-data file as they are made, so export
-    memory stays at the checkpoint plus one tensor (a 1.5B model in fp32 would otherwise hold the
-    torch weights, the fused copies and the protobuf copy at once: > 22 GB).
+    memory stays at the checkpoint plus one tensor instead of the torch weights, the fused copies and
+    the protobuf copy at once (docs/design-notes.md, "Streaming export weights").
     """
 
     MIN_EXTERNAL = 1024  # bytes; smaller tensors stay inline

@@ -5,14 +5,14 @@ past the target's own next token:   logits_k = E_sub · (x + W2_k · SiLU(W1_k �
 
 with x = h (Medusa-1, `token_input=False`) or x = h + A · e(y_t) (default): e(y_t) is the lm_head
 row of the target's next token y_t, which is already decided when the heads run (it is the token
-the verification pass just emitted), so the heads need not guess it again. One shared H x H matrix;
-on SmolLM2 it lifted held-out head-1 top-1 far above plain Medusa-1 (numbers in heads/README.md).
+the verification pass just emitted), so the heads need not guess it again. One shared H x H matrix
+lifts held-out head-1 top-1 well above plain Medusa-1 (figures in heads/README.md).
 
-E_sub are rows of the target's lm_head, shared and frozen (a full lm_head copy per head was
-measured at 458 MB and 19.7 ms per token for 4 heads on SmolLM2). The heads score only a reduced
-vocabulary, the `vocab` most frequent target choices in the training data: on CPU the lm_head
-product dominates both training and drafting, and tokens the target rarely emits are rarely worth
-a tree node (coverage and accuracy are reported per size). W2 starts at zero, so training starts
+E_sub are rows of the target's lm_head, shared and frozen: a full lm_head copy per head would cost
+memory and time every token (docs/design-notes.md, "Medusa heads share the lm_head"). The heads score
+only a reduced vocabulary, the `vocab` most frequent target choices in the training data: on CPU the
+lm_head product dominates both training and drafting, and tokens the target rarely emits are rarely
+worth a tree node (coverage and accuracy are reported per size). W2 starts at zero, so training starts
 from "every head guesses the next token" instead of noise.
 
 Training is bounded (a wall-clock budget, stop early at `max_epochs`), prints progress, saves a
@@ -271,10 +271,8 @@ def choose_tree(order, values, pass_cost, max_size: int = 48, draft_cost: float 
     order: paths in the order a greedy builder adds them (every prefix is a tree); values[i] =
     P(path i is accepted), measured; pass_cost(w) = seconds of a w-token target pass.
     E(n) = 1 + sum(values[:n]) tokens per round, rate(n) = E(n) / (pass_cost(n + 1) + draft_cost).
-    Why not the argmax: on SmolLM2 the curve is flat from 3 to 11 nodes (rates 63.9 vs 64.2), so two
-    builds of the same heads picked 3 and 11 from timing noise (a 12-token pass happened to be cheap),
-    and on the bench 11 nodes were 1-8% slower than 3 (chat, qa, translation; held-out accuracy
-    overstates the bench's, which hurts the bigger tree more). Rates within ~2% are timing noise here."""
+    Why not the argmax: the curve is flat over a wide range of sizes, so the argmax follows timing noise
+    and picks trees bigger than the bench rewards (docs/design-notes.md, "Medusa tree size tolerance")."""
     order = [tuple(p) for p in order][:max_size]
     e = 1.0 + np.cumsum(np.asarray(values, np.float64)[: len(order)])
     rate = np.array([e[n - 1] / (pass_cost(n + 1) + draft_cost) for n in range(1, len(order) + 1)])
@@ -323,8 +321,8 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    if depth is not None:  # heads past the tree's depth were computed every round and never read (4 heads for
-        # a depth-2 tree: 1.4-1.8 ms a call on the AVX2 VM, 0.6-0.8 ms with 2; the lm_head rows are most of the rest)
+    if depth is not None:  # heads past the tree's depth would be computed every round and never read
+        # (docs/design-notes.md, "Medusa heads engine depth")
         heads = {k: v[:depth] if k in ("w1", "b1", "w2", "b2") else v for k, v in heads.items()}
     K, H, _ = heads["w1"].shape
     vocab = heads["vocab"].astype(np.int64)

