@@ -86,11 +86,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     cases = _cases(cfg)
     names = contenders.parse_modes(cfg.modes, manifest, cfg.quick)
     threads = cfg.threads or os.cpu_count() or 1
-    # OpenMP runtimes (llama.cpp, torch) spin-wait between parallel regions by default; on a shared
-    # machine that spinning starves everyone (llama.cpp measured 10x slower on a loaded 2-core box).
-    # Passive waiting costs a wake-up per token (microseconds). Read before the peers load OpenMP;
-    # export OMP_WAIT_POLICY=ACTIVE to measure the spinning default.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Every contender runs with its own defaults: OMP_WAIT_POLICY is left as the caller set it (the report
+    # records it). PASSIVE slowed llama.cpp 2.5-3x (BENCHMARKS.md, "Against llama.cpp at its own defaults");
+    # with --isolate no contender's spinning threads share a process with another's.
     from ..runtime.tokenizer import Message, TextCodec
 
     codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,

@@ -59,7 +59,6 @@ def test_first_divergence():
 def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     """Ours (plain, prompt lookup) and a transformers peer run; a missing peer is a note, not a crash."""
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as if not installed
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the bench sets it; restored after the test
     import torch
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the HF peer must not shrink other tests' pool
@@ -189,7 +188,6 @@ def test_peer_failing_mid_run_is_dropped_with_a_note(tiny_engines, tmp_path, mon
             return peers.Trace([1], [0.01], 0.01)
 
     monkeypatch.setitem(peers.PEERS, "flaky", Flaky)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
                       threads=1, modes="plain-fp32,flaky")
     res = run_bench(cfg, log=lambda m: None)
@@ -420,7 +418,6 @@ def test_a_peer_that_raises_at_load_or_warm_up_is_skipped(tiny_engines, tmp_path
 
     monkeypatch.setitem(peers.PEERS, "badload", BadLoad)
     monkeypatch.setitem(peers.PEERS, "badwarm", BadWarmUp)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     cfg = BenchConfig(engines=tiny_engines, prompts=write_prompts(tmp_path / "p.jsonl"), quick=True, reps=1,
                       threads=1, modes="plain-fp32,badload,badwarm", categories=("chat",))
     res = run_bench(cfg, log=lambda m: None)

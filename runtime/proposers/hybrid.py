@@ -2,8 +2,8 @@
 
 The two drafters are right in different places: a prompt-lookup match of 2+ tokens copies text the
 model is about to repeat (summaries, code edits), and is then a far surer guess than the heads;
-with no such match (chat, translation) prompt lookup drafts nothing or a 1-token guess that was
-measured right ~22% of the time, while Medusa's first head is right ~34% of the time on chat.
+with no such match (chat, translation) prompt lookup drafts nothing or a 1-token guess that is right less
+often than Medusa's first head (docs/runtime-notes.md, "lookup+medusa: which drafter when").
 So each round takes prompt lookup's draft after a match of at least `min_match` tokens, else
 Medusa's tree. Buckets are prompt lookup's (one per matched n-gram size, then "no match"), so the
 adaptive controller sizes lookup drafts per match size as it does for prompt lookup alone, and for
