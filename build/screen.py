@@ -23,7 +23,7 @@ ORT runs only the branch taken (an If costs ~10 us), so fp32 passes cost what th
 bench prompts: a median of 10 candidates per row of 49152 (blocks of 32). Past MAX_CANDIDATES in a pass
 (unusual hidden states loosen the bound) the fp32 lm_head is read after all. The bound holds only for
 the kernel it was derived for, so `specrt engines` checks it against the built engine on real hidden
-states (specrt/pipeline.py check_screen) and the runtime uses the screen only on the CPU family and
+states (specrt/pipeline/checks.py check_screen) and the runtime uses the screen only on the CPU family and
 onnxruntime version it was checked with (runtime/engine.py).
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..interface import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT  # the engine's contract
+from ..interface import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT, LOGITS  # the engine's contract
 
 BLOCK = 32  # SmolLM2 bench rows: median 10 candidates (blocks of 16: 5, but 20% more scale bytes; 64: 23)
 MAX_CANDIDATES = 1024  # more (row, token) candidates in a pass: read the fp32 lm_head instead (~1.3 us each to rescore)
@@ -56,10 +56,10 @@ def bounds(hidden: np.ndarray, weight_err: np.ndarray, qnorm: np.ndarray, block:
 
 
 def _lm_head(model: onnx.ModelProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:
-    node = next((n for n in model.graph.node if list(n.output) == ["logits"]), None)
+    node = next((n for n in model.graph.node if list(n.output) == [LOGITS]), None)
     inits = {i.name: i for i in model.graph.initializer}
     if node is None or node.op_type != "MatMul" or node.input[1] not in inits:
-        raise ValueError("no fp32 MatMul lm_head producing 'logits' in this graph")
+        raise ValueError(f"no fp32 MatMul lm_head producing '{LOGITS}' in this graph")
     return node, inits[node.input[1]]
 
 
@@ -200,7 +200,7 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     exact = [N("MatMul", [x, weight.name], ["logits_fp32"], name="logits_fp32"),
              N("ArgMax", ["logits_fp32"], ["greedy_fp32"], axis=2, keepdims=0)]        # [batch, n]
     keep = [N("Identity", ["screen.out_logits"], ["screened_logits"]), N("Identity", ["screen.out_tokens"], ["screened_tokens"])]
-    branch = N("If", ["screen.need_fp32"], ["logits", OUTPUT], name="logits",
+    branch = N("If", ["screen.need_fp32"], [LOGITS, OUTPUT], name=LOGITS,
                then_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64("greedy_fp32")]),
                else_branch=helper.make_graph(keep, "screened", [], [f32("screened_logits"), i64("screened_tokens")]))
     nodes = list(model.graph.node)
