@@ -75,7 +75,8 @@ class EngineEntry:
     tokenizer_sha256: str | None = None  # the tokenizer it was exported with (target and draft)
     build_versions: dict | None = None  # the tools that built it (the set's "versions" are the export's)
     medusa: dict | None = None  # heads facts, tree, its sizing and the training report (role "medusa")
-    width_exact: bool = field(init=False)  # one K-token pass equals K one-token passes (max |diff| <= 1e-3)
+    # from parity: one K-token pass equals K one-token passes (docs/pipeline-notes.md, "Width-exactness")
+    width_exact: bool = field(init=False)
     raw: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -203,7 +204,7 @@ def load_manifest(root: Path) -> Manifest:
         if e.raw.get("tokenizer_sha256", tok_sha) != tok_sha:
             raise SpecrtError(f"engine '{e.name}' was exported with a different tokenizer than the set's; "
                               "draft and target must share one tokenizer: rebuild with a matching draft model")
-    if file_sha256(root / tok_file) != tok_sha:  # cheap next to loading the engines
+    if file_sha256(root / tok_file) != tok_sha:  # docs/pipeline-notes.md, "Hashing the tokenizer at load"
         raise SpecrtError(f"'{root / tok_file}' is not the tokenizer the engines were built with (sha256 differs "
                           f"from the manifest's); {rebuild}")
     return Manifest(root=root, name=raw.get("name", root.name), tokenizer_file=tok_file,

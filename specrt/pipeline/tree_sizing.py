@@ -17,8 +17,10 @@ from .runtime_link import open_built_engine, screen_in_use
 # How the tree's pass costs are measured; part of the inputs key, so a change re-sizes the trees of existing
 # sets (its versions: docs/pipeline-notes.md, "Pass-cost sizing of the Medusa tree").
 TREE_COSTS = 4
-MIN_WIDTH_SLOPE = 0.01   # an extra token costs a CPU pass at least this share of a one-token step
-PRIOR_WIDTH_SLOPE = 0.05  # what a quiet machine measured for SmolLM2 fp32, used when measurements are distorted
+# An extra token costs a CPU pass at least MIN_WIDTH_SLOPE of a one-token step; flatter curves are distorted and
+# give way to PRIOR_WIDTH_SLOPE, a quiet machine's (docs/pipeline-notes.md, "Implausibly flat pass costs").
+MIN_WIDTH_SLOPE = 0.01
+PRIOR_WIDTH_SLOPE = 0.05
 
 
 def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int,
@@ -107,7 +109,7 @@ def _plausible_pass_costs(path: Path, facts: dict, session_config, log, golden: 
                           tries: int = 3) -> list[tuple[int, float]]:
     """_pass_costs, measured again when the curve is implausibly flat (a busy machine slows every one-token
     pass, so wide passes look nearly free and a tree too large is chosen). After `tries` flat curves: a
-    linear prior, said so."""
+    linear prior, said so (docs/pipeline-notes.md, "Implausibly flat pass costs")."""
     for _ in range(tries):
         cost = _pass_costs(path, facts, session_config, golden, screen)
         (w0, c0), (w1, c1) = cost[0], cost[-1]
