@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..interface import chain_feeds
+from ..interface import PAST_PREFIX, chain_feeds
 
 MAX_K = 4096  # larger inputs (e.g. a 1.5B model's 8960-wide MLP) would hold a 640 MB Hessian each: RTN
 TEXTS = 128  # calibration texts: a chat/raw mix beat fewer raw chunks (docs/design-notes.md, "GPTQ calibration texts")
@@ -86,7 +86,7 @@ def hessians(model: onnx.ModelProto, model_dir: Path, sequences: list[list[int]]
         path.unlink(missing_ok=True)
     longest = max(len(ids) for ids in sequences)  # a static cache only has to hold the longest text
     past = {i.name: [d if isinstance(d, int) else 1 if d == "batch" else longest for d in i.shape]
-            for i in session.get_inputs() if i.name.startswith("past_key_values")}
+            for i in session.get_inputs() if i.name.startswith(PAST_PREFIX)}
     zeros = {name: np.zeros(shape, np.float32) for name, shape in past.items()}
     acc = {w: 0.0 for ws in wanted.values() for w in ws}
     tokens = 0

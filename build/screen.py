@@ -24,8 +24,8 @@ ORT runs only the branch taken (an If costs next to nothing), so fp32 passes cos
 text only a handful of tokens per row stay candidates. Past MAX_CANDIDATES in a pass (unusual hidden
 states loosen the bound) the fp32 lm_head is read after all. The bound holds only for the kernel it was
 derived for, so `specrt engines` checks it against the built engine on real hidden states
-(specrt/pipeline.py check_screen) and the runtime uses the screen only on the CPU family and onnxruntime
-version it was checked with (runtime/engine.py).
+(specrt/pipeline/checks.py check_screen) and the runtime uses the screen only on the CPU family and onnxruntime
+version it was checked with (runtime/backends/onnxruntime_cpu.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..interface import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT  # the engine's contract
+from ..interface import APPROX_INPUT as INPUT, GREEDY_OUTPUT as OUTPUT, LOGITS  # the engine's contract
 
 BLOCK = 32  # fewer scale bytes than 16, far fewer candidates than 64 (docs/design-notes.md, "Logit screen block size")
 # more (row, token) candidates in a pass: reading the fp32 lm_head is cheaper than rescoring them
@@ -59,10 +59,10 @@ def bounds(hidden: np.ndarray, weight_err: np.ndarray, qnorm: np.ndarray, block:
 
 
 def _lm_head(model: onnx.ModelProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:
-    node = next((n for n in model.graph.node if list(n.output) == ["logits"]), None)
+    node = next((n for n in model.graph.node if list(n.output) == [LOGITS]), None)
     inits = {i.name: i for i in model.graph.initializer}
     if node is None or node.op_type != "MatMul" or node.input[1] not in inits:
-        raise ValueError("no fp32 MatMul lm_head producing 'logits' in this graph")
+        raise ValueError(f"no fp32 MatMul lm_head producing '{LOGITS}' in this graph")
     return node, inits[node.input[1]]
 
 
@@ -203,7 +203,7 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     exact = [N("MatMul", [x, weight.name], ["logits_fp32"], name="logits_fp32"),
              N("ArgMax", ["logits_fp32"], ["greedy_fp32"], axis=2, keepdims=0)]        # [batch, n]
     keep = [N("Identity", ["screen.out_logits"], ["screened_logits"]), N("Identity", ["screen.out_tokens"], ["screened_tokens"])]
-    branch = N("If", ["screen.need_fp32"], ["logits", OUTPUT], name="logits",
+    branch = N("If", ["screen.need_fp32"], [LOGITS, OUTPUT], name=LOGITS,
                then_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64("greedy_fp32")]),
                else_branch=helper.make_graph(keep, "screened", [], [f32("screened_logits"), i64("screened_tokens")]))
     nodes = list(model.graph.node)

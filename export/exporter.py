@@ -106,20 +106,19 @@ def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greed
     """Run the standard graph (function inlined by ORT, cache passed in and out, no sharing)."""
     import onnxruntime as ort
 
-    from ..interface import chain_feeds
+    from ..interface import KV_KINDS, LOGITS, chain_feeds, past_name, present_name
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     cache_shape = (1, spec.num_kv_heads, max_context, spec.head_dim)
-    past = {f"past_key_values.{i}.{k}": np.zeros(cache_shape, np.float32)
-            for i in range(spec.num_layers) for k in ("key", "value")}
+    past = {past_name(i, k): np.zeros(cache_shape, np.float32) for i in range(spec.num_layers) for k in KV_KINDS}
     names = [o.name for o in sess.get_outputs()]
 
     def run(tokens: np.ndarray, start: int, n_logits: int) -> np.ndarray:
         outs = dict(zip(names, sess.run(None, chain_feeds(tokens, start, n_logits, past))))
         for i in range(spec.num_layers):
-            for k in ("key", "value"):
-                past[f"past_key_values.{i}.{k}"] = outs[f"present.{i}.{k}"]
-        return outs["logits"][0]
+            for k in KV_KINDS:
+                past[past_name(i, k)] = outs[present_name(i, k)]
+        return outs[LOGITS][0]
 
     logits = run(ids, 0, len(ids))
     diff = float(np.abs(logits - ref_logits).max())

@@ -1,6 +1,7 @@
 """Write a Llama/Qwen2 decoder as a standard ONNX graph with a static KV cache.
 
-Contract of the graph (every engine built from it keeps these names):
+Contract of the graph (every engine built from it keeps these names; they and the shapes are defined
+in specrt/interface.py):
 
   inputs   input_ids       [batch, seq]            int64
            position_ids    [batch, seq]            int64   explicit, so a token tree can share positions
@@ -32,6 +33,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..interface import (HIDDEN_STATES, INPUT_IDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
+                         TOTAL_SEQUENCE_LENGTH, TREE_MASK, decoder_signature, past_name, present_name)
 from .spec import DecoderSpec
 
 OPSET = 17
@@ -206,14 +209,14 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         return g.op("Mul", [normed, g.const(weight, w(weight))])
 
     # The tree mask covers the new tokens only; pad it with zeros over the past: [B, 1, S, T].
-    s = g.op("Gather", [g.op("Shape", ["input_ids"]), i64("idx1", 1)], axis=0)
-    t = g.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
+    s = g.op("Gather", [g.op("Shape", [INPUT_IDS]), i64("idx1", 1)], axis=0)
+    t = g.op("Cast", [TOTAL_SEQUENCE_LENGTH], to=TensorProto.INT64)
     pad_left = g.op("Unsqueeze", [g.op("Sub", [t, s]), i64("ax0", [0])])
     zeros2 = i64("zeros2", [0, 0])
     pads = g.op("Concat", [zeros2, pad_left, i64("zeros3", [0, 0, 0])], axis=0)
-    bias = g.op("Unsqueeze", [g.op("Pad", ["tree_mask", pads]), i64("ax1", [1])], name="attention_bias")
+    bias = g.op("Unsqueeze", [g.op("Pad", [TREE_MASK, pads]), i64("ax1", [1])], name="attention_bias")
 
-    x = g.op("Gather", [embed, "input_ids"], name="embed")
+    x = g.op("Gather", [embed, INPUT_IDS], name="embed")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         hn = rmsnorm(x, p + "input_layernorm.weight")
@@ -224,11 +227,11 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
             qkv = g.op("Add", [qkv, g.const(p + "self_attn.qkv_proj.bias", bqkv)])
         attn, _, _ = g.op(
             ATTENTION_OP,
-            [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
-             cos, sin, "position_ids", bias],
+            [qkv, past_name(i, "key"), past_name(i, "value"), SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
+             cos, sin, POSITION_IDS, bias],
             n_out=3, domain=FUNCTION_DOMAIN, name=f"layers.{i}.attn",
         )
-        g.nodes[-1].output[1], g.nodes[-1].output[2] = f"present.{i}.key", f"present.{i}.value"
+        g.nodes[-1].output[1], g.nodes[-1].output[2] = present_name(i, "key"), present_name(i, "value")
         o = g.op("MatMul", [attn, g.const(p + "self_attn.o_proj.weight_t", w(p + "self_attn.o_proj.weight").T)])
         if spec.o_bias:
             o = g.op("Add", [o, g.const(p + "self_attn.o_proj.bias", w(p + "self_attn.o_proj.bias"))])
@@ -241,29 +244,16 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
         down = g.op("MatMul", [act, g.const(p + "mlp.down_proj.weight_t", w(p + "mlp.down_proj.weight").T)])
         x = g.op("Add", [x, down])
     rmsnorm(x, "model.norm.weight")
-    g.nodes[-1].output[0] = "hidden_states"
-    n_keep = g.op("Unsqueeze", [g.op("Neg", ["num_logits_to_keep"]), i64("ax0b", [0])])
-    last = g.op("Slice", ["hidden_states", n_keep, i64("int_max", [INT64_MAX]), i64("ax1c", [1])])
-    g.op("MatMul", [last, lm_head], name="logits")
+    g.nodes[-1].output[0] = HIDDEN_STATES
+    n_keep = g.op("Unsqueeze", [g.op("Neg", [NUM_LOGITS_TO_KEEP]), i64("ax0b", [0])])
+    last = g.op("Slice", [HIDDEN_STATES, n_keep, i64("int_max", [INT64_MAX]), i64("ax1c", [1])])
+    g.op("MatMul", [last, lm_head], name=LOGITS)
 
-    f32, i64t, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    cache = ["batch", kv, "max_context", d]
-    inputs = [
-        helper.make_tensor_value_info("input_ids", i64t, ["batch", "seq"]),
-        helper.make_tensor_value_info("position_ids", i64t, ["batch", "seq"]),
-        helper.make_tensor_value_info("tree_mask", f32, ["batch", "seq", "seq"]),
-        helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
-        helper.make_tensor_value_info("total_sequence_length", i32, []),
-        helper.make_tensor_value_info("num_logits_to_keep", i64t, []),
-    ]
-    outputs = [
-        helper.make_tensor_value_info("logits", f32, ["batch", "num_logits", spec.vocab_size]),
-        helper.make_tensor_value_info("hidden_states", f32, ["batch", "seq", h]),
-    ]
-    for i in range(spec.num_layers):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, cache))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, cache))
+    types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
+    sig_in, sig_out = decoder_signature(spec.num_layers, {"num_kv_heads": kv, "head_dim": d, "hidden_size": h,
+                                                          "vocab_size": spec.vocab_size})
+    inputs, outputs = ([helper.make_tensor_value_info(name, types[dtype], dims) for name, dims, dtype in sig]
+                       for sig in (sig_in, sig_out))
     g.close()
     graph = helper.make_graph(g.nodes, "specrt_decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(

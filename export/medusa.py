@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecrtError
+from ..interface import HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN
 
 HEADS_FORMAT = 1
 HEADS_ENGINE = 3  # the heads engine's graph (3: only the heads the tree reads; 2 had a probs output, not kept); in engine sets' build key
@@ -335,14 +336,14 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
         ("b2", f32(heads["b2"])[:, None, :]), ("e_sub_t", f32(lm_head[vocab].T)), ("vocab", vocab),
         ("k", np.array([topk], np.int64)), ("ax1", np.array([1], np.int64)))]
     n = helper.make_node
-    inputs = [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", H])]
-    x_in, pre = "hidden", []
+    inputs = [helper.make_tensor_value_info(HEADS_HIDDEN, TensorProto.FLOAT, ["batch", H])]
+    x_in, pre = HEADS_HIDDEN, []
     if "a" in heads:
         table = (lm_head.astype(np.float32) @ heads["a"].astype(np.float32)).astype(np.float16)
         inits.append(numpy_helper.from_array(table, "token_table"))
-        inputs.append(helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"]))
-        pre = [n("Gather", ["token_table", "token"], ["tok16"]), n("Cast", ["tok16"], ["tok32"], to=TensorProto.FLOAT),
-               n("Add", ["hidden", "tok32"], ["hx"])]
+        inputs.append(helper.make_tensor_value_info(HEADS_TOKEN, TensorProto.INT64, ["batch"]))
+        pre = [n("Gather", ["token_table", HEADS_TOKEN], ["tok16"]), n("Cast", ["tok16"], ["tok32"], to=TensorProto.FLOAT),
+               n("Add", [HEADS_HIDDEN, "tok32"], ["hx"])]
         x_in = "hx"
     nodes = pre + [
         n("Unsqueeze", [x_in, "ax1"], ["x"]),                         # [B, 1, H]: broadcasts over heads
@@ -352,14 +353,14 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
         n("MatMul", ["act", "w2"], ["r"]), n("Add", ["r", "b2"], ["r1"]), n("Add", ["r1", "x4"], ["y4"]),
         n("Squeeze", ["y4", "ax2"], ["y"]),                           # [B, K, H]
         n("MatMul", ["y", "e_sub_t"], ["logits"]),                    # [B, K, V']
-        n("TopK", ["logits", "k"], ["scores", "idx"], axis=-1),
-        n("Gather", ["vocab", "idx"], ["candidates"]),
+        n("TopK", ["logits", "k"], [HEADS_SCORES, "idx"], axis=-1),
+        n("Gather", ["vocab", "idx"], [HEADS_CANDIDATES]),
     ]
     inits.append(numpy_helper.from_array(np.array([2], np.int64), "ax2"))
     graph = helper.make_graph(
         nodes, "medusa_heads", inputs,
-        [helper.make_tensor_value_info("candidates", TensorProto.INT64, ["batch", K, topk]),
-         helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", K, topk])], inits)
+        [helper.make_tensor_value_info(HEADS_CANDIDATES, TensorProto.INT64, ["batch", K, topk]),
+         helper.make_tensor_value_info(HEADS_SCORES, TensorProto.FLOAT, ["batch", K, topk])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="specrt")
     onnx.checker.check_model(model)
     onnx.save_model(model, str(out))

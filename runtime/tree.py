@@ -27,7 +27,7 @@ Path = tuple[int, ...]
 
 # A generic 24-node shape over 4 heads (most nodes at the shallow depths, where heads are right
 # most often), for tests and hand use; engine sets carry the tree chosen from their heads' measured
-# accuracies and the target's measured pass costs (specrt/pipeline.py).
+# accuracies and the target's measured pass costs (specrt/pipeline/tree_sizing.py).
 DEFAULT_TREE: tuple[Path, ...] = (
     (0,), (1,), (2,), (3,),
     (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),

@@ -1,21 +1,101 @@
-"""The engine graph's interface, shared by export/, build/ and runtime/: input and output names a decoder graph
-and its logit screen use, and the feeds of one chain pass for callers that drive a graph with onnxruntime
-directly (export parity, GPTQ calibration). The runtime binds the same names through IOBinding (runtime/engine.py).
-Kept here, outside the stages, so no stage imports another (shared/design.md).
+"""The engine graphs' interface, shared by export/, build/, runtime/ and the pipeline: every input and output
+name a decoder graph, its logit screen and a Medusa heads graph have, the shapes an engine set's manifest
+records for them, and the feeds of one chain pass for callers that drive a decoder graph with onnxruntime
+directly (export parity, GPTQ calibration). The runtime binds the same names through IOBinding
+(runtime/engine.py). Kept here, outside the stages, so no stage imports another (shared/design.md).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-APPROX_INPUT, GREEDY_OUTPUT = "approx_logits", "greedy_tokens"  # an fp32 engine's logit screen (build/screen.py)
+# A decoder graph (export/graph.py writes it; every engine built from it keeps these names).
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+TREE_MASK = "tree_mask"
+SEQLENS_K = "seqlens_k"
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+NUM_LOGITS_TO_KEEP = "num_logits_to_keep"
+LOGITS = "logits"
+HIDDEN_STATES = "hidden_states"
+PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
+KV_KINDS = ("key", "value")
+
+# An fp32 engine's logit screen (build/screen.py): one more input and one more output.
+APPROX_INPUT, GREEDY_OUTPUT = "approx_logits", "greedy_tokens"
+
+# A Medusa heads graph (export/medusa.py): the target's hidden state (+ the pending token, for token-input heads).
+HEADS_HIDDEN, HEADS_TOKEN = "hidden", "token"
+HEADS_CANDIDATES, HEADS_SCORES = "candidates", "scores"
+
+# (name, dims, dtype) of a decoder graph's inputs and outputs other than the cache, in graph order. A dim
+# named after a size of the model (num_kv_heads, head_dim, hidden_size, vocab_size) stands for that size.
+DECODER_INPUTS = (
+    (INPUT_IDS, ("batch", "seq"), "int64"),
+    (POSITION_IDS, ("batch", "seq"), "int64"),
+    (TREE_MASK, ("batch", "seq", "seq"), "float32"),
+    (SEQLENS_K, ("batch",), "int32"),
+    (TOTAL_SEQUENCE_LENGTH, (), "int32"),
+    (NUM_LOGITS_TO_KEEP, (), "int64"),
+)
+DECODER_OUTPUTS = (
+    (LOGITS, ("batch", "num_logits", "vocab_size"), "float32"),
+    (HIDDEN_STATES, ("batch", "seq", "hidden_size"), "float32"),
+)
+CACHE_DIMS, CACHE_DTYPE = ("batch", "num_kv_heads", "max_context", "head_dim"), "float32"  # past and present
+
+
+def past_name(layer, kind: str) -> str:
+    """The cache input of `layer` (an int, or "{i}" in descriptions), kind "key" or "value"."""
+    return f"{PAST_PREFIX}{layer}.{kind}"
+
+
+def present_name(layer, kind: str) -> str:
+    """The cache output of `layer`; it shares the buffer of past_name(layer, kind)."""
+    return f"{PRESENT_PREFIX}{layer}.{kind}"
+
+
+def _dims(dims, sizes: dict) -> list:
+    return [sizes.get(d, d) for d in dims]
+
+
+def decoder_signature(num_layers: int, sizes: dict) -> tuple[list, list]:
+    """(inputs, outputs) of a decoder graph with `num_layers` layers, each a list of (name, dims, dtype) in
+    graph order; sizes maps num_kv_heads, head_dim, hidden_size and vocab_size to the model's (the rest stay
+    symbolic)."""
+    cache = _dims(CACHE_DIMS, sizes)
+    inputs = [(n, _dims(d, sizes), t) for n, d, t in DECODER_INPUTS]
+    outputs = [(n, _dims(d, sizes), t) for n, d, t in DECODER_OUTPUTS]
+    for i in range(num_layers):
+        for kind in KV_KINDS:
+            inputs.append((past_name(i, kind), cache, CACHE_DTYPE))
+            outputs.append((present_name(i, kind), cache, CACHE_DTYPE))
+    return inputs, outputs
+
+
+def decoder_io_description(sizes: dict) -> tuple[dict, dict]:
+    """The decoder graph's inputs and outputs as a manifest entry records them: {name: [*dims, dtype]}, the
+    cache once for every layer."""
+    every = "|".join(KV_KINDS)
+    inputs = {n: [*_dims(d, sizes), t] for n, d, t in DECODER_INPUTS}
+    inputs[past_name("{i}", every)] = [*_dims(CACHE_DIMS, sizes), CACHE_DTYPE]
+    outputs = {n: [*_dims(d, sizes), t] for n, d, t in DECODER_OUTPUTS}
+    outputs[present_name("{i}", every)] = "shares the past buffer"
+    return inputs, outputs
+
+
+def heads_io_description(hidden_size: int, heads: int, topk: int, token_input: bool) -> tuple[dict, dict]:
+    """A Medusa heads graph's inputs and outputs as a manifest entry records them."""
+    inputs = {HEADS_HIDDEN: ["batch", hidden_size, "float32"], **({HEADS_TOKEN: ["batch", "int64"]} if token_input else {})}
+    outputs = {HEADS_CANDIDATES: ["batch", heads, topk, "int64"], HEADS_SCORES: ["batch", heads, topk, "float32"]}
+    return inputs, outputs
 
 
 def chain_feeds(tokens, start: int, n_logits: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs of one pass of a decoder graph over `tokens` at positions [start, start + n), as a chain
     (no tree), for callers that drive the graph with onnxruntime directly (export parity, calibration)."""
     n = len(tokens)
-    return {"input_ids": np.asarray(tokens, np.int64)[None], "position_ids": np.arange(start, start + n, dtype=np.int64)[None],
-            "tree_mask": np.zeros((1, n, n), np.float32), "seqlens_k": np.array([start + n - 1], np.int32),
-            "total_sequence_length": np.array(start + n, np.int32),
-            "num_logits_to_keep": np.array(n_logits, np.int64), **past}
+    return {INPUT_IDS: np.asarray(tokens, np.int64)[None], POSITION_IDS: np.arange(start, start + n, dtype=np.int64)[None],
+            TREE_MASK: np.zeros((1, n, n), np.float32), SEQLENS_K: np.array([start + n - 1], np.int32),
+            TOTAL_SEQUENCE_LENGTH: np.array(start + n, np.int32),
+            NUM_LOGITS_TO_KEEP: np.array(n_logits, np.int64), **past}

@@ -1,16 +1,19 @@
-"""The engine-set manifest: the only contract between build/ (writes it) and runtime/ (reads it).
+"""The engine-set manifest: the only contract between the pipeline (writes it) and runtime/ (reads it).
 
 engines/<name>/manifest.json holds the schema version, the tokenizer (file + hash + chat template
 and special tokens), and one entry per engine: role, file, backend, precision, I/O, shapes, max
-context, vocab, hashes, tool versions, parity figures and build time. `load_manifest` checks it
-once and raises a one-line SpecrtError with the fix on any mismatch.
+context, vocab, hashes, tool versions, parity figures and build time. Its schema is defined once:
+`manifest_dict` for the whole file, `EngineEntry` (to_dict / from_dict) for an engine's entry, and both
+writing and reading go through them. `load_manifest` checks it once and raises a one-line SpecrtError
+with the fix on any mismatch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from .errors import SpecrtError
@@ -42,11 +45,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineEntry:
-    name: str  # key in the manifest, e.g. "target-fp32"
+    """One engine of a set: the schema of manifest.json's "engines" entries, both ways. to_dict() is what the
+    pipeline writes (the fields in this order, those left None omitted), from_dict() what load_manifest reads;
+    `raw` is the entry as read (keys this schema does not know included) or as written."""
+
+    name: str  # key in the manifest, e.g. "target-fp32" (not inside the entry)
     role: str
     file: str
+    files: list[str] | None = None  # every file it needs; None in sets written before entries listed them
     backend: str
     precision: str
     num_layers: int
@@ -56,8 +64,43 @@ class EngineEntry:
     hidden_size: int
     vocab_size: int
     max_context: int
-    width_exact: bool  # one K-token pass equals K one-token passes (max |diff| <= 1e-3; fp32 measures ~7e-5)
-    raw: dict  # the whole entry, for `specrt info`
+    architecture: str | None = None  # target and draft
+    inputs: dict | None = None  # {name: [*dims, dtype]} (specrt/interface.py)
+    outputs: dict | None = None
+    source_sha256: str | None = None
+    parity: dict | None = None  # check_engine's figures (target and draft)
+    build: dict | None = None  # what build/ reported: op counts, quantization, build seconds
+    session_config: dict | None = None  # ORT session entries the runtime applies
+    screen: dict | None = None  # the logit screen's facts and its check (fp32 engines with a screen)
+    tokenizer_sha256: str | None = None  # the tokenizer it was exported with (target and draft)
+    build_versions: dict | None = None  # the tools that built it (the set's "versions" are the export's)
+    medusa: dict | None = None  # heads facts, tree, its sizing and the training report (role "medusa")
+    # from parity: one K-token pass equals K one-token passes (docs/pipeline-notes.md, "Width-exactness")
+    width_exact: bool = field(init=False)
+    raw: dict | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "width_exact", bool((self.parity or {}).get("width_exact", False)))
+        if self.raw is None:
+            object.__setattr__(self, "raw", self.to_dict())
+
+    def to_dict(self) -> dict:
+        """The entry as manifest.json holds it."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _WRITTEN
+                and (getattr(self, f.name) is not None or f.default is MISSING)}
+
+    @classmethod
+    def from_dict(cls, name: str, v: dict) -> "EngineEntry":
+        """An entry as manifest.json holds it; KeyError for a missing required field, TypeError for a wrong type."""
+        if not isinstance(v, dict):
+            raise TypeError(f"engine '{name}' is a JSON {type(v).__name__}, not an object")
+        if not isinstance(v.get("parity", {}), dict):  # width_exact is read from it
+            raise TypeError(f"engine '{name}': parity is not an object")
+        return cls(name=name, raw=v, **{f.name: v[f.name] if f.default is MISSING else v.get(f.name)
+                                        for f in fields(cls) if f.name in _WRITTEN})
+
+
+_WRITTEN = tuple(f.name for f in fields(EngineEntry) if f.name not in ("name", "width_exact", "raw"))
 
 
 @dataclass(frozen=True)
@@ -87,6 +130,20 @@ class Manifest:
         return found[0]
 
 
+def manifest_dict(*, name: str, inputs_key: str, source: dict, export_parity: dict, versions: dict,
+                  tokenizer_sha256: str, chat_template: str | None, bos_token: str | None, eos_token_ids,
+                  engines: dict[str, EngineEntry], tokenizer_file: str = "tokenizer.json") -> dict:
+    """manifest.json of an engine set, as the pipeline writes it (load_manifest reads it back)."""
+    return {
+        "schema_version": SCHEMA_VERSION, "name": name, "inputs_key": inputs_key,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source, "export_parity": export_parity, "versions": versions,
+        "tokenizer": {"file": tokenizer_file, "sha256": tokenizer_sha256, "chat_template": chat_template,
+                      "bos_token": bos_token, "eos_token_ids": eos_token_ids},
+        "engines": {k: e.to_dict() for k, e in engines.items()},
+    }
+
+
 def load_manifest(root: Path) -> Manifest:
     """Read and check an engine set's manifest.json once, at load: schema version, field types, every file
     an engine needs, roles, backends this runtime can run, one vocabulary (target/draft) and one hidden
@@ -112,7 +169,7 @@ def load_manifest(root: Path) -> Manifest:
     try:
         tok = raw["tokenizer"]
         tok_file, tok_sha = tok["file"], tok["sha256"]
-        engines = {k: _entry(k, v) for k, v in raw["engines"].items()}
+        engines = {k: EngineEntry.from_dict(k, v) for k, v in raw["engines"].items()}
         if not all(isinstance(f, str) for e in engines.values() for f in [tok_file, *_files(e)]):
             raise TypeError("file")
     except KeyError as e:
@@ -147,7 +204,7 @@ def load_manifest(root: Path) -> Manifest:
         if e.raw.get("tokenizer_sha256", tok_sha) != tok_sha:
             raise SpecrtError(f"engine '{e.name}' was exported with a different tokenizer than the set's; "
                               "draft and target must share one tokenizer: rebuild with a matching draft model")
-    if file_sha256(root / tok_file) != tok_sha:  # ~20 ms for Qwen2.5's 11 MB tokenizer: cheap enough for a load
+    if file_sha256(root / tok_file) != tok_sha:  # docs/pipeline-notes.md, "Hashing the tokenizer at load"
         raise SpecrtError(f"'{root / tok_file}' is not the tokenizer the engines were built with (sha256 differs "
                           f"from the manifest's); {rebuild}")
     return Manifest(root=root, name=raw.get("name", root.name), tokenizer_file=tok_file,
@@ -159,13 +216,4 @@ def load_manifest(root: Path) -> Manifest:
 def _files(e: EngineEntry) -> list[str]:
     """Every file the engine needs. Sets built before entries listed `files` name only the graph; their
     target and draft graphs always keep the weights beside them (build/ writes <file>.data), Medusa's inline."""
-    return e.raw.get("files") or [e.file] + ([e.file + ".data"] if e.role in ("target", "draft") else [])
-
-
-def _entry(name: str, v: dict) -> EngineEntry:
-    return EngineEntry(
-        name=name, role=v["role"], file=v["file"], backend=v["backend"], precision=v["precision"],
-        num_layers=v["num_layers"], num_heads=v["num_heads"], num_kv_heads=v["num_kv_heads"],
-        head_dim=v["head_dim"], hidden_size=v["hidden_size"], vocab_size=v["vocab_size"],
-        max_context=v["max_context"], width_exact=bool(v.get("parity", {}).get("width_exact", False)), raw=v,
-    )
+    return e.files or [e.file] + ([e.file + ".data"] if e.role in ("target", "draft") else [])

@@ -4,6 +4,7 @@ the loop, every proposer, trees and sampling, exactly as ONNX Runtime's engines 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -162,7 +163,7 @@ def test_an_engine_of_a_backend_this_specrt_cannot_run_is_one_line(reference_set
     from specrt.runtime.engine import open_engine
 
     m = load_manifest(reference_set)
-    bad = m.engine("target").__class__(**{**m.engine("target").__dict__, "backend": "tensorrt"})
+    bad = dataclasses.replace(m.engine("target"), backend="tensorrt")
     with pytest.raises(SpecrtError, match="tensorrt engine, which this specrt cannot run yet") as e:
         open_engine(m.root, bad)
     assert "\n" not in str(e.value)

@@ -157,7 +157,7 @@ def test_built_fp32_engine_is_gated_on_parity(tmp_path, tiny_dir, monkeypatch):
 
     bad = {"max_abs_logit_diff_vs_torch": 2e-3, "greedy_agreement_vs_torch": 0.125,
            "greedy_divergence_gap_vs_torch": 1.5, "width_max_abs_diff": 0.0, "width_exact": True}
-    monkeypatch.setattr(pipeline, "check_engine", lambda *a: dict(bad))
+    monkeypatch.setattr(pipeline.checks, "check_engine", lambda *a: dict(bad))
     out = tmp_path / "eng"
     with pytest.raises(SpecrtError, match="target-fp32 engine does not match PyTorch: greedy decoding agrees"):
         pipeline.make_engine_set(pipeline.EngineSetRequest(str(tiny_dir), "t", ("fp32",), 128, out), log=lambda m: None)

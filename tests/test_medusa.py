@@ -319,18 +319,18 @@ def test_heads_of_another_hidden_size_are_an_error_at_load(medusa_gen, tmp_path)
 def test_flat_pass_timings_fall_back_to_a_prior(monkeypatch):
     """A busy machine made wide passes look nearly free (48 tokens at 1.14 steps) and chose a 36-node tree:
     implausibly flat timings are measured again, then replaced by the prior, and the log says so."""
-    from specrt import pipeline
+    from specrt.pipeline import tree_sizing
 
     quiet = [(1, 0.02), (2, 0.0206), (8, 0.0274), (48, 0.0638)]
     flat = [(1, 0.02), (2, 0.02), (8, 0.0228), (48, 0.0228)]
     calls, logs = [], []
-    monkeypatch.setattr(pipeline, "_pass_costs", lambda *a: calls.append(1) or flat)
-    cost = pipeline._plausible_pass_costs(None, {}, (), logs.append, None, False)
+    monkeypatch.setattr(tree_sizing, "_pass_costs", lambda *a: calls.append(1) or flat)
+    cost = tree_sizing._plausible_pass_costs(None, {}, logs.append, None, None)
     assert len(calls) == 3 and "distorted" in logs[0] and "--medusa-tree-nodes" in logs[0]
-    assert cost[-1][1] / cost[0][1] == pytest.approx(1 + pipeline.PRIOR_WIDTH_SLOPE * 47)
-    monkeypatch.setattr(pipeline, "_pass_costs", lambda *a: quiet)
+    assert cost[-1][1] / cost[0][1] == pytest.approx(1 + tree_sizing.PRIOR_WIDTH_SLOPE * 47)
+    monkeypatch.setattr(tree_sizing, "_pass_costs", lambda *a: quiet)
     logs.clear()
-    assert pipeline._plausible_pass_costs(None, {}, (), logs.append, None, False) == quiet and not logs
+    assert tree_sizing._plausible_pass_costs(None, {}, logs.append, None, None) == quiet and not logs
 
 
 def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):

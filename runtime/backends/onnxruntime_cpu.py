@@ -15,7 +15,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import SpecrtError, first_line
-from ...interface import APPROX_INPUT, GREEDY_OUTPUT  # an fp32 engine's logit screen (build/screen.py)
+from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES,
+                          INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
+                          TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
 from ..engine import ContextFullError, EngineOptions
 from ..hugepages import advise_huge_pages, anonymous_mappings
 
@@ -90,13 +92,13 @@ class OrtHeads:
         self.heads, self.topk = int(shape[1]), int(shape[2])
         self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)
         self._t = np.zeros(1, np.int64)
-        self._feed = {"hidden": self._h}
-        if any(i.name == "token" for i in self.session.get_inputs()):
-            self._feed["token"] = self._t
+        self._feed = {HEADS_HIDDEN: self._h}
+        if any(i.name == HEADS_TOKEN for i in self.session.get_inputs()):
+            self._feed[HEADS_TOKEN] = self._t
 
     def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
         self._h[0], self._t[0] = hidden, token
-        return self.session.run(["candidates"], self._feed)[0][0]
+        return self.session.run([HEADS_CANDIDATES], self._feed)[0][0]
 
 
 class OrtEngine:
@@ -163,18 +165,18 @@ class OrtEngine:
             cache[..., : self.length, :] = self.cache[..., : self.length, :].copy()
         self.cache, self.capacity = cache, cap
         for i in range(layers):
-            for j, kind in enumerate(("key", "value")):
+            for j, kind in enumerate(KV_KINDS):
                 buf = ort.OrtValue.ortvalue_from_numpy(cache[i, j])
-                self._io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buf)
-                self._io.bind_ortvalue_output(f"present.{i}.{kind}", buf)
+                self._io.bind_ortvalue_input(past_name(i, kind), buf)
+                self._io.bind_ortvalue_output(present_name(i, kind), buf)
 
     def enable_hidden(self) -> None:
         """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""
         if not self.with_hidden:
             outs = {o.name: o.shape for o in self.session.get_outputs()}
-            if "hidden_states" not in outs:
+            if HIDDEN_STATES not in outs:
                 raise SpecrtError("this target engine has no hidden_states output; rebuild it with `specrt engines`")
-            self._hidden = np.empty((self.max_pass_tokens, int(outs["hidden_states"][-1])), np.float32)
+            self._hidden = np.empty((self.max_pass_tokens, int(outs[HIDDEN_STATES][-1])), np.float32)
             self.with_hidden = True
 
     def argmax(self, tokens: np.ndarray, positions: np.ndarray | None = None,
@@ -235,18 +237,18 @@ class OrtEngine:
         """One session run: logits into self._logits[row:row + num_logits], hidden states into `hidden`; approx:
         through the logit screen (engines that have one; others ignore it)."""
         n, io = len(tokens), self._io
-        io.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, np.int64).reshape(1, n))
-        io.bind_cpu_input("position_ids", np.ascontiguousarray(positions, np.int64).reshape(1, n))
-        io.bind_cpu_input("tree_mask", np.ascontiguousarray(mask, np.float32))
-        io.bind_cpu_input("seqlens_k", np.array([self.length + n - 1], np.int32))
-        io.bind_cpu_input("total_sequence_length", np.array(self.length + n, np.int32))
-        io.bind_cpu_input("num_logits_to_keep", np.array(num_logits, np.int64))
-        io.bind_output("logits", "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
+        io.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(tokens, np.int64).reshape(1, n))
+        io.bind_cpu_input(POSITION_IDS, np.ascontiguousarray(positions, np.int64).reshape(1, n))
+        io.bind_cpu_input(TREE_MASK, np.ascontiguousarray(mask, np.float32))
+        io.bind_cpu_input(SEQLENS_K, np.array([self.length + n - 1], np.int32))
+        io.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array(self.length + n, np.int32))
+        io.bind_cpu_input(NUM_LOGITS_TO_KEEP, np.array(num_logits, np.int64))
+        io.bind_output(LOGITS, "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
         if self._has_screen:
             io.bind_cpu_input(APPROX_INPUT, self._flags[approx])
             io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [1, num_logits], self.greedy[row:].ctypes.data)
         if hidden is not None:
-            io.bind_output("hidden_states", "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)
+            io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)
         self.session.run_with_iobinding(io)
 
     def commit(self, n: int, path: np.ndarray | None = None) -> None:

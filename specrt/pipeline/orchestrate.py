@@ -1,0 +1,197 @@
+"""make_engine_set: source -> engines/<name>/ (export, build, check, manifest), atomically.
+
+Steps whose inputs did not change are skipped: exports are cached under engines/.cache keyed by
+the source fingerprint and export options; built engines are cached next to their export; an
+engine set whose manifest already records the same inputs is left as it is. The set is written
+to a temp folder beside the target and renamed into place, so a failure leaves nothing half-written.
+This module validates the request, keys and caches the export and drives the other pipeline modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecrtError
+from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
+from .buildcache import one_build_at_a_time, swap_into_place
+from .engines import build_engine, chat_template
+from .tree_sizing import TREE_COSTS, build_medusa
+
+EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
+MIN_CONTEXT = 64    # the export's parity check decodes a ~16-token golden prompt + 32 tokens
+
+
+@dataclass(frozen=True)
+class EngineSetRequest:
+    source: str
+    name: str
+    precisions: tuple[str, ...] = ("fp32",)
+    max_context: int = 4096
+    out_root: Path = Path("engines")
+    draft_source: str | None = None  # a smaller model with the same tokenizer: entries draft-<prec>
+    draft_precisions: tuple[str, ...] = ("fp32",)
+    medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
+    medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
+
+
+def _say(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold cyan]specrt[/] {msg}")
+
+
+def check_destination(out_root: Path, name: str) -> None:
+    """An engine set goes to out_root/name: out_root a folder (created if missing), name one plain folder name."""
+    if out_root.exists() and not out_root.is_dir():
+        raise SpecrtError(f"--out '{out_root}' is a file, not a folder; pass a folder (it is created if missing)")
+    if not name or name in (".", "..") or name.startswith(".") or any(c in name for c in "/\\"):
+        raise SpecrtError(f"engine set name '{name}' is not a plain folder name (no '/', '\\', '..' or leading '.', "
+                          "which is kept for the build cache); pass e.g. --name mymodel")
+
+
+def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
+    """Export (cached per source, context and tool versions), build every requested engine, write the
+    manifest, and move the set into req.out_root / req.name in one rename -> that path. Validates the
+    request before any work; skips everything when the set there was built from the same inputs and still
+    loads; one build per out_root at a time. Errors are one-line SpecrtErrors and leave no partial set."""
+    from ..build.ort import build_key, precision
+    from ..export.sources import fingerprint, resolve, vocab_size
+
+    check_destination(Path(req.out_root), req.name)
+    built = req.precisions + (req.draft_precisions if req.draft_source else ())
+    for p in built:
+        precision(p)  # validates before any work
+    if req.max_context < MIN_CONTEXT:
+        raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
+    src = resolve(req.source)
+    dsrc = resolve(req.draft_source) if req.draft_source else None
+    if dsrc is not None:  # from the configs, before minutes of export; the tokenizers are compared after it
+        _check_same_vocab(req, vocab_size(src), vocab_size(dsrc))
+    final = req.out_root / req.name
+    log(f"fingerprinting {src.path.name}")
+    fp = fingerprint(src)
+
+    recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
+    tools = _export_tools()
+    key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, tools, recipes, SCHEMA_VERSION]
+    if dsrc is not None:
+        log(f"fingerprinting {dsrc.path.name}")
+        dfp = fingerprint(dsrc)
+        key += [dfp, sorted(req.draft_precisions)]
+    if req.medusa_heads is not None:
+        if not Path(req.medusa_heads).is_file():
+            raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
+        from ..export.medusa import HEADS_ENGINE, TREE_TOLERANCE
+
+        key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
+    inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
+    with one_build_at_a_time(Path(req.out_root), log):
+        if _up_to_date(final, inputs_key):
+            log(f"{final} is up to date")
+            return final
+        return _make(req, final, inputs_key, fp, dfp if dsrc is not None else None, src, dsrc, tools, log)
+
+
+def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str | None, src, dsrc, tools: str,
+          log) -> Path:
+    cache = req.out_root / ".cache" / f"export-{fp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}-t{tools}"
+    facts = _cached_export(src, cache, req.max_context, log)
+    roles = [("target", cache, facts, req.precisions)]
+    if dsrc is not None:
+        dcache = req.out_root / ".cache" / f"export-{dfp[:16]}-ctx{req.max_context}-v{EXPORT_FORMAT}-t{tools}"
+        roles.append(("draft", dcache, _cached_export(dsrc, dcache, req.max_context, log), req.draft_precisions))
+        _check_same_tokenizer(req, cache, dcache, facts, roles[1][2])
+    req.out_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{req.name}-", dir=req.out_root))
+    tmp.chmod(0o755)
+    try:
+        engines = {}
+        for role, rcache, rfacts, precs in roles:
+            for p in precs:
+                engines[f"{role}-{p}"] = build_engine(role, p, rcache, rfacts, tmp, log)
+        if req.medusa_heads is not None:
+            engines["medusa-fp32"] = build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
+                                                  req.medusa_tree_nodes, engines)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(cache / f, tmp / f)
+        manifest = manifest_dict(
+            name=req.name, inputs_key=inputs_key, source=facts["source"], export_parity=facts["parity"],
+            versions=facts["versions"], tokenizer_sha256=file_sha256(tmp / "tokenizer.json"),
+            chat_template=chat_template(cache), bos_token=facts["bos_token"], eos_token_ids=facts["eos_token_ids"],
+            engines=engines)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {final}")
+    return final
+
+
+def _export_tools() -> str:
+    """Short hash of the versions that shape an export (torch runs the golden pass, transformers converts
+    the checkpoint and GGUF files, onnx writes the graph): an upgrade re-exports instead of reusing."""
+    packages = ("torch", "transformers", "gguf", "onnx")
+    found = tool_versions(packages)
+    versions = {pkg: found.get(pkg) for pkg in packages}   # None = not installed
+    return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _up_to_date(final: Path, inputs_key: str) -> bool:
+    """The set at final was built from these inputs and still loads: every file its manifest lists is there
+    and its tokenizer is the recorded one (a set missing a file is rebuilt, as the load error tells users)."""
+    try:
+        return load_manifest(final).raw.get("inputs_key") == inputs_key
+    except SpecrtError:
+        return False
+
+
+def source_name(source: str) -> str:
+    """What an engine set or a heads file made from `source` is called by default: an embedded name as it
+    is, a model folder or .gguf file by its file name (lower case)."""
+    return source if "/" not in source and not source.endswith(".gguf") else Path(source).stem.lower()
+
+
+def default_heads(source: str) -> Path | None:
+    """The committed heads for an embedded default (heads/<name>.npz beside the package), if any."""
+    path = Path(__file__).resolve().parents[2] / "heads" / f"{source}.npz"
+    return path if path.is_file() else None
+
+
+def _check_same_vocab(req, tv: int | None, dv: int | None) -> None:
+    if tv is not None and dv is not None and tv != dv:
+        raise SpecrtError(f"draft '{req.draft_source}' has vocabulary size {dv}, target '{req.source}' has {tv}; "
+                          "choose a draft from the target's model family (same tokenizer)")
+
+
+def _check_same_tokenizer(req, cache: Path, dcache: Path, facts: dict, dfacts: dict) -> None:
+    """Speculation compares token ids: the draft must share the target's tokenizer exactly."""
+    _check_same_vocab(req, facts["spec"]["vocab_size"], dfacts["spec"]["vocab_size"])
+    th, dh = file_sha256(cache / "tokenizer.json"), file_sha256(dcache / "tokenizer.json")
+    if th != dh:
+        raise SpecrtError(f"draft '{req.draft_source}' and target '{req.source}' use different tokenizers "
+                          f"(sha256 {dh[:12]}… vs {th[:12]}…); choose a draft with the target's tokenizer")
+
+
+def _cached_export(src, cache: Path, max_context: int, log) -> dict:
+    from ..export.exporter import export_checkpoint
+
+    if (cache / "export.json").is_file():
+        log(f"export cached in {cache}")
+        return json.loads((cache / "export.json").read_text())
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=cache.parent))
+    try:
+        facts = export_checkpoint(src, tmp, max_context, log=log)
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return facts
