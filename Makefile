@@ -35,6 +35,7 @@ heads: venv
 	$(SPECRT) train-medusa --source smollm2-135m --out heads/smollm2-135m.npz --parts 2 --budget-minutes 18
 
 test: venv
+	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 bench: engines $(VENV)/.peers

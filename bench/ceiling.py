@@ -175,7 +175,8 @@ def onnx_heads(path: Path):
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     token = any(i.name == "token" for i in sess.get_inputs())
-    return lambda hidden, tokens: sess.run(["candidates"], {"hidden": hidden, **({"token": tokens} if token else {})})[0]
+    return lambda hidden, tokens: sess.run(["candidates"],
+                                           {"hidden": hidden, **({"token": tokens} if token else {})})[0]
 
 
 def medusa_ranks(heads, hidden: np.ndarray, seq: list[int], prompt_len: int, n: int, ranks: int) -> np.ndarray:
@@ -214,13 +215,15 @@ def tree_accepts(ranks: np.ndarray, tree: set | None, miss: int = MEDUSA_RANKS) 
     return out
 
 
-def replay_tree(ranks: np.ndarray, tree: set | None, cost_of_pass: float, miss: int = MEDUSA_RANKS) -> tuple[int, int, float]:
+def replay_tree(ranks: np.ndarray, tree: set | None, cost_of_pass: float,
+                miss: int = MEDUSA_RANKS) -> tuple[int, int, float]:
     """(tokens, rounds, pass cost) of Medusa with a fixed tree over one output (tree_accepts): the prefill round
     costs one step, every other round cost_of_pass."""
     return replay(tree_accepts(ranks, tree, miss), [1.0] + [cost_of_pass] * (len(ranks) - 1))
 
 
-def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], costs: np.ndarray, ranks: int) -> list[dict]:
+def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], costs: np.ndarray,
+                  ranks: int) -> list[dict]:
     """Per category: the best in-sample tree (a prefix of the joint-accuracy order) at the measured pass costs,
     with its tau and speedups, the 1-node tree, and tau of the unlimited tree of top-`ranks` paths."""
     from ..export.medusa import tree_order
@@ -297,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                           MEDUSA_NODES + 1 if heads else MAX_DRAFT + 1)
     print("pass cost (steps) by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in range(1, len(costs))))
     rows = report(replays, costs, PromptLookup().buckets)
-    print("| category | prompts | lookup tau | lookup decode | lookup end-to-end | oracle tau | oracle decode | oracle end-to-end |")
+    print("| category | prompts | lookup tau | lookup decode | lookup end-to-end "
+          "| oracle tau | oracle decode | oracle end-to-end |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         lk, orc = r["lookup"], r["oracle"]
@@ -312,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in mrows:
             o, b = r["one_node"], r["best"]
             print(f"| {r['category']} | {r['prompts']} | {o['tau']} | {o['decode_speedup']}x | {o['speedup']}x "
-                  f"| {b['nodes']} | {b['tau']} | {b['decode_speedup']}x | {b['speedup']}x | {r['max_tau']} | {r['tau_all']} |")
+                  f"| {b['nodes']} | {b['tau']} | {b['decode_speedup']}x | {b['speedup']}x "
+                  f"| {r['max_tau']} | {r['tau_all']} |")
         result["medusa"] = mrows
         result["medusa_ranks"] = {k: v.tolist() for k, v in medusa_ranks_by_case.items()}  # for offline replays
     if a.out:

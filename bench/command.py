@@ -15,13 +15,15 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", help="Folder for results.json, report.md and PNG plots."),
     modes: Optional[str] = typer.Option(None, "--modes",
                                         help="Comma-separated modes: plain-<prec>, <speculate>-<prec> (prompt-lookup, "
-                                             "draft, medusa, lookup+medusa, auto), genai-fp32, genai-int4, llamacpp, llamacpp-pld, hf, "
-                                             "hf-pld, hf-assisted. Default: all that apply."),
+                                             "draft, medusa, lookup+medusa, auto), genai-fp32, genai-int4, llamacpp, "
+                                             "llamacpp-pld, hf, hf-pld, hf-assisted. Default: all that apply."),
     categories: Optional[str] = typer.Option(None, "--categories",
                                              help="Comma-separated subset of chat,code,summarize,qa,math,translation."),
     reps: int = typer.Option(3, "--reps", help="Repetitions per prompt and mode (tok/s is their median)."),
     threads: int = typer.Option(0, "--threads", help="CPU threads for every contender (0 = all cores)."),
-    quick: bool = typer.Option(False, "--quick", help="1 prompt per category, at most 32 new tokens, core modes unless --modes (a few minutes)."),
+    quick: bool = typer.Option(False, "--quick",
+                               help="1 prompt per category, at most 32 new tokens, core modes unless --modes "
+                                    "(a few minutes)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="Use the first N prompts per category."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap every prompt's max_new_tokens."),
     load_order: str = typer.Option("listed", "--load-order",
@@ -29,12 +31,13 @@ def bench(
                                         "sessions created later in a process can decode up to ~10% faster, so compare "
                                         "two contenders in both orders (docs/design-notes.md, 'Session load order')."),
     isolate: bool = typer.Option(False, "--isolate",
-                                 help="Run every contender in a worker process of its own (as a user's process holds one "
-                                      "runtime): no load-order effect, nothing shared; calls stay interleaved."),
+                                 help="Run every contender in a worker process of its own (as a user's process "
+                                      "holds one runtime): no load-order effect, nothing shared; calls stay "
+                                      "interleaved."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos",
                                     help="Every contender generates exactly each prompt's max_new_tokens, through EOS: "
-                                         "tok/s then compares engines at equal lengths (two int4 models stop at different "
-                                         "places, and a short answer's tok/s is mostly prefill)."),
+                                         "tok/s then compares engines at equal lengths (two int4 models stop at "
+                                         "different places, and a short answer's tok/s is mostly prefill)."),
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",
                                                 help="HF folder or GGUF of a smaller model with the same vocabulary, "
                                                      "for transformers' assistant_model (hf-assisted)."),

@@ -4,7 +4,8 @@ and our own modes alike.
 Contract of a `Contender` (ours or a peer): `load()` once (may build and cache), then
 `run(prompt_ids, messages, max_new_tokens) -> Trace` any number of times, greedy, stopping at
 the engine set's EOS ids (with `Checkpoint.ignore_eos`: after exactly max_new_tokens; ours and
-llama.cpp decode through EOS, genai and transformers suppress it, their only way to go on). Every contender gets the same prompt token ids (ours renders them
+llama.cpp decode through EOS, genai and transformers suppress it, their only way to go on). \
+Every contender gets the same prompt token ids (ours renders them
 from `messages` with the same template), so outputs compare token by token.
 
 Peers import their package inside `load()`; a missing package raises `Unavailable` with a
@@ -247,7 +248,8 @@ class HFPeer:
         import torch
 
         if self.variant == "assisted" and self.ck.assistant is None:
-            raise Unavailable("hf-assisted needs a smaller checkpoint with the same vocabulary: pass --hf-assistant DIR")
+            raise Unavailable("hf-assisted needs a smaller checkpoint with the same vocabulary: "
+                              "pass --hf-assistant DIR")
         torch.set_num_threads(self.ck.threads)
         self._torch, self.model = torch, _hf_model(hf_folder(self.ck))
         self.extra = {}

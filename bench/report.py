@@ -21,7 +21,8 @@ def markdown(res: dict, command: str) -> str:
         "",
         f"- command: `{command}`",
         f"- {meta['date']}; CPU: {meta['cpu']} ({meta['cores']} cores), **{meta['threads']} threads** for every "
-        f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; bench time {meta['bench_s']:.0f} s"
+        f"contender; {meta['cases']} prompts x {meta['reps']} reps, modes interleaved; "
+        f"bench time {meta['bench_s']:.0f} s"
         + ("; **--ignore-eos**: every contender generates exactly each prompt's max_new_tokens (ours and llama.cpp "
            "decode through EOS, genai and transformers suppress it), so agreement past an EOS means nothing"
            if meta.get("ignore_eos") else ""),
@@ -71,7 +72,9 @@ def markdown(res: dict, command: str) -> str:
         r = cell[(m, "all")]
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"][:8]) or "–"
         out.append(f"| {m} | {r['tok_s']:.1f} | {r['new_tokens']:g} | {_f(r['speedup'], '{:.2f}')}x | "
-                   f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'], '{:.1f}')} | {_f(r['gap_p99_ms'], '{:.1f}')} | "
+                   f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | "
+                   f"{_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'], '{:.1f}')} | "
+                   f"{_f(r['gap_p99_ms'], '{:.1f}')} | "
                    f"{r['identical']} | {_f(r['first_divergence'], '{}')} | {acc} |")
     out += ["", "## Per (mode, category)", "",
             "| mode | category | tok/s | new tokens | speedup | decode speedup | tau | TTFT ms | gap p50/p99 ms | "
@@ -82,7 +85,8 @@ def markdown(res: dict, command: str) -> str:
             continue
         out.append(f"| {r['mode']} | {r['category']} | {r['tok_s']:.1f} | {r['new_tokens']:g} | "
                    f"{_f(r['speedup'], '{:.2f}')}x | "
-                   f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | {_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
+                   f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | "
+                   f"{_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
                    f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
     out += _per_prompt(res)
     if res["notes"]:

@@ -125,8 +125,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     if any("medusa" in (r["proposer"] or "") for r in runs):  # medusa, lookup+medusa, an auto that resolved to one
         meta["medusa"] = medusa_accuracy(manifest)
     return {"meta": meta, "notes": notes,
-            "modes": modes, "load_order": [c.name for c in live], "cases": [c.as_dict() for c in cases], "summary": summary,
-            "runs": runs}
+            "modes": modes, "load_order": [c.name for c in live], "cases": [c.as_dict() for c in cases],
+            "summary": summary, "runs": runs}
 
 
 def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, live: list, notes: list, log) -> None:

@@ -157,7 +157,8 @@ def quantize(model: onnx.ModelProto, prec: OrtPrecision, hessians: dict | None =
                                          accuracy_level=prec.accuracy_level or None, nodes_to_exclude=exclude)
         quantizer.process()
         model = quantizer.model.model
-    blocks = [a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"]
+    blocks = [a.i for n in model.graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "block_size"]
     if blocks.count(prec.block_size) < len(done):  # passes select by node name: names must be unique
         raise RuntimeError(f"{len(done)} GPTQ weights but {blocks.count(prec.block_size)} MatMulNBits in blocks "
                            f"of {prec.block_size}; the graph's node names are not unique")

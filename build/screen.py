@@ -90,7 +90,8 @@ def quantize_rows(w_t: np.ndarray, block: int = BLOCK) -> tuple[onnx.NodeProto, 
 
 def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     """Rewrite the fp32 lm_head of `model` (loaded with its weights) into If(approx_logits, screen, fp32),
-    with a second output `greedy_tokens` [batch, n] (the screen: batch 1 only, as the runtime runs). Returns the screen's manifest facts, or None (and leaves the
+    with a second output `greedy_tokens` [batch, n] (the screen: batch 1 only, as the runtime runs). \
+Returns the screen's manifest facts, or None (and leaves the
     model alone) where the hidden size is not a multiple of `block`."""
     node, weight = _lm_head(model)
     w_t = numpy_helper.to_array(weight)
@@ -100,10 +101,12 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     qnode, qinits, deq = quantize_rows(w_t, block)
     rows = np.ascontiguousarray(w_t.T)
     rows_name = _tied_embedding(model, rows)
-    weight_err, qnorm = np.linalg.norm(rows - deq, axis=1).astype(np.float32), np.linalg.norm(deq, axis=1).astype(np.float32)
+    weight_err, qnorm = (np.linalg.norm(rows - deq, axis=1).astype(np.float32),
+                         np.linalg.norm(deq, axis=1).astype(np.float32))
     B = next(b for b in (64, 32, 16, 8, 4, 2, 1) if V % b == 0)  # tokens per block of the candidate search
     consts = {"screen.err_norm": np.stack([weight_err, qnorm]),                    # [2, V]: per-token bound terms
-              "screen.by_block": np.array([0, V // B, B], np.int64), "screen.rows_of_block": np.array([-1, B], np.int64),
+              "screen.by_block": np.array([0, V // B, B], np.int64),
+              "screen.rows_of_block": np.array([-1, B], np.int64),
               "screen.blocks_per_row": np.array(V // B, np.int64), "screen.B": np.array(B, np.int64),
               "screen.ax2": np.array([2], np.int64), "screen.ninf": np.array(-np.inf, np.float32),
               "screen.blocks": np.array([0, H // block, block], np.int64),
@@ -191,8 +194,10 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
           then_branch=helper.make_graph(skip, "skip", [], [i64("screen.none")]),
           else_branch=helper.make_graph(rescore, "rescore", [], [i64("screen.best1")])),
     ]
-    not_screened = [N("Constant", [], ["screen.no_logits"], value=helper.make_tensor("e", TensorProto.FLOAT, [1, 1, 1], [0.0])),
-                    N("Constant", [], ["screen.no_tokens"], value=helper.make_tensor("t", TensorProto.INT64, [1, 1], [0])),
+    not_screened = [N("Constant", [], ["screen.no_logits"],
+                      value=helper.make_tensor("e", TensorProto.FLOAT, [1, 1, 1], [0.0])),
+                    N("Constant", [], ["screen.no_tokens"],
+                      value=helper.make_tensor("t", TensorProto.INT64, [1, 1], [0])),
                     N("Constant", [], ["screen.yes"], value=helper.make_tensor("y", TensorProto.BOOL, [], [True]))]
     b = lambda name: helper.make_tensor_value_info(name, TensorProto.BOOL, None)  # noqa: E731
     first = N("If", [INPUT], ["screen.out_logits", "screen.out_tokens", "screen.need_fp32"], name="screen",
@@ -202,7 +207,8 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
                                                                        b("screen.yes")]))
     exact = [N("MatMul", [x, weight.name], ["logits_fp32"], name="logits_fp32"),
              N("ArgMax", ["logits_fp32"], ["greedy_fp32"], axis=2, keepdims=0)]        # [batch, n]
-    keep = [N("Identity", ["screen.out_logits"], ["screened_logits"]), N("Identity", ["screen.out_tokens"], ["screened_tokens"])]
+    keep = [N("Identity", ["screen.out_logits"], ["screened_logits"]),
+            N("Identity", ["screen.out_tokens"], ["screened_tokens"])]
     branch = N("If", ["screen.need_fp32"], [LOGITS, OUTPUT], name=LOGITS,
                then_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64("greedy_fp32")]),
                else_branch=helper.make_graph(keep, "screened", [], [f32("screened_logits"), i64("screened_tokens")]))

@@ -102,7 +102,8 @@ def _eos_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greedy: np.ndarray, max_context: int) -> dict:
+def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greedy: np.ndarray,
+                max_context: int) -> dict:
     """Run the standard graph (function inlined by ORT, cache passed in and out, no sharing)."""
     import onnxruntime as ort
 

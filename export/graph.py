@@ -107,8 +107,8 @@ def read_initializers(onnx_path: Path, *names: str) -> list[np.ndarray]:
             continue
         info = {e.key: e.value for e in t.external_data}
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        data = np.fromfile(Path(onnx_path).parent / info["location"], dtype, count=int(info["length"]) // dtype.itemsize,
-                           offset=int(info.get("offset", 0)))
+        data = np.fromfile(Path(onnx_path).parent / info["location"], dtype,
+                           count=int(info["length"]) // dtype.itemsize, offset=int(info.get("offset", 0)))
         out.append(data.reshape(list(t.dims)))
     return out
 
@@ -170,7 +170,8 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
                           c("scale", 1.0 / np.sqrt(d), np.float32)])
     # Causal over cache slots: key j visible to query i of batch b iff j <= start_b + i.
     j = g.op("Range", [c("zero_b", 0), g.op("Squeeze", [t]), one])
-    allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [j, c("ax01", [0, 1])]), g.op("Unsqueeze", [slot, c("ax2b", [2])])])
+    allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [j, c("ax01", [0, 1])]),
+                                   g.op("Unsqueeze", [slot, c("ax2b", [2])])])
     causal = g.op("Where", [allowed, c("f0", 0.0, np.float32), c("ninf", -np.inf, np.float32)])
     scores = g.op("Add", [g.op("Add", [scores, g.op("Unsqueeze", [causal, ax1])]), "attention_bias"])
     probs = g.op("Softmax", [scores], axis=-1)

@@ -34,7 +34,8 @@ from ..errors import SpecrtError
 from ..interface import HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN
 
 HEADS_FORMAT = 1
-HEADS_ENGINE = 3  # the heads engine's graph (3: only the heads the tree reads; 2 had a probs output, not kept); in engine sets' build key
+# the heads engine's graph (3: only the heads the tree reads; 2 had a probs output, not kept); in engine sets' build key
+HEADS_ENGINE = 3
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ def train_heads(data_paths: Path | list[Path], lm_head: np.ndarray, out: Path, c
     report = {"format": HEADS_FORMAT, "heads": K, "hidden_size": H, "vocab_size": V, "vocab_subset": len(vocab),
               "heldout_label_coverage": round(coverage, 4), "train_positions": int(len(tr)),
               "heldout_positions": int(len(ev)), "steps": step, "epochs": round(step / steps_per_epoch, 2),
-              "train_seconds": round(state["elapsed"], 1), "final_loss": float(np.mean(state["losses"][-50:] or [np.nan])),
+              "train_seconds": round(state["elapsed"], 1),
+              "final_loss": float(np.mean(state["losses"][-50:] or [np.nan])),
               "first_loss": float(np.mean(state["losses"][:25] or [np.nan])), "config": asdict(cfg), **acc}
     save_heads(out / "heads.npz", heads, vocab, report)
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -214,8 +216,8 @@ def evaluate(heads, hid, emb, labels: np.ndarray, E, vocab: np.ndarray, ranks: i
             hit = vocab[top] == labels[s: s + 1024].T[..., None]
             label_rank[s: s + 1024] = np.where(hit.any(-1), hit.argmax(-1), ranks).T
     valid = labels >= 0
-    rank_acc = np.stack([np.bincount(label_rank[valid[:, k], k], minlength=ranks + 1)[:ranks] / max(1, valid[:, k].sum())
-                         for k in range(K)])
+    rank_acc = np.stack([np.bincount(label_rank[valid[:, k], k], minlength=ranks + 1)[:ranks]
+                         / max(1, valid[:, k].sum()) for k in range(K)])
     order, values = tree_order(label_rank, ranks)
     return {"top1": np.round(rank_acc[:, 0], 4).tolist(), "top5": np.round(rank_acc[:, :5].sum(1), 4).tolist(),
             "rank_acc": np.round(rank_acc, 4).tolist(), "tree_order": [list(p) for p in order],
@@ -302,11 +304,13 @@ def save_heads(path: Path, heads, vocab: np.ndarray, report: dict) -> None:
 
 def load_heads(path: Path) -> dict:
     if not Path(path).is_file():
-        raise SpecrtError(f"Medusa heads file '{path}' not found; train it with `specrt train-medusa` (or `make heads`)")
+        raise SpecrtError(f"Medusa heads file '{path}' not found; "
+                          "train it with `specrt train-medusa` (or `make heads`)")
     d = np.load(path)
     report = json.loads(str(d["report"]))
     if report.get("format") != HEADS_FORMAT:
-        raise SpecrtError(f"'{path}' has heads format {report.get('format')}, expected {HEADS_FORMAT}; retrain with `make heads`")
+        raise SpecrtError(f"'{path}' has heads format {report.get('format')}, expected {HEADS_FORMAT}; "
+                          "retrain with `make heads`")
     return {k: d[k] for k in ("w1", "b1", "w2", "b2", "vocab", "a") if k in d} | {"report": report}
 
 
@@ -342,7 +346,8 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
         table = (lm_head.astype(np.float32) @ heads["a"].astype(np.float32)).astype(np.float16)
         inits.append(numpy_helper.from_array(table, "token_table"))
         inputs.append(helper.make_tensor_value_info(HEADS_TOKEN, TensorProto.INT64, ["batch"]))
-        pre = [n("Gather", ["token_table", HEADS_TOKEN], ["tok16"]), n("Cast", ["tok16"], ["tok32"], to=TensorProto.FLOAT),
+        pre = [n("Gather", ["token_table", HEADS_TOKEN], ["tok16"]),
+               n("Cast", ["tok16"], ["tok32"], to=TensorProto.FLOAT),
                n("Add", [HEADS_HIDDEN, "tok32"], ["hx"])]
         x_in = "hx"
     nodes = pre + [

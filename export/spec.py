@@ -71,7 +71,8 @@ class DecoderSpec:
         rope_type = getattr(rotary, "rope_type", "default")
         if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:  # a dict: per-layer RoPE
             raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported (its frequencies are not checked "
-                                        f"against the static tables); use a checkpoint with one of {', '.join(ROPE_TYPES)}")
+                                        "against the static tables); use a checkpoint with one of "
+                                        f"{', '.join(ROPE_TYPES)}")
         max_pos = int(cfg.max_position_embeddings)
         rope_max = int((getattr(cfg, "rope_parameters", None) or {}).get("original_max_position_embeddings", max_pos)
                        if rope_type == "longrope" else max_pos)
@@ -110,7 +111,8 @@ class DecoderSpec:
             raise SpecrtError(f"--max-context {max_context} exceeds the model's {self.max_position_embeddings} "
                               f"positions; use --max-context <= {self.max_position_embeddings}")
         if self.sliding_window is not None and max_context > self.sliding_window:
-            # A query attends to keys at most sliding_window - 1 positions back, so up to this length the window is moot.
+            # A query attends to keys at most sliding_window - 1 positions back, so up to this length
+            # the window is moot.
             raise SpecrtError(f"this model uses sliding-window attention (window {self.sliding_window}), which the "
                               f"exported graph does not implement; use --max-context <= {self.sliding_window}")
         if max_context > self.rope_max_context:

@@ -40,7 +40,7 @@ class Stats:
     verify_s: float = 0.0
     exact: bool = True  # False when the engine is not width-exact (int8 activations) and we speculated, or lossy
     lossy: bool = False  # True when a round used the lossy typical acceptance (--lossy-typical), whatever the engine
-    logit_screen: bool = False  # greedy passes read the lm_head through the fp32 engine's screen (exact; build/screen.py)
+    logit_screen: bool = False  # greedy passes read the lm_head via the fp32 engine's screen (exact; build/screen.py)
     engine: str = ""  # the target engine and its backend (Engine.description)
 
     def as_dict(self) -> dict:

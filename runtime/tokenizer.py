@@ -39,13 +39,15 @@ def load_messages_file(path: Path) -> list[Message]:
     except IsADirectoryError:
         raise SpecrtError(f"messages file '{path}' is a folder; pass a JSON file") from None
     except OSError as e:
-        raise SpecrtError(f"messages file '{path}' cannot be read ({e.strerror or e}); pass a readable JSON file") from None
+        raise SpecrtError(f"messages file '{path}' cannot be read ({e.strerror or e}); "
+                          "pass a readable JSON file") from None
     except UnicodeDecodeError:
         raise SpecrtError(f"messages file '{path}' is not UTF-8; re-save it as UTF-8") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise SpecrtError(f"messages file '{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
+        raise SpecrtError(f"messages file '{path}' is not valid JSON (line {e.lineno}: {e.msg}); "
+                          "fix the file") from None
     return parse_messages(raw)
 
 
@@ -55,8 +57,8 @@ class TextCodec:
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception for unreadable or malformed files
-            raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({first_line(e)}); rebuild the engine set "
-                              "with `specrt engines`") from None
+            raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({first_line(e)}); "
+                              "rebuild the engine set with `specrt engines`") from None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.bos_token = bos_token
         self._template = None

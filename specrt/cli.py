@@ -77,10 +77,12 @@ def engines(
     source: Optional[str] = typer.Option(None, "--source", "-s",
                                          help="Embedded model name, a Hugging Face model directory, or a .gguf file. "
                                               "Default: smollm2-135m."),
-    name: Optional[str] = typer.Option(None, "--name", "-n", help="Engine set name (folder under --out). Default: from the source."),
+    name: Optional[str] = typer.Option(None, "--name", "-n",
+                                       help="Engine set name (folder under --out). Default: from the source."),
     precisions: str = typer.Option("fp32,int8,int4", "--precisions", "-p",
-                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 (weight-only GPTQ in blocks "
-                                        "of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for SmolLM2), "
+                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 "
+                                        "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on "
+                                        "Python-stdlib texts, ~2 min for SmolLM2), "
                                         "int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation)."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
@@ -93,7 +95,8 @@ def engines(
                                                help="Medusa heads file (specrt train-medusa). Default: the committed "
                                                     "heads/<source>.npz when there is one; 'none' = no heads."),
     medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes",
-                                          help="Medusa tree size (0 = chosen from head accuracies and measured pass costs)."),
+                                          help="Medusa tree size (0 = chosen from head accuracies and measured "
+                                               "pass costs)."),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
 
@@ -135,16 +138,20 @@ def cache(
                                                         "(old recipes and formats) and the temp folders of interrupted "
                                                         "runs. Do not run it during a build."),
 ):
-    """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them); --prune frees the stale ones.
+    """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them); \
+--prune frees the stale ones.
 
-    A build folder is in use while an engine set hard-links its engine files; every change of build recipe or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and preset downloads are not touched.
+    A build folder is in use while an engine set hard-links its engine files; every change of build recipe \
+or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and preset \
+downloads are not touched.
     """
 
     def run():
         from .pipeline import cache_entries, prune_cache
 
         if not (out / ".cache").is_dir():
-            raise SpecrtError(f"no build cache at {out / '.cache'}; build an engine set with `specrt engines --out {out}`")
+            raise SpecrtError(f"no build cache at {out / '.cache'}; "
+                              f"build an engine set with `specrt engines --out {out}`")
         entries = cache_entries(out)
         for e in entries:
             typer.echo(f"{e.bytes / 2**30:8.2f} GiB  {'in use' if e.in_use else 'stale ':6}  {e.path}")
@@ -161,8 +168,10 @@ def cache(
 
 @app.command(cls=_Command)
 def generate(
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="User message (formatted with the model's chat template)."),
-    messages: Optional[Path] = typer.Option(None, "--messages", help='JSON file: [{"role": "user", "content": "..."}, ...].'),
+    prompt: Optional[str] = typer.Option(None, "--prompt",
+                                         help="User message (formatted with the model's chat template)."),
+    messages: Optional[Path] = typer.Option(None, "--messages",
+                                            help='JSON file: [{"role": "user", "content": "..."}, ...].'),
     engines_dir: Path = typer.Option(DEFAULT_ENGINES, "--engines", "-e", help="Engine set folder."),
     precision: str = typer.Option("fp32", "--precision",
                                   help="Which target engine of the set to run: fp32 (exact), int8, int4 or int4-fp32 "
@@ -171,9 +180,10 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling: the same seed gives the same output, and with prompt lookup "
-                                                         "or Medusa the same output as --speculate off (a draft model samples its own "
-                                                         "drafts: reproducible only with --draft-tokens fixed)."),
+    seed: Optional[int] = typer.Option(None, "--seed",
+                                       help="Seed for sampling: the same seed gives the same output, and with prompt "
+                                            "lookup or Medusa the same output as --speculate off (a draft model "
+                                            "samples its own drafts: reproducible only with --draft-tokens fixed)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos",
                                     help="Keep generating through end-of-sequence tokens until --max-new-tokens "
@@ -184,9 +194,9 @@ def generate(
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     speculate: str = typer.Option("off", "--speculate",
                                   help="off | prompt-lookup | draft | medusa | lookup+medusa (prompt lookup after a "
-                                       "match of 2+ tokens, Medusa's tree otherwise) | auto (draft if the set has a draft "
-                                       "model, else lookup+medusa at fp32 if it has heads, else prompt-lookup). Greedy output "
-                                       "is unchanged on width-exact (fp32) engines."),
+                                       "match of 2+ tokens, Medusa's tree otherwise) | auto (draft if the set has a "
+                                       "draft model, else lookup+medusa at fp32 if it has heads, else prompt-lookup). "
+                                       "Greedy output is unchanged on width-exact (fp32) engines."),
     lossy_typical: bool = typer.Option(False, "--lossy-typical",
                                        help="LOSSY: Medusa's typical acceptance when sampling (output no longer "
                                             "follows the model's distribution; stats say exact=false)."),
@@ -285,7 +295,8 @@ def train_medusa(
         if vocab < 0:
             raise SpecrtError(f"--vocab must be >= 0 (0 = the full vocabulary), got {vocab}")
         for flag, path in (("--out", out), ("--work", work)):
-            blocked = next((q for q in ([path] if path else []) + list(path.parents if path else []) if q.is_file()), None)
+            blocked = next((q for q in ([path] if path else []) + list(path.parents if path else []) if q.is_file()),
+                           None)
             if blocked is not None and not (flag == "--out" and blocked == path):
                 raise SpecrtError(f"{flag} '{path}' cannot be created: '{blocked}' is a file; pass another path")
         torch.set_num_threads(threads)
@@ -295,7 +306,8 @@ def train_medusa(
         lm_head = load(src)[0].lm_head.weight.detach().numpy()
         cfg = TrainConfig(vocab=vocab, max_epochs=epochs, lr=lr, budget_s=budget_minutes * 60, threads=threads,
                           token_input=not plain_medusa)
-        run_dir = work / f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}-lr{lr}-t{int(cfg.token_input)}"
+        run_dir = work / (f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}"
+                          f"-lr{lr}-t{int(cfg.token_input)}")
         train_heads(data, lm_head, run_dir, cfg, log=say)
         dest = out or Path("heads") / f"{source_name(source)}.npz"
         dest.parent.mkdir(parents=True, exist_ok=True)

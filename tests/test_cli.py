@@ -333,7 +333,8 @@ def test_disk_full_during_a_build_is_one_line_and_leaves_no_partial_engine(tiny_
         "    raise OSError(errno.ENOSPC, 'No space left on device', str(dst) + '.data')\n"
         "ort.build_ort_engine = full\n"
         "from specrt.cli import main\n"
-        f"sys.argv = ['specrt', 'engines', '--source', {str(tiny_dir)!r}, '--precisions', 'fp32', '--max-context', '256', '--out', {str(out)!r}]\n"
+        f"sys.argv = ['specrt', 'engines', '--source', {str(tiny_dir)!r}, '--precisions', 'fp32', "
+        f"'--max-context', '256', '--out', {str(out)!r}]\n"
         "main()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
     assert_user_error(r, "no space left", "cache --prune")
@@ -347,7 +348,8 @@ def test_two_builds_of_one_set_at_once_both_succeed(tiny_dir, tmp_path):
     out = tmp_path / "eng"
     args = [sys.executable, "-m", "specrt.cli", "engines", "--source", str(tiny_dir), "--name", "t",
             "--precisions", "fp32,int8", "--max-context", "256", "--out", str(out)]
-    runs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
+    runs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+            for _ in range(2)]
     results = [r.communicate(timeout=300) + (r.returncode,) for r in runs]
     assert all(rc == 0 for _, _, rc in results), [err[-500:] for _, err, _ in results]
     assert sum("is up to date" in " ".join(err.split()) for _, err, _ in results) == 1   # rich wraps long paths

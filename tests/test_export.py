@@ -24,7 +24,8 @@ def _engine_for(tmp_path, arch, seed):
     ops = built["op_counts"]
     assert ops["SkipSimplifiedLayerNormalization"] == 2 * facts["spec"]["num_layers"], ops
     assert ops.get("SimplifiedLayerNormalization") == 1, ops
-    assert ops.get("Add", 0) == (facts["spec"]["num_layers"] if facts["spec"]["qkv_bias"] else 0), ops  # Qwen2's qkv bias
+    # Qwen2's qkv bias
+    assert ops.get("Add", 0) == (facts["spec"]["num_layers"] if facts["spec"]["qkv_bias"] else 0), ops
     s = facts["spec"]
     eng = OrtEngine(tmp_path / "fp32.onnx", num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"],
                     head_dim=s["head_dim"], vocab_size=s["vocab_size"], max_context=128)
@@ -145,7 +146,8 @@ def test_export_fails_on_greedy_disagreement(tmp_path, tiny_dir, monkeypatch):
     from specrt.export.sources import resolve
 
     monkeypatch.setattr(exporter, "onnx_parity", lambda *a: {"max_abs_logit_diff": 1e-5, "greedy_agreement": 0.5,
-                                                               "greedy_divergence_gap": 3.0, "greedy_tokens_checked": 32})
+                                                               "greedy_divergence_gap": 3.0,
+                                                               "greedy_tokens_checked": 32})
     with pytest.raises(SpecrtError, match="export parity failed: greedy decoding agrees .* 50%"):
         exporter.export_checkpoint(resolve(str(tiny_dir)), tmp_path / "exp", 128, log=lambda m: None)
 
@@ -162,7 +164,8 @@ def test_built_fp32_engine_is_gated_on_parity(tmp_path, tiny_dir, monkeypatch):
     with pytest.raises(SpecrtError, match="target-fp32 engine does not match PyTorch: greedy decoding agrees"):
         pipeline.make_engine_set(pipeline.EngineSetRequest(str(tiny_dir), "t", ("fp32",), 128, out), log=lambda m: None)
     assert sorted(p.name for p in out.iterdir()) == [".cache"]
-    path = pipeline.make_engine_set(pipeline.EngineSetRequest(str(tiny_dir), "t", ("int8",), 128, out), log=lambda m: None)
+    path = pipeline.make_engine_set(pipeline.EngineSetRequest(str(tiny_dir), "t", ("int8",), 128, out),
+                                    log=lambda m: None)
     assert (path / "manifest.json").is_file()
 
 
@@ -214,7 +217,8 @@ ROPES = {"linear": {"rope_type": "linear", "factor": 4.0}, "dynamic": {"rope_typ
 
 
 def _model(arch: str, **overrides):
-    """A tiny random model whose config differs from tiny.py's by `overrides`; biases drawn large so a dropped one shows."""
+    """A tiny random model whose config differs from tiny.py's by `overrides`; biases drawn large \
+so a dropped one shows."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

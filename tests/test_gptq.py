@@ -81,7 +81,8 @@ def test_hessians_are_the_gram_matrices_of_the_matmul_inputs(tiny_engines):
     assert q["method"] == "gptq" and q["block_size"] == 64 and q["calibration_sequences"] > 0, q
     assert q["gptq_weights"] == 4 * entry.raw["num_layers"] + 1  # qkv, o, gate_up, down per layer + lm_head
     graph = onnx.load(str(m.root / entry.file), load_external_data=False).graph
-    blocks = {a.i for node in graph.node if node.op_type == "MatMulNBits" for a in node.attribute if a.name == "block_size"}
+    blocks = {a.i for node in graph.node if node.op_type == "MatMulNBits"
+              for a in node.attribute if a.name == "block_size"}
     assert blocks == {64}
 
     # the lm_head's input is the final hidden state at every position: its Gram matrix is checkable

@@ -49,5 +49,6 @@ def test_engine_graphs_use_the_interface_names(tiny_engines):
         sig_in, sig_out = io.decoder_signature(e.num_layers, sizes)
         screen = [io.APPROX_INPUT] if e.screen else []
         assert [i.name for i in sess.get_inputs()] == [n for n, _, _ in sig_in] + screen
-        assert [o.name for o in sess.get_outputs()] == [n for n, _, _ in sig_out] + ([io.GREEDY_OUTPUT] if screen else [])
+        assert [o.name for o in sess.get_outputs()] == ([n for n, _, _ in sig_out]
+                                                        + ([io.GREEDY_OUTPUT] if screen else []))
         assert (e.inputs, e.outputs) == io.decoder_io_description(sizes)

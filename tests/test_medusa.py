@@ -271,7 +271,8 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
         return d
 
     hybrid.propose = counting
-    for prompt in ("def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox", "1, 2, 3, 1, 2, 3, 1, 2,"):
+    for prompt in ("def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox",
+                   "1, 2, 3, 1, 2, 3, 1, 2,"):
         plain = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams())
         out = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(), decode=decode)
         assert out.token_ids == plain.token_ids and out.stats.proposer == "lookup+medusa"
@@ -377,7 +378,8 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
         assert ranks.shape == (n, 3) and (ranks[0] == 2).all()
         tokens, rounds, cost = replay_tree(ranks, set(TREE), 2.0)
         out = medusa_gen.generate(prompt, max_new_tokens=n, sampling=SamplingParams(), ignore_eos=True,
-                                  decode=lambda *a: speculative_decode(*a, proposer=Medusa(heads, TREE), control=FixedK(3)))
+                                  decode=lambda *a: speculative_decode(*a, proposer=Medusa(heads, TREE),
+                                                                       control=FixedK(3)))
         assert out.token_ids == seq[P: P + n]
         assert (tokens, rounds, cost) == (n, out.stats.rounds, 1.0 + 2.0 * (rounds - 1))
         kept, every = tree_accepts(ranks, set(TREE)), tree_accepts(ranks, None, 2)   # the unlimited tree keeps more

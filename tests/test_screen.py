@@ -35,7 +35,8 @@ def _rows_with_near_ties(V=2048, H=128, seed=0):
     rng = np.random.default_rng(seed)
     rows = rng.normal(0, 0.05, (V, H)).astype(np.float32)
     rows[8::8] = rows[7::8][: len(rows[8::8])] + rng.normal(0, 2e-4, rows[8::8].shape).astype(np.float32)
-    rows[16::64] = rows[15::64][: len(rows[16::64])]  # exact copies: a true tie, which the lowest id wins (ArgMax's rule)
+    # exact copies: a true tie, which the lowest id wins (ArgMax's rule)
+    rows[16::64] = rows[15::64][: len(rows[16::64])]
     return rows
 
 

@@ -38,7 +38,8 @@ def open_session(onnx_path: Path, options: ort.SessionOptions) -> ort.InferenceS
     except MemoryError:
         raise
     except Exception as e:
-        raise SpecrtError(f"cannot load engine '{onnx_path}' ({first_line(e)}); rebuild the engine set with `specrt engines`") from None
+        raise SpecrtError(f"cannot load engine '{onnx_path}' ({first_line(e)}); "
+                          "rebuild the engine set with `specrt engines`") from None
 
 
 def screen_unusable(facts: dict | None, built_with: dict | None) -> str | None:
@@ -142,7 +143,8 @@ class OrtEngine:
         self.greedy = np.empty(max_pass_tokens, np.int64)  # [num_logits] greedy tokens of the last pass (screen graphs)
         self._io = self.session.io_binding()
         self.reserve(max_context)
-        self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)  # flat: any [1,n,n] view is contiguous
+        # flat: any [1,n,n] view is contiguous
+        self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)
         if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (runtime/hugepages.py)
             advise_huge_pages(since=before)
 

@@ -18,8 +18,6 @@ context end the loop keeps the first nodes that fit.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...errors import SpecrtError
 from ..engine import Heads
 from ..tree import compile_tree

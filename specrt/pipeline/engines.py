@@ -58,7 +58,8 @@ def build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) ->
             log(f"warning: the logit screen did not pass its check on this machine ({screen['check']}); {role}-{p} "
                 "will decode greedy passes with its full fp32 lm_head. Please report it (with `pip list | grep onnx`)")
     s = facts["spec"]
-    inputs, outputs = decoder_io_description({k: s[k] for k in ("num_kv_heads", "head_dim", "hidden_size", "vocab_size")})
+    inputs, outputs = decoder_io_description({k: s[k] for k in ("num_kv_heads", "head_dim", "hidden_size",
+                                                                "vocab_size")})
     return EngineEntry(
         name=f"{role}-{p}", role=role, file=built.name, files=[built.name, built.name + ".data"], backend="onnxruntime",
         precision=p, num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
