@@ -4,9 +4,9 @@ and our own modes alike.
 Contract of a `Contender` (ours or a peer): `load()` once (may build and cache), then
 `run(prompt_ids, messages, max_new_tokens) -> Trace` any number of times, greedy, stopping at
 the engine set's EOS ids (with `Checkpoint.ignore_eos`: after exactly max_new_tokens; ours and
-llama.cpp decode through EOS, genai and transformers suppress it, their only way to go on). \
-Every contender gets the same prompt token ids (ours renders them
-from `messages` with the same template), so outputs compare token by token.
+llama.cpp decode through EOS, genai and transformers suppress it, their only way to go on).
+Every contender gets the same prompt token ids (ours renders them from `messages` with the same template), so
+outputs compare token by token.
 
 Peers import their package inside `load()`; a missing package raises `Unavailable` with a
 one-line note and the bench skips that peer. Builds are cached under engines/.cache/peers/.

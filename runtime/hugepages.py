@@ -1,11 +1,10 @@
 """Transparent huge pages for what ONNX Runtime keeps in anonymous memory (Linux, best effort).
 
 A decode step streams every weight once, so with 4 KiB pages TLB misses cost a visible share of a step
-(docs/runtime-notes.md, "Huge pages"). Where THP is `madvise` (the common default), nothing gets huge pages \
-unless asked, so after
-a session is built (its pre-packed weights allocated) we ask: MADV_HUGEPAGE on every anonymous read-write
-mapping of at least 2 MiB that appeared (or grew) while the engine was built, and MADV_COLLAPSE (Linux >=
-6.1) to turn the pages already there into huge pages now rather than whenever khugepaged gets to them.
+(docs/runtime-notes.md, "Huge pages"). Where THP is `madvise` (the common default), nothing gets huge pages unless
+asked, so after a session is built (its pre-packed weights allocated) we ask: MADV_HUGEPAGE on every anonymous
+read-write mapping of at least 2 MiB that appeared (or grew) while the engine was built, and MADV_COLLAPSE
+(Linux >= 6.1) to turn the pages already there into huge pages now rather than whenever khugepaged gets to them.
 The host process's own memory (or another runtime's) is left as it was; so is memory an engine reuses
 from ranges mapped before it (free heap or arena space), which may then stay on 4 KiB pages. Hints only:
 any failure leaves memory as it was.

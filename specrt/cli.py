@@ -138,12 +138,12 @@ def cache(
                                                         "(old recipes and formats) and the temp folders of interrupted "
                                                         "runs. Do not run it during a build."),
 ):
-    """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them); \
---prune frees the stale ones.
+    """List the build cache under OUT/.cache (export and build folders, whether an engine set uses them);
+    --prune frees the stale ones.
 
-    A build folder is in use while an engine set hard-links its engine files; every change of build recipe \
-or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and preset \
-downloads are not touched.
+    A build folder is in use while an engine set hard-links its engine files; every change of build recipe
+    or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and
+    preset downloads are not touched.
     """
 
     def run():

@@ -217,8 +217,8 @@ ROPES = {"linear": {"rope_type": "linear", "factor": 4.0}, "dynamic": {"rope_typ
 
 
 def _model(arch: str, **overrides):
-    """A tiny random model whose config differs from tiny.py's by `overrides`; biases drawn large \
-so a dropped one shows."""
+    """A tiny random model whose config differs from tiny.py's by `overrides`; biases drawn
+    large so a dropped one shows."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

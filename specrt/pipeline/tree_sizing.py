@@ -68,12 +68,11 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
 
 def _pass_costs(path: Path, facts: dict, golden: Path, entry: EngineEntry,
                 widths=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48), positions: int = 8) -> list[tuple[int, float]]:
-    """Seconds of a w-token greedy verification pass as the loop runs it (`argmax`: through the logit screen up
-    to its row limit where the runtime uses it on this entry's engine), at `positions` consecutive decode \
-positions of real text (the golden
-    prompt, then its greedy continuation, repeated), because the screen's cost depends on the hidden states.
-    The median over positions and interleaved repetitions, made non-decreasing in w, after one untimed sweep
-    that warms the session up (docs/pipeline-notes.md, "Pass-cost sizing of the Medusa tree")."""
+    """Seconds of a w-token greedy verification pass as the loop runs it (`argmax`: through the logit screen up to its
+    row limit where the runtime uses it on this entry's engine), at `positions` consecutive decode positions of real
+    text (the golden prompt, then its greedy continuation, repeated), because the screen's cost depends on the
+    hidden states. The median over positions and interleaved repetitions, made non-decreasing in w, after one
+    untimed sweep that warms the session up (docs/pipeline-notes.md, "Pass-cost sizing of the Medusa tree")."""
     eng = open_built_engine(path, facts, entry=entry)
     g = np.load(golden)
     prompt, text = g["input_ids"].astype(np.int64), g["greedy_tokens"].astype(np.int64)
