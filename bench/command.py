@@ -73,7 +73,7 @@ def bench(
             if r["category"] == "all":
                 typer.echo(f"{r['mode']:>22}: {r['tok_s']:7.1f} tok/s  {r['speedup'] or 0:5.2f}x  "
                            f"identical {r['identical']}" + (f"  drafts: {r['proposer']}" if r["proposer"] else ""))
-        for n in res["notes"]:
+        for n in res["notes"] + res.get("caveats", []):
             typer.secho(n, err=True, fg=typer.colors.YELLOW)
         typer.echo(f"wrote {out / 'report.md'}")
 

@@ -170,6 +170,14 @@ class GenaiPeer:
         return clock.trace()
 
 
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_tile" in f.read()
+    except OSError:
+        return False
+
+
 class LlamaCppPeer:
     """llama-cpp-python on the GGUF itself (its own quantized kernels); optional prompt lookup."""
 
@@ -187,9 +195,10 @@ class LlamaCppPeer:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS)
-        # ggml's AMX kernels (picked through "extra buffer types") segfault on Q4_1 weights with a batch
-        # > 1 in 0.3.36 on AMX CPUs; without extra buffer types ggml runs its AVX-512 kernels (weight
-        # repacking, the other extra type, does not cover Q4_1 anyway). Llama() has no switch for it.
+        # llama.cpp's defaults, except on AMX CPUs: there ggml's AMX kernels (picked through "extra buffer
+        # types") segfault on Q4_1 weights with a batch > 1 in 0.3.36, so extra buffer types go off and ggml
+        # runs its AVX-512 kernels (weight repacking, the other extra type, does not cover Q4_1 anyway).
+        # Llama() has no switch for it.
         import llama_cpp.llama as llama_mod
 
         default_params = llama_mod.llama_cpp.llama_model_default_params
@@ -199,7 +208,8 @@ class LlamaCppPeer:
             p.use_extra_bufts = False
             return p
 
-        llama_mod.llama_cpp.llama_model_default_params = params_without_extra_bufts
+        if _has_amx():
+            llama_mod.llama_cpp.llama_model_default_params = params_without_extra_bufts
         try:
             # logits_all with a draft model: 0.3.36 fails past 512 tokens of context without it
             self.llm = llama_cpp.Llama(str(self.ck.path), n_ctx=self.n_ctx, n_threads=self.ck.threads,

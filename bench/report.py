@@ -89,6 +89,8 @@ def markdown(res: dict, command: str) -> str:
                    f"{_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
                    f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
     out += _per_prompt(res)
+    if res.get("caveats"):
+        out += ["", "## Caveats", ""] + [f"- {n}" for n in res["caveats"]]
     if res["notes"]:
         out += ["", "## Skipped", ""] + [f"- {n}" for n in res["notes"]]
     out += ["", "Plots: `speedup.png` (speedup per category and mode), `acceptance.png` (acceptance rate per "

@@ -121,10 +121,11 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         r["first_divergence"] = first_divergence(ref[r["case"]], r["token_ids"])
     modes = sorted((c.name for c in live), key=names.index)  # tables in the listed order, whatever the load order
     summary = summarize(runs, modes, cases)
+    caveats = [] if cfg.ignore_eos else length_caveats(runs, modes)
     meta = _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start)
     if any("medusa" in (r["proposer"] or "") for r in runs):  # medusa, lookup+medusa, an auto that resolved to one
         meta["medusa"] = medusa_accuracy(manifest)
-    return {"meta": meta, "notes": notes,
+    return {"meta": meta, "notes": notes, "caveats": caveats,
             "modes": modes, "load_order": [c.name for c in live], "cases": [c.as_dict() for c in cases],
             "summary": summary, "runs": runs}
 
@@ -281,6 +282,31 @@ def _figures(runs: list[dict], ref_runs: list[dict]) -> dict:
         "first_divergence": min(diverged) if diverged else None,
         "new_tokens": round(statistics.mean(r["new_tokens"] for r in runs), 1),
     }
+
+
+LENGTH_TOLERANCE = 0.1  # answers whose mean lengths differ by more than this fraction are different answers
+
+
+def length_caveats(runs: list[dict], modes: list[str]) -> list[str]:
+    """Speculative modes whose answers differ in length from plain decoding at the same precision (an engine that
+    is not width-exact: speculation changes the text, and where it stops). tok/s counts the prefill, so a shorter
+    answer reads slower though it is finished sooner: such a comparison needs equal lengths (--ignore-eos)."""
+    out = []
+    for m in modes:
+        strategy, _, prec = m.rpartition("-")
+        plain = f"plain-{prec}"
+        if strategy in ("plain", contenders.FULL_HEAD) or plain not in modes or not strategy:
+            continue
+        mean = lambda mode, case: statistics.mean(  # noqa: E731
+            r["new_tokens"] for r in runs if r["mode"] == mode and r["case"] == case)
+        cases = sorted({r["case"] for r in runs if r["mode"] == m})
+        off = [c for c in cases if abs(mean(m, c) - mean(plain, c)) > LENGTH_TOLERANCE * max(mean(plain, c), 1)]
+        if off:
+            out.append(f"{m}: its answers differ in length from {plain}'s on {len(off)} of {len(cases)} prompts "
+                       f"({', '.join(off[:4])}{', ...' if len(off) > 4 else ''}): the {prec} engine is not "
+                       "width-exact, so speculation changes the text and where it stops, and tok/s (prefill included) "
+                       "then compares different answers; compare the two at equal lengths with --ignore-eos")
+    return out
 
 
 def summarize(runs: list[dict], modes: list[str], cases: list[PromptCase]) -> list[dict]:

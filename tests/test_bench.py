@@ -468,3 +468,17 @@ def test_goal_lines_judge_each_prompt_by_same_rep_pairs():
     runs += [_run("a", rep, v, "genai-fp32") for rep, v in enumerate((29.0, 21.0, 19.0))]
     md = markdown(_result(runs, ["plain-fp32", "genai-fp32"]), "x")
     assert "plain-fp32 >= genai-fp32 on 1/1 prompts (same-rep pairs; by medians of tok/s 0/1)" in md
+
+
+def test_length_caveats_name_speculative_modes_whose_answers_change_length():
+    from specrt.bench.runner import length_caveats
+
+    def run(mode, case, n):
+        return {"mode": mode, "case": case, "new_tokens": n}
+
+    runs = [run("plain-fp32", "a", 100), run("plain-int4", "a", 128), run("plain-int4", "b", 128),
+            run("auto-int4", "a", 36), run("auto-int4", "b", 125), run("auto-fp32", "a", 100)]
+    out = length_caveats(runs, ["plain-fp32", "plain-int4", "auto-int4", "auto-fp32"])
+    assert len(out) == 1 and out[0].startswith("auto-int4:") and "1 of 2 prompts (a)" in out[0]
+    assert "--ignore-eos" in out[0]
+    assert length_caveats([r for r in runs if r["case"] == "b"], ["plain-int4", "auto-int4"]) == []
