@@ -40,3 +40,38 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     (tmp_path / "build" / "sub").mkdir(parents=True)
     (tmp_path / "build" / "sub" / "a.py").write_text("from ...runtime.engine import X\nfrom ..gptq import Y\n")
     assert _stage_imports(tmp_path / "build" / "sub" / "a.py", "build") == {"runtime"}
+
+
+# The runtime core sees engines only through runtime/engine.py's contract and registry (shared/design.md).
+CORE = ["speculative.py", "verify.py", "generate.py", "sampling.py", "control.py", "tree.py", "session.py",
+        "tokenizer.py", "engine.py", "proposers"]
+
+
+def _backend_imports(path: Path) -> set[str]:
+    """Backend modules (runtime/backends/<x>) and backend libraries a file imports; the registry itself
+    (`from .backends import backend`) is the one allowed way in."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".")
+            names = [f"{node.module}.{a.name}" for a in node.names] if parts[-1] == "backends" else [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for n in names:
+            parts = n.split(".")
+            after = parts[parts.index("backends") + 1:] if "backends" in parts else []
+            if parts[0] in ("onnxruntime", "tensorrt", "cuda") or (after and after != ["backend"]):
+                found.add(n)
+    return found
+
+
+def test_the_runtime_core_imports_no_backend_module():
+    files = [p for c in CORE
+             for p in ([REPO / "runtime" / c] if c.endswith(".py") else (REPO / "runtime" / c).rglob("*.py"))]
+    bad = {str(p.relative_to(REPO)): _backend_imports(p) for p in files}
+    assert not {k: v for k, v in bad.items() if v}
+    # the check sees one
+    assert _backend_imports(REPO / "runtime" / "backends" / "onnxruntime_cpu.py") == {"onnxruntime"}
+    assert "specrt.runtime.backends.reference" in _backend_imports(REPO / "tests" / "test_backends.py")
