@@ -246,6 +246,14 @@ def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], c
     return rows
 
 
+def _table(columns: list[str], rows: list[list]) -> None:
+    """A markdown table on stdout: the first column left-aligned, the rest right-aligned."""
+    print("| " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * (len(columns) - 1))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     import tempfile
 
@@ -300,24 +308,21 @@ def main(argv: list[str] | None = None) -> None:
                           MEDUSA_NODES + 1 if heads else MAX_DRAFT + 1)
     print("pass cost (steps) by width: " + " ".join(f"{w}:{costs[w] / costs[1]:.2f}" for w in range(1, len(costs))))
     rows = report(replays, costs, PromptLookup().buckets)
-    print("| category | prompts | lookup tau | lookup decode | lookup end-to-end "
-          "| oracle tau | oracle decode | oracle end-to-end |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        lk, orc = r["lookup"], r["oracle"]
-        print(f"| {r['category']} | {r['prompts']} | {lk['tau']} | {lk['decode_speedup']}x | {lk['speedup']}x "
-              f"| {orc['tau']} | {orc['decode_speedup']}x | {orc['speedup']}x |")
+    _table(["category", "prompts", "lookup tau", "lookup decode", "lookup end-to-end", "oracle tau", "oracle decode",
+            "oracle end-to-end"],
+           [[r["category"], r["prompts"], r["lookup"]["tau"], f"{r['lookup']['decode_speedup']}x",
+             f"{r['lookup']['speedup']}x", r["oracle"]["tau"], f"{r['oracle']['decode_speedup']}x",
+             f"{r['oracle']['speedup']}x"] for r in rows])
     result = {"rows": rows, "pass_cost_steps": (costs[1:] / costs[1]).round(3).tolist(), "context": context}
     if heads:
         mrows = medusa_report(replays, medusa_ranks_by_case, costs, MEDUSA_RANKS)
-        print("\n| category | prompts | 1-node tau | 1-node decode | 1-node end-to-end | best nodes | best tau "
-              "| best decode | best end-to-end | max tau (<= 63 nodes) | tau, every top-10 path |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in mrows:
-            o, b = r["one_node"], r["best"]
-            print(f"| {r['category']} | {r['prompts']} | {o['tau']} | {o['decode_speedup']}x | {o['speedup']}x "
-                  f"| {b['nodes']} | {b['tau']} | {b['decode_speedup']}x | {b['speedup']}x "
-                  f"| {r['max_tau']} | {r['tau_all']} |")
+        print()
+        _table(["category", "prompts", "1-node tau", "1-node decode", "1-node end-to-end", "best nodes", "best tau",
+                "best decode", "best end-to-end", "max tau (<= 63 nodes)", "tau, every top-10 path"],
+               [[r["category"], r["prompts"], r["one_node"]["tau"], f"{r['one_node']['decode_speedup']}x",
+                 f"{r['one_node']['speedup']}x", r["best"]["nodes"], r["best"]["tau"],
+                 f"{r['best']['decode_speedup']}x", f"{r['best']['speedup']}x", r["max_tau"], r["tau_all"]]
+                for r in mrows])
         result["medusa"] = mrows
         result["medusa_ranks"] = {k: v.tolist() for k, v in medusa_ranks_by_case.items()}  # for offline replays
     if a.out:
