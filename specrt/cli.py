@@ -366,6 +366,10 @@ from .bench.command import bench as _bench  # noqa: E402  (typer-only import; he
 
 app.command(name="bench", cls=_Command)(_bench)
 
+from .serve_command import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
+
+app.command(name="serve", cls=_Command)(_serve)
+
 
 def main():  # pragma: no cover
     app()

@@ -1,0 +1,49 @@
+"""`specrt serve`: the typer command. Only typer at import time (FastAPI and uvicorn load inside it), so
+`specrt --help` stays fast and works without the `serve` extra."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import SpecrtError
+
+
+def serve(
+    engines_dir: Path = typer.Option(Path("engines/smollm2-135m"), "--engines", "-e", help="Engine set folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 = every interface)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    speculate: str = typer.Option("auto", "--speculate",
+                                  help="off | prompt-lookup | draft | medusa | lookup+medusa | auto (as for "
+                                       "`specrt generate`)."),
+    precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes (or set "
+                                               "SPECRT_API_KEY)."),
+):
+    """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
+    (streamed as server-sent events or not), /v1/models, /health. One request runs at a time."""
+    from .cli import _guard
+
+    def run():
+        if not 0 < port < 65536:
+            raise SpecrtError(f"--port must be in 1..65535, got {port}")
+        if api_key is not None and not api_key.strip():
+            raise SpecrtError("--api-key is empty; pass a key or omit the flag")
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing); "
+                              "pip install 'specrt[serve]'") from None
+        from .runtime.engine import EngineOptions
+        from .runtime.session import load
+        from .server import serve as run_server
+
+        session = load(engines_dir, precision, speculate, EngineOptions(threads=threads))
+        run_server(session, host, port, api_key)
+
+    _guard(run)

@@ -1,0 +1,229 @@
+"""`specrt serve`: an OpenAI-compatible HTTP server over one Session (runtime/session.py).
+
+    POST /v1/chat/completions, POST /v1/completions   (stream: true -> SSE chunks, ending `data: [DONE]`)
+    GET  /v1/models, GET /health
+
+1. One engine, one KV cache: every request's Stream runs on one worker thread (a single-thread pool), so
+   requests take turns, first come first served. The decode loop is blocking numpy/ONNX Runtime work.
+2. The worker pushes each text delta to the request's asyncio.Queue through loop.call_soon_threadsafe; the
+   SSE generator turns them into chunks.
+3. A client that disconnects cancels the SSE generator; its `finally` calls stream.close(), the loop stops at
+   the next round boundary (finish_reason "cancelled"), and the worker moves on to the next request. A
+   request still waiting in the queue when its client goes never runs.
+4. A user mistake answers OpenAI's error JSON with a 4xx (openai_api.ApiError), never a traceback; an
+   unexpected failure is logged and answered 500 in the same shape, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import SpecrtError, first_line
+from .openai_api import FINISH, ApiError, Shapes, check_model, error_body, parse, parse_body
+from .runtime.generate import Stats, Stream
+from .runtime.session import Session
+
+log = logging.getLogger("specrt.server")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _drive(stream: Stream, push) -> None:
+    """On the worker thread: run the loop to the end, pushing ("delta", text) then ("done", result) or
+    ("error", exception)."""
+    try:
+        for delta in stream:
+            push(("delta", delta))
+        push(("done", stream.result))
+    except Exception as e:  # noqa: BLE001 -- reported to the client and the log; the worker lives on
+        log.exception("generation failed")
+        push(("error", e))
+
+
+class Server:
+    """The state behind the app: the session, its one worker, the model id, the optional API key, and the
+    stats of the last requests (`history`, newest last: for logs and tests)."""
+
+    def __init__(self, session: Session, model: str | None = None, api_key: str | None = None):
+        self.session, self.model, self.api_key = session, model or session.manifest.name, api_key
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrt-engine")
+        self.history: deque[Stats] = deque(maxlen=64)
+
+    @property
+    def max_context(self) -> int:
+        return self.session.engine.max_context
+
+    def open(self, body: dict, chat: bool):
+        """Validate a request and open its Stream (not started: it runs when the worker takes it)."""
+        check_model(body, self.model)
+        req = parse(body, chat, self.max_context)
+        try:
+            stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
+                                         stop=req.stop, chat=chat, ignore_eos=req.ignore_eos)
+        except SpecrtError as e:
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise ApiError(400, str(e), "messages" if chat else "prompt", code) from None
+        return req, stream
+
+    def submit(self, stream: Stream) -> asyncio.Queue:
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def push(item):
+            if item[0] != "delta" and stream.result is not None:
+                self.history.append(stream.result.stats)
+                st = stream.result.stats
+                log.info("%d prompt + %d new tokens, ttft %.0f ms, %.1f tok/s, %s, tau %.2f", st.prompt_tokens,
+                         st.new_tokens, st.ttft_s * 1000, st.tok_s, st.finish_reason, st.tau)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
+
+        self.worker.submit(_drive, stream, push)
+        return queue
+
+    async def events(self, shapes: Shapes, stream: Stream, include_usage: bool):
+        """The SSE body of a streamed request."""
+        queue, first = self.submit(stream), True
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "delta":
+                    chunk = shapes.chunk(value, first)
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                    first = False
+                elif kind == "done":
+                    chunk = shapes.chunk(None, first, FINISH[value.stats.finish_reason])
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                    if include_usage:
+                        yield _sse(shapes.usage_chunk(value.stats))
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    yield _sse(error_body(f"generation failed: {first_line(value)}", "server_error"))
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            stream.close()  # the client went away (or we finished): the loop stops at its next round boundary
+
+    async def complete(self, shapes: Shapes, stream: Stream) -> dict:
+        queue = self.submit(stream)
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "done":
+                    return shapes.completion(value.text, value.stats)
+                if kind == "error":
+                    raise RuntimeError(first_line(value))
+        finally:
+            stream.close()
+
+    def authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def create_app(session: Session, model: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app for one loaded session; `app.state.server` is its Server."""
+    server = Server(session, model, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.worker.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="specrt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        what = {404: f"no route {request.method} {request.url.path}; see GET /v1/models",
+                405: f"{request.method} is not allowed on {request.url.path}"}
+        return _error(e.status_code, what.get(e.status_code, str(e.detail)), code=None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("request failed")
+        return _error(500, f"internal error: {first_line(e)}", "server_error")
+
+    def auth(request: Request) -> None:  # a check in each /v1 route: an HTTP middleware would wrap the SSE stream
+        if not server.authorized(request):
+            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>' with the key "
+                                "given to `specrt serve --api-key`", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    def model_card() -> dict:
+        return {"id": server.model, "object": "model", "created": int(session.manifest.root.stat().st_mtime),
+                "owned_by": "specrt"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        auth(request)
+        if model_id != server.model:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{server.model}'",
+                           "model", "model_not_found")
+        return model_card()
+
+    async def generate(request: Request, chat: bool):
+        auth(request)
+        body = parse_body(await request.body())
+        req, stream = server.open(body, chat)
+        shapes = Shapes(chat, server.model)
+        if req.stream:
+            return StreamingResponse(server.events(shapes, stream, req.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await server.complete(shapes, stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    return app
+
+
+def serve(session: Session, host: str, port: int, api_key: str | None = None) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    app = create_app(session, api_key=api_key)
+    log.info("serving '%s' (%s, --speculate %s) at http://%s:%d/v1", app.state.server.model, session.precision,
+             session.mode, host, port)
+    uvicorn.run(app, host=host, port=port, log_level="info")

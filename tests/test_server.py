@@ -1,0 +1,255 @@
+"""`specrt serve` on the tiny engine set: OpenAI's shapes, streaming, errors, auth, cancellation, and the official
+`openai` client against uvicorn on a loopback port. Greedy answers must equal `load(...).generate(...)`'s."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from specrt.runtime.sampling import SamplingParams  # noqa: E402
+from specrt.runtime.session import load  # noqa: E402
+from specrt.runtime.tokenizer import Message  # noqa: E402
+from specrt.server import create_app  # noqa: E402
+
+PROMPT, N = "Tell me a story about a robot.", 24
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def session(tiny_engines):
+    return load(tiny_engines, "fp32", "auto")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_engines):
+    """What a fresh run returns: its own session, plain decoding."""
+    ref = load(tiny_engines)
+    return {"chat": ref.generate([Message("user", PROMPT)], max_new_tokens=N, sampling=GREEDY).text,
+            "raw": ref.generate(PROMPT, max_new_tokens=N, sampling=GREEDY, chat=False).text}
+
+
+@pytest.fixture(scope="module")
+def client(session):
+    with TestClient(create_app(session), raise_server_exceptions=False) as c:
+        yield c
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0,
+            **kw}
+
+
+def sse(text: str) -> list:
+    """The data payloads of an SSE body; the [DONE] sentinel as the string."""
+    events = [b[len("data: "):] for b in text.split("\n\n") if b]
+    assert all(not e.startswith("data") for e in events)
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_health_and_models(client, session):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [session.manifest.name] == ["tiny"]
+    assert client.get("/v1/models/tiny").json()["object"] == "model"
+    assert client.get("/v1/models/other").status_code == 404
+
+
+def test_streamed_chat_chunks(client, reference):
+    r = client.post("/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[0]["choices"][0]["delta"]["content"]
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == reference["chat"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == N
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + N
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    m = usage["metrics"]
+    assert m["proposer"] == "prompt-lookup" and m["exact"] is True and m["tau"] >= 1 and m["ttft_s"] > 0
+    assert len({c["id"] for c in chunks + [usage]}) == 1
+
+
+def test_streamed_completion_without_usage(client, reference):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": N, "temperature": 0, "stream": True})
+    events = sse(r.text)
+    assert events[-1] == "[DONE]" and all("usage" not in c for c in events[:-1])
+    assert all(c["object"] == "text_completion" for c in events[:-1])
+    assert "".join(c["choices"][0]["text"] for c in events[:-1]) == reference["raw"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_non_streamed(client, reference):
+    r = client.post("/v1/chat/completions", json=chat_body()).json()
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    assert r["choices"][0]["message"]["content"] == reference["chat"]
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == N
+    r = client.post("/v1/completions", json={"prompt": [PROMPT], "max_tokens": N, "temperature": 0}).json()
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == reference["raw"]
+
+
+def test_stop_string_finishes_with_stop(client, reference):
+    stop = reference["chat"][len(reference["chat"]) // 2:][:3]
+    if not stop.strip():
+        pytest.skip("the tiny model's answer has no usable stop string")
+    r = client.post("/v1/chat/completions", json=chat_body(stop=stop)).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["message"]["content"] == reference["chat"][:reference["chat"].find(stop)]
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "  "}]}, 400, "messages"),
+    (chat_body(model="gpt-4"), 404, "model"),
+    (chat_body(model=3), 400, "model"),
+    (chat_body(max_tokens=0), 400, "max_tokens"),
+    (chat_body(max_tokens=10**9), 400, "max_tokens"),
+    (chat_body(max_tokens="12"), 400, "max_tokens"),
+    (chat_body(max_completion_tokens=-1), 400, "max_completion_tokens"),
+    (chat_body(temperature="hot"), 400, "temperature"),
+    (chat_body(temperature=5), 400, "temperature"),
+    (chat_body(top_p=0), 400, "top_p"),
+    (chat_body(seed=-1), 400, "seed"),
+    (chat_body(n=2), 400, "n"),
+    (chat_body(stop=["a", 3]), 400, "stop"),
+    (chat_body(stop=""), 400, "stop"),
+    (chat_body(stream="yes"), 400, "stream"),
+    (chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
+    (chat_body(logprobs=True), 400, "logprobs"),
+    (chat_body(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),
+    ({"prompt": 7}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions"])
+def test_bad_requests_answer_openai_errors_and_the_server_keeps_serving(client, reference, endpoint):
+    for body, status, param in BAD:
+        path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else endpoint
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+            else {"json": body}
+        r = client.post(path, **kw)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+        assert err["param"] == param and "\n" not in err["message"], (body, err)
+    assert client.post(endpoint, json=chat_body(messages=[{"role": "user", "content": "word " * 400}])).json()[
+        "error"]["code"] == "context_length_exceeded"
+    assert client.get("/v1/nothing").status_code == 404 and "error" in client.get("/v1/nothing").json()
+    assert client.get("/v1/chat/completions").status_code == 405
+    r = client.post(endpoint, json=chat_body())
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reference["chat"]
+
+
+def test_api_key(session):
+    with TestClient(create_app(session, api_key="sekret")) as c:
+        assert c.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.post("/v1/chat/completions", json=chat_body()).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+class Slow:
+    """A decoder that sleeps between rounds, so a stream is still running when its client goes away."""
+
+    def __init__(self, inner, delay: float = 0.02):
+        self.inner, self.delay = inner, delay
+        self.name, self.proposer, self.control = inner.name, inner.proposer, inner.control
+
+    def __call__(self, *args):
+        rounds = self.inner(*args)
+        try:
+            for r in rounds:
+                time.sleep(self.delay)
+                yield r
+        finally:
+            rounds.close()
+
+
+@pytest.fixture(scope="module")
+def live(session):
+    """uvicorn on a free loopback port in a background thread."""
+    import uvicorn
+
+    app = create_app(session, api_key="k")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", app.state.server
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_openai_client(live, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=live[0] + "/v1", api_key="k", timeout=30, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    messages = [{"role": "user", "content": PROMPT}]
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["chat"]
+    assert chunks[-1].usage.completion_tokens == N and chunks[-1].model_extra["metrics"]["exact"] is True
+    r = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=N, temperature=0)
+    assert r.choices[0].message.content == reference["chat"] and r.usage.completion_tokens == N
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].text == reference["raw"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=messages)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=0)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=live[0] + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_disconnect_cancels_the_stream_and_frees_the_engine(live, session, reference):
+    import httpx
+
+    url, server = live
+    body = chat_body(max_tokens=200, ignore_eos=True, stream=True)
+    session.decoder, inner = Slow(session.decoder), session.decoder
+    try:
+        before = len(server.history)
+        with httpx.Client(timeout=10, headers={"Authorization": "Bearer k"}) as http:
+            with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                got = 0
+                for line in r.iter_lines():
+                    got += line.startswith("data: ")
+                    if got == 3:
+                        break
+        deadline = time.monotonic() + 10
+        while len(server.history) == before:
+            assert time.monotonic() < deadline, "the cancelled stream did not finish"
+            time.sleep(0.02)
+        st = server.history[-1]
+        assert st.finish_reason == "cancelled" and 3 <= st.new_tokens < 100
+    finally:
+        session.decoder = inner
+    with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
+        r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
+    assert r["choices"][0]["message"]["content"] == reference["chat"]
