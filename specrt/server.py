@@ -1,7 +1,7 @@
 """`specrt serve`: an OpenAI-compatible HTTP server over one Session (runtime/session.py).
 
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> SSE chunks, ending `data: [DONE]`)
-    GET  /v1/models, GET /health
+    GET  /v1/models, GET /health, GET /metrics (Prometheus: TTFT and latency histograms, when installed)
 
 1. One engine, one KV cache: every request's Stream runs on one worker thread (a single-thread pool), so
    requests take turns, first come first served. The decode loop is blocking numpy/ONNX Runtime work.
@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import SpecrtError, first_line
@@ -52,6 +52,38 @@ def _drive(stream: Stream, push) -> None:
         push(("error", e))
 
 
+class _Metrics:
+    """Prometheus figures (when prometheus-client is installed): time to first token, end-to-end latency,
+    requests by finish reason, tokens. A registry per app, so two apps in one process do not collide."""
+
+    @classmethod
+    def create(cls):
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            return None
+        m = cls()
+        m.prom, m.registry = prom, prom.CollectorRegistry()
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        m.ttft = prom.Histogram("specrt_time_to_first_token_seconds", "Prefill + first round", buckets=buckets,
+                                registry=m.registry)
+        m.e2e = prom.Histogram("specrt_request_latency_seconds", "Whole generation", buckets=buckets,
+                               registry=m.registry)
+        m.requests = prom.Counter("specrt_requests", "Finished generations", ["finish_reason"], registry=m.registry)
+        m.tokens = prom.Counter("specrt_generated_tokens", "New tokens", registry=m.registry)
+        return m
+
+    def observe(self, st: Stats) -> None:
+        if st.new_tokens:
+            self.ttft.observe(st.ttft_s)
+        self.e2e.observe(st.total_s)
+        self.requests.labels(st.finish_reason).inc()
+        self.tokens.inc(st.new_tokens)
+
+    def render(self):
+        return Response(self.prom.generate_latest(self.registry), media_type=self.prom.CONTENT_TYPE_LATEST)
+
+
 class Server:
     """The state behind the app: the session, its one worker, the model id, the optional API key, and the
     stats of the last requests (`history`, newest last: for logs and tests)."""
@@ -60,6 +92,7 @@ class Server:
         self.session, self.model, self.api_key = session, model or session.manifest.name, api_key
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrt-engine")
         self.history: deque[Stats] = deque(maxlen=64)
+        self.metrics = _Metrics.create()
 
     @property
     def max_context(self) -> int:
@@ -84,6 +117,8 @@ class Server:
             if item[0] != "delta" and stream.result is not None:
                 self.history.append(stream.result.stats)
                 st = stream.result.stats
+                if self.metrics is not None:
+                    self.metrics.observe(st)
                 log.info("%d prompt + %d new tokens, ttft %.0f ms, %.1f tok/s, %s, tau %.2f", st.prompt_tokens,
                          st.new_tokens, st.ttft_s * 1000, st.tok_s, st.finish_reason, st.tau)
             try:
@@ -184,6 +219,12 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
     def model_card() -> dict:
         return {"id": server.model, "object": "model", "created": int(session.manifest.root.stat().st_mtime),
                 "owned_by": "specrt"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if server.metrics is None:
+            raise ApiError(404, "/metrics needs prometheus-client; pip install 'specrt[serve]'")
+        return server.metrics.render()
 
     @app.get("/v1/models")
     async def models(request: Request):

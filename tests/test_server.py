@@ -157,6 +157,14 @@ def test_bad_requests_answer_openai_errors_and_the_server_keeps_serving(client, 
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reference["chat"]
 
 
+def test_metrics(client):
+    pytest.importorskip("prometheus_client")
+    client.post("/v1/chat/completions", json=chat_body())
+    text = client.get("/metrics").text
+    assert "specrt_time_to_first_token_seconds_count" in text
+    assert 'specrt_requests_total{finish_reason="length"}' in text
+
+
 def test_api_key(session):
     with TestClient(create_app(session, api_key="sekret")) as c:
         assert c.get("/health").status_code == 200
