@@ -275,9 +275,6 @@ class AdaptiveK:
         """[buckets][k_max] estimated acceptance per draft position."""
         return [self.acceptance.alpha(b) for b in range(self.buckets)]
 
-    def pass_cost(self, w: float) -> float:
-        return self.cost(w)
-
     def best(self, bucket: int = 0) -> int:
         """The k with the best expected rate for this bucket (0 = plain decoding beats every draft)."""
         cost = self.cost

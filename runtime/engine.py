@@ -49,6 +49,7 @@ class Engine(Protocol):
     max_pass_tokens: int  # the most tokens (and logit rows) one decode pass takes
     width_exact: bool     # a K-token pass gives the logits of K one-token passes (measured at build time)
     description: str      # backend, engine and precision, for stats (e.g. "onnxruntime-cpu target-fp32")
+    screen: bool          # greedy passes (argmax) read an exact reduced-precision lm_head screen (Stats.logit_screen)
     hidden: np.ndarray    # [n, hidden] final-norm hidden states of the last pass (after enable_hidden)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,

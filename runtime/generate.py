@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +140,7 @@ class Generator:
         loader, runtime/session.py, turns it on when a draft model will run between the target's passes)."""
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        self.options = replace(options, taking_turns=bool(options.taking_turns))
-        self.engine = open_engine(manifest.root, self.entry, self.options)
+        self.engine = open_engine(manifest.root, self.entry, options)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
 
@@ -186,8 +185,7 @@ class Generator:
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
         t0 = time.perf_counter()
         engine = self.engine
-        stats = Stats(prompt_tokens=len(ids), logit_screen=bool(getattr(engine, "screen", False)) and sampling.greedy,
-                      engine=engine.description)
+        stats = Stats(prompt_tokens=len(ids), logit_screen=engine.screen and sampling.greedy, engine=engine.description)
         room = self.engine.max_context - len(ids)
         budget = min(max_new_tokens, room)
         detok, out, text = Detokenizer(self.codec), [], ""

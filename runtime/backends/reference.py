@@ -71,6 +71,7 @@ class ReferenceEngine:
         self.head_dim = self.w["l0.wq"].shape[1] // num_heads
         self.max_context, self.width_exact, self.name = max_context, width_exact, name
         self.description = f"reference {name}"
+        self.screen = False  # argmax reads the full lm_head
         self.cache = np.zeros((self.layers, 2, num_kv_heads, max_context, self.head_dim))
         self.length, self.capacity = 0, max_context
         self.with_hidden = False
