@@ -121,7 +121,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         r["first_divergence"] = first_divergence(ref[r["case"]], r["token_ids"])
     modes = sorted((c.name for c in live), key=names.index)  # tables in the listed order, whatever the load order
     summary = summarize(runs, modes, cases)
-    caveats = [] if cfg.ignore_eos else length_caveats(runs, modes)
+    caveats = [] if cfg.ignore_eos else length_caveats(runs, modes, contenders.our_modes(manifest))
     meta = _meta(cfg, manifest, threads, cases, time.perf_counter() - t_start)
     if any("medusa" in (r["proposer"] or "") for r in runs):  # medusa, lookup+medusa, an auto that resolved to one
         meta["medusa"] = medusa_accuracy(manifest)
@@ -287,15 +287,16 @@ def _figures(runs: list[dict], ref_runs: list[dict]) -> dict:
 LENGTH_TOLERANCE = 0.1  # answers whose mean lengths differ by more than this fraction are different answers
 
 
-def length_caveats(runs: list[dict], modes: list[str]) -> list[str]:
+def length_caveats(runs: list[dict], modes: list[str], ours: dict[str, tuple[str, str]]) -> list[str]:
     """Speculative modes whose answers differ in length from plain decoding at the same precision (an engine that
     is not width-exact: speculation changes the text, and where it stops). tok/s counts the prefill, so a shorter
-    answer reads slower though it is finished sooner: such a comparison needs equal lengths (--ignore-eos)."""
+    answer reads slower though it is finished sooner: such a comparison needs equal lengths (--ignore-eos).
+    ours: our mode names -> (strategy, precision) (contenders.our_modes; peers are not in it)."""
     out = []
     for m in modes:
-        strategy, _, prec = m.rpartition("-")
+        strategy, prec = ours.get(m, ("plain", ""))
         plain = f"plain-{prec}"
-        if strategy in ("plain", contenders.FULL_HEAD) or plain not in modes or not strategy:
+        if strategy in ("plain", contenders.FULL_HEAD) or plain not in modes:
             continue
         mean = lambda mode, case: statistics.mean(  # noqa: E731
             r["new_tokens"] for r in runs if r["mode"] == mode and r["case"] == case)

@@ -478,7 +478,12 @@ def test_length_caveats_name_speculative_modes_whose_answers_change_length():
 
     runs = [run("plain-fp32", "a", 100), run("plain-int4", "a", 128), run("plain-int4", "b", 128),
             run("auto-int4", "a", 36), run("auto-int4", "b", 125), run("auto-fp32", "a", 100)]
-    out = length_caveats(runs, ["plain-fp32", "plain-int4", "auto-int4", "auto-fp32"])
+    ours = {"plain-fp32": ("plain", "fp32"), "plain-int4": ("plain", "int4"), "auto-int4": ("auto", "int4"),
+            "auto-fp32": ("auto", "fp32"), "auto-int4-fp32": ("auto", "int4-fp32")}
+    out = length_caveats(runs, ["plain-fp32", "plain-int4", "auto-int4", "auto-fp32"], ours)
     assert len(out) == 1 and out[0].startswith("auto-int4:") and "1 of 2 prompts (a)" in out[0]
     assert "--ignore-eos" in out[0]
-    assert length_caveats([r for r in runs if r["case"] == "b"], ["plain-int4", "auto-int4"]) == []
+    assert length_caveats([r for r in runs if r["case"] == "b"], ["plain-int4", "auto-int4"], ours) == []
+    # a precision with a '-' in it pairs with its own plain mode, not with plain-fp32
+    mixed = runs + [run("auto-int4-fp32", "a", 36)]
+    assert length_caveats(mixed, ["plain-fp32", "auto-int4-fp32"], ours) == []
