@@ -139,7 +139,7 @@ def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: Spe
         raise SpecrtError(f"engine set '{manifest.root}' has no Medusa heads; rebuild it with "
                           "`specrt engines --medusa-heads heads/smollm2-135m.npz` or use --speculate prompt-lookup")
     e = heads[0]
-    return Medusa(open_heads(manifest.root, e, options), [tuple(p) for p in e.raw["medusa"]["tree"]])
+    return Medusa(open_heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
 
 
 def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:

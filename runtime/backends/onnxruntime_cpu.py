@@ -64,8 +64,8 @@ def screen_unusable(facts: dict | None, built_with: dict | None) -> str | None:
 
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtEngine":
     """The decoder engine a manifest entry describes (engine.open_engine's ONNX Runtime half)."""
-    config = {**(entry.raw.get("session_config") or {}), **(TAKING_TURNS if options.taking_turns else {})}
-    note = screen_unusable(entry.raw.get("screen"), entry.raw.get("build_versions"))
+    config = {**(entry.session_config or {}), **(TAKING_TURNS if options.taking_turns else {})}
+    note = screen_unusable(entry.screen, entry.build_versions)
     if note is None and not options.logit_screen:
         note = "turned off (EngineOptions.logit_screen)"
     engine = OrtEngine(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
