@@ -41,6 +41,10 @@ def bench(
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",
                                                 help="HF folder or GGUF of a smaller model with the same vocabulary, "
                                                      "for transformers' assistant_model (hf-assisted)."),
+    compare: list[Path] = typer.Option([], "--compare",
+                                       help="Another engine set to run side by side (repeatable), e.g. the "
+                                            "onnxruntime-portable set; its modes are named <mode>@<folder> "
+                                            "(default: its plain modes and auto-fp32)."),
 ):
     """Benchmark our modes against onnxruntime-genai, llama.cpp and transformers on one prompt set."""
     import shlex
@@ -65,13 +69,13 @@ def bench(
         cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,
                           reps=reps, threads=threads, quick=quick, per_category=per_category,
                           max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order,
-                          ignore_eos=ignore_eos, isolate=isolate)
+                          ignore_eos=ignore_eos, isolate=isolate, compare=tuple(compare))
         res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
         command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
         write(res, out, command)
         for r in res["summary"]:
             if r["category"] == "all":
-                typer.echo(f"{r['mode']:>22}: {r['tok_s']:7.1f} tok/s  {r['speedup'] or 0:5.2f}x  "
+                typer.echo(f"{r['mode']:>36}: {r['tok_s']:7.1f} tok/s  {r['speedup'] or 0:5.2f}x  "
                            f"identical {r['identical']}" + (f"  drafts: {r['proposer']}" if r["proposer"] else ""))
         for n in res["notes"] + res.get("caveats", []):
             typer.secho(n, err=True, fg=typer.colors.YELLOW)

@@ -57,10 +57,17 @@ def default_modes(manifest: Manifest, quick: bool = False) -> list[str]:
     return out + list(PEERS)
 
 
-def parse_modes(text: str | None, manifest: Manifest, quick: bool = False) -> list[str]:
-    """'a,b,c' (or None for the default list) -> names, reference first; unknown names are an error."""
-    known = list(our_modes(manifest)) + list(PEERS)
+def parse_modes(text: str | None, manifest: Manifest, quick: bool = False,
+                others: dict[str, Manifest] | None = None) -> list[str]:
+    """'a,b,c' (or None for the default list) -> names, reference first; unknown names are an error.
+    others: more engine sets by folder name, whose modes are named `<mode>@<folder>` (default: their plain
+    modes and auto-fp32, beside this set's)."""
+    others = others or {}
+    extra = {f"{m}@{k}": m for k, om in others.items() for m in our_modes(om)}
+    known = list(our_modes(manifest)) + list(PEERS) + list(extra)
     names = default_modes(manifest, quick) if not text else [m.strip() for m in text.split(",") if m.strip()]
+    if not text:
+        names += [n for n, m in extra.items() if m.startswith("plain-") or m == "auto-fp32"]
     if not names:
         raise SpecrtError("--modes is empty; pass e.g. plain-fp32,plain-int4,genai-fp32")
     for m in names:
@@ -127,6 +134,12 @@ class Ours:
         return Trace(list(r.token_ids), clock.times[:n], total, tau=st.tau, acceptance=tuple(st.acceptance_by_position),
                      rounds=st.rounds, drafted=tuple(st.drafted_by_position), accepted=kept, proposer=proposer)
 
+
+
+def split_mode(name: str, manifest: Manifest, others: dict[str, Manifest]) -> tuple[str, Manifest]:
+    """`<mode>@<folder>` -> (mode, that set's manifest); a plain name -> (name, manifest)."""
+    base, _, folder = name.partition("@")
+    return (base, others[folder]) if folder else (name, manifest)
 
 
 def make(name: str, manifest: Manifest, ck: Checkpoint):

@@ -60,6 +60,7 @@ class BenchConfig:
     ignore_eos: bool = False
     # each contender in a worker process of its own (bench/isolate.py): no load-order effect, nothing shared
     isolate: bool = False
+    compare: tuple[Path, ...] = ()  # more engine sets, their modes named <mode>@<folder> (e.g. a portable set)
 
 
 def first_divergence(ref: list[int], out: list[int]) -> int | None:
@@ -83,8 +84,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     if cfg.load_order not in ("listed", "reversed"):
         raise SpecrtError(f"--load-order must be 'listed' or 'reversed', got '{cfg.load_order}'")
     manifest = load_manifest(Path(cfg.engines))
+    others = {Path(p).name: load_manifest(Path(p)) for p in cfg.compare}
     cases = _cases(cfg)
-    names = contenders.parse_modes(cfg.modes, manifest, cfg.quick)
+    names = contenders.parse_modes(cfg.modes, manifest, cfg.quick, others)
     threads = cfg.threads or os.cpu_count() or 1
     # Every contender runs with its own defaults: OMP_WAIT_POLICY is left as the caller set it (the report
     # records it). PASSIVE slowed llama.cpp 2.5-3x (BENCHMARKS.md, "Against llama.cpp at its own defaults");
@@ -106,7 +108,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
 
     live, notes = [], []
     try:
-        _load(cfg, names, manifest, ck, cases[0], prompt_ids, live, notes, log)
+        _load(cfg, names, manifest, others, ck, cases[0], prompt_ids, live, notes, log)
         t_start = time.perf_counter()
         runs, failed = _interleave(cfg, cases, prompt_ids, live, notes, log)
     finally:
@@ -130,11 +132,13 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             "summary": summary, "runs": runs}
 
 
-def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, live: list, notes: list, log) -> None:
+def _load(cfg: BenchConfig, names, manifest, others, ck, first: PromptCase, prompt_ids, live: list, notes: list,
+          log) -> None:
     """Load and warm up every contender into `live`; one that cannot run here is a note, not a failure."""
     for name in (names if cfg.load_order == "listed" else names[::-1]):
         t0 = time.perf_counter()
-        c = Isolated(name, manifest.root, ck) if cfg.isolate else contenders.make(name, manifest, ck)
+        base, m = contenders.split_mode(name, manifest, others)
+        c = Isolated(base, m.root, ck) if cfg.isolate else contenders.make(base, m, ck)
         loaded = False
         try:
             c.load(log=log)
@@ -157,6 +161,7 @@ def _load(cfg: BenchConfig, names, manifest, ck, first: PromptCase, prompt_ids, 
         finally:
             if not loaded and isinstance(c, Isolated):  # not in `live`, so run_bench's cleanup would miss it
                 c.close()
+        c.name = name  # `<mode>@<folder>` for another set's mode (its worker, if any, started under the base name)
         live.append(c)
         log(f"loaded {name} in {time.perf_counter() - t0:.1f}s")
 

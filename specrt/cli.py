@@ -79,11 +79,18 @@ def engines(
                                               "Default: smollm2-135m."),
     name: Optional[str] = typer.Option(None, "--name", "-n",
                                        help="Engine set name (folder under --out). Default: from the source."),
-    precisions: str = typer.Option("fp32,int8,int4", "--precisions", "-p",
-                                   help="Comma-separated ONNX Runtime precisions: fp32 (exact), int8, int4 "
-                                        "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on "
-                                        "Python-stdlib texts, ~2 min for SmolLM2), "
-                                        "int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation)."),
+    precisions: Optional[str] = typer.Option(
+        None, "--precisions", "-p",
+        help="Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
+             "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
+             "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). "
+             "Portable backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs)."),
+    backend: str = typer.Option("onnxruntime", "--backend", "-b",
+                                help="onnxruntime (CPU, fused kernels, the fastest here); onnxruntime-portable "
+                                     "(the standard-op graph GPUs compile, run on the CPU: their parity reference); "
+                                     "onnxruntime-cuda (onnxruntime-gpu's CUDA EP with CUDA graphs); tensorrt "
+                                     "(serialized TensorRT engines, built on the GPU that runs them). The set's "
+                                     "default name gets -portable, -cuda or -tensorrt."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
     draft: Optional[str] = typer.Option(None, "--draft",
@@ -103,7 +110,12 @@ def engines(
     def run():
         from .pipeline import EngineSetRequest, check_destination, make_engine_set
 
-        precs = tuple(p.strip() for p in precisions.split(",") if p.strip())
+        from .pipeline.portable import DEFAULT_PRECISIONS, SET_SUFFIX, check_backend
+
+        if backend not in DEFAULT_PRECISIONS:
+            check_backend(backend, ())  # the one-line error naming the backends
+        precs = (tuple(p.strip() for p in precisions.split(",") if p.strip()) if precisions is not None
+                 else DEFAULT_PRECISIONS[backend])
         dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
         if not precs or not dprecs:
             raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
@@ -120,12 +132,12 @@ def engines(
             set_name = name or pre.name
         from .pipeline import default_heads, source_name
 
-        set_name = set_name or source_name(src)
+        set_name = set_name or source_name(src) + SET_SUFFIX[backend]
 
         heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
                  else default_heads(src))
         path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
-                                                medusa_tree_nodes))
+                                                medusa_tree_nodes, backend))
         typer.echo(str(path))
 
     _guard(run)
@@ -329,21 +341,31 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         from rich.console import Console
         from rich.table import Table
 
-        from .manifest import load_manifest
+        from .manifest import engine_memory, load_manifest
 
         m = load_manifest(engines_dir)
         t = Table(title=f"{m.name}  ({m.root})")
         for col in ("engine", "role", "backend", "precision", "max ctx", "vocab", "|Δlogit| vs torch",
-                    "greedy agree", "width-exact", "logit screen"):
+                    "greedy agree", "width-exact", "logit screen", "weights MiB", "KV KiB/pos", "MiB at max ctx"):
             t.add_column(col)
+        memory = {}
         for e in m.engines.values():
             p = e.raw.get("parity", {})
+            mem = memory[e.name] = e.memory or engine_memory(e, m.root)  # sets built before entries recorded it
             t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
                       _fmt(p.get("max_abs_logit_diff_vs_torch"), ".2g"),
                       _fmt(p.get("greedy_agreement_vs_torch"), ".0%"), str(e.width_exact) if p else "-",
-                      _screen_status(e.raw))
-        console = Console(width=None if sys.stdout.isatty() else 160)  # pipes get the full table
+                      _screen_status(e.raw), f"{mem['weights_bytes'] / 2**20:.0f}",
+                      f"{mem['kv_bytes_per_position'] / 2**10:.1f}", f"{mem['total_bytes_at_max_context'] / 2**20:.0f}")
+        console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get the full table
         console.print(t)
+        for precision in sorted({e.precision for e in m.engines.values() if e.role == "target"}):
+            together = [e for e in m.engines.values() if e.role != "target" or e.precision == precision]
+            total = sum(memory[e.name]["total_bytes_at_max_context"] for e in together)
+            draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
+            drafts = f" (the draft models: {draft / 2**20:.0f} MiB)" if draft else ""
+            console.print(f"memory at max context, target-{precision} with every proposer of the set: "
+                          f"{total / 2**20:.0f} MiB{drafts}")
         src = m.raw.get("source", {})
         console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 

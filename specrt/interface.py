@@ -101,3 +101,49 @@ def chain_feeds(tokens, start: int, n_logits: int, past: dict[str, np.ndarray]) 
             TREE_MASK: np.zeros((1, n, n), np.float32), SEQLENS_K: np.array([start + n - 1], np.int32),
             TOTAL_SEQUENCE_LENGTH: np.array(start + n, np.int32),
             NUM_LOGITS_TO_KEEP: np.array(n_logits, np.int64), **past}
+
+
+# The portable decoder graph (export/portable.py): standard ONNX ops only (TensorScatter into the cache, Attention
+# over it), every inner shape fixed by the input shapes, so a (pass width W, cache capacity C) pair is one static
+# shape a CUDA graph can capture. Cache inputs and outputs keep the names above, dims [batch, num_kv_heads,
+# capacity, head_dim]; the runtime builds the mask (runtime/static_shapes.py).
+ATTENTION_MASK = "attention_mask"   # [batch, 1, seq, capacity] float32 additive: 0 = attend, -inf = not
+WRITE_INDICES = "write_indices"     # [batch] int64: the cache slot of the pass's first token
+LOGITS_INDICES = "logits_indices"   # [num_logits] int64: the rows of the pass that get logits
+GREEDY_TOKENS = "greedy_tokens"     # [batch, num_logits] int64: argmax of each logits row, on the device
+PORTABLE_INPUTS = (
+    (INPUT_IDS, ("batch", "seq"), "int64"),
+    (POSITION_IDS, ("batch", "seq"), "int64"),
+    (ATTENTION_MASK, ("batch", 1, "seq", "capacity"), "float32"),
+    (WRITE_INDICES, ("batch",), "int64"),
+    (LOGITS_INDICES, ("num_logits",), "int64"),
+)
+PORTABLE_OUTPUTS = (
+    (LOGITS, ("batch", "num_logits", "vocab_size"), "float32"),
+    (GREEDY_TOKENS, ("batch", "num_logits"), "int64"),
+    (HIDDEN_STATES, ("batch", "seq", "hidden_size"), "float32"),
+)
+PORTABLE_CACHE_DIMS = ("batch", "num_kv_heads", "capacity", "head_dim")
+PORTABLE_DTYPES = {"fp32": "float32", "fp16": "float16"}  # precision -> dtype of weights, activations and cache
+
+
+def portable_signature(num_layers: int, sizes: dict, cache_dtype: str) -> tuple[list, list]:
+    """(inputs, outputs) of a portable decoder graph, each a list of (name, dims, dtype) in graph order."""
+    cache = _dims(PORTABLE_CACHE_DIMS, sizes)
+    inputs = [(n, _dims(d, sizes), t) for n, d, t in PORTABLE_INPUTS]
+    outputs = [(n, _dims(d, sizes), t) for n, d, t in PORTABLE_OUTPUTS]
+    for i in range(num_layers):
+        for kind in KV_KINDS:
+            inputs.append((past_name(i, kind), cache, cache_dtype))
+            outputs.append((present_name(i, kind), cache, cache_dtype))
+    return inputs, outputs
+
+
+def portable_io_description(sizes: dict, cache_dtype: str) -> tuple[dict, dict]:
+    """The portable graph's inputs and outputs as a manifest entry records them."""
+    every = "|".join(KV_KINDS)
+    inputs = {n: [*_dims(d, sizes), t] for n, d, t in PORTABLE_INPUTS}
+    inputs[past_name("{i}", every)] = [*_dims(PORTABLE_CACHE_DIMS, sizes), cache_dtype]
+    outputs = {n: [*_dims(d, sizes), t] for n, d, t in PORTABLE_OUTPUTS}
+    outputs[present_name("{i}", every)] = "shares the past buffer"
+    return inputs, outputs

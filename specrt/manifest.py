@@ -20,8 +20,8 @@ from .errors import SpecrtError
 
 SCHEMA_VERSION = 1
 ROLES = ("target", "draft", "medusa", "eagle")
-BACKENDS = ("onnxruntime", "tensorrt", "reference")
-RUNTIME_BACKENDS = ("onnxruntime", "reference")  # what runtime/backends/ can open (TensorRT: not implemented yet)
+BACKENDS = ("onnxruntime", "onnxruntime-portable", "onnxruntime-cuda", "tensorrt", "reference")
+RUNTIME_BACKENDS = BACKENDS  # runtime/backends/ opens them all (GPU ones refuse where their library or GPU is missing)
 
 
 def tool_versions(packages=("specrt", "torch", "transformers", "onnx", "onnxruntime", "gguf")) -> dict:
@@ -75,6 +75,7 @@ class EngineEntry:
     tokenizer_sha256: str | None = None  # the tokenizer it was exported with (target and draft)
     build_versions: dict | None = None  # the tools that built it (the set's "versions" are the export's)
     medusa: dict | None = None  # heads facts, tree, its sizing and the training report (role "medusa")
+    memory: dict | None = None  # engine_memory(): weights, KV cache per position and at max_context, in bytes
     # from parity: one K-token pass equals K one-token passes (docs/pipeline-notes.md, "Width-exactness")
     width_exact: bool = field(init=False)
     raw: dict | None = field(default=None, compare=False, repr=False)
@@ -83,6 +84,12 @@ class EngineEntry:
         object.__setattr__(self, "width_exact", bool((self.parity or {}).get("width_exact", False)))
         if self.raw is None:
             object.__setattr__(self, "raw", self.to_dict())
+
+    def with_memory(self, memory: dict) -> "EngineEntry":
+        """This entry with its memory facts (engine_memory), as the pipeline writes it."""
+        from dataclasses import replace
+
+        return replace(self, memory=memory, raw=None)
 
     def to_dict(self) -> dict:
         """The entry as manifest.json holds it."""
@@ -101,6 +108,28 @@ class EngineEntry:
 
 
 _WRITTEN = tuple(f.name for f in fields(EngineEntry) if f.name not in ("name", "width_exact", "raw"))
+
+
+CACHE_ITEMSIZE = {"fp16": 2, "bf16": 2}  # bytes per cache element of portable engines by precision; otherwise fp32
+
+
+def engine_memory(entry: EngineEntry, root: Path) -> dict:
+    """What an engine holds in memory, in bytes: its weights (the files it loads), its KV cache per position
+    (every layer's keys and values, batch 1) and both at max_context; the same for a set is their sum
+    (set_memory). A draft model costs its whole total on top of the target's."""
+    weights = sum((Path(root) / f).stat().st_size for f in _files(entry))
+    portable = entry.backend in ("onnxruntime-portable", "onnxruntime-cuda", "tensorrt")
+    item = CACHE_ITEMSIZE.get(entry.precision, 4) if portable else 4
+    per_position = entry.num_layers * 2 * entry.num_kv_heads * entry.head_dim * item
+    return {"weights_bytes": weights, "kv_bytes_per_position": per_position,
+            "kv_bytes_at_max_context": per_position * entry.max_context,
+            "total_bytes_at_max_context": weights + per_position * entry.max_context}
+
+
+def set_memory(entries) -> dict:
+    """The memory of engines that run together (a target, its draft, its heads): the sum of each figure."""
+    keys = ("weights_bytes", "kv_bytes_per_position", "kv_bytes_at_max_context", "total_bytes_at_max_context")
+    return {k: sum((e.memory or {}).get(k, 0) for e in entries) for k in keys}
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,8 @@ def test_an_engine_of_a_backend_this_specrt_cannot_run_is_one_line(reference_set
     from specrt.runtime.engine import open_engine
 
     m = load_manifest(reference_set)
-    bad = dataclasses.replace(m.engine("target"), backend="tensorrt")
-    with pytest.raises(SpecrtError, match="tensorrt engine, which this specrt cannot run yet") as e:
+    bad = dataclasses.replace(m.engine("target"), backend="mystery")  # e.g. a set from a newer specrt
+    with pytest.raises(SpecrtError, match="mystery engine, which this specrt cannot run yet") as e:
         open_engine(m.root, bad)
     assert "\n" not in str(e.value)
 

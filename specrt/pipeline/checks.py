@@ -15,13 +15,14 @@ from .runtime_link import open_built_engine
 WIDTH_TOLERANCE = 1e-3  # max |logit diff| of a width-exact engine (docs/pipeline-notes.md, "Width-exactness")
 
 
-def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None) -> dict:
+def check_engine(path: Path, facts: dict, golden_path: Path, session_config=None, backend: str = "onnxruntime",
+                 precision: str = "fp32") -> dict:
     """Engine vs PyTorch golden tensors: max |Δlogit|, greedy agreement, and width-exactness
     (one K-token pass against K one-token passes; int8-activation kernels fail this)."""
     from ..export.exporter import greedy_agreement
 
     g = np.load(golden_path)
-    eng = open_built_engine(path, facts, session_config)
+    eng = open_built_engine(path, facts, session_config, backend=backend, precision=precision)
     ids, ref = g["input_ids"], g["logits"]
     logits = eng.forward(ids, num_logits=len(ids)).copy()
     eng.commit(len(ids))

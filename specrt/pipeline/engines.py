@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..interface import decoder_io_description
-from ..manifest import EngineEntry, file_sha256
+from ..manifest import EngineEntry, engine_memory, file_sha256
 from . import checks
 from .buildcache import link
 
@@ -60,7 +60,7 @@ def build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) ->
     s = facts["spec"]
     inputs, outputs = decoder_io_description({k: s[k] for k in ("num_kv_heads", "head_dim", "hidden_size",
                                                                 "vocab_size")})
-    return EngineEntry(
+    entry = EngineEntry(
         name=f"{role}-{p}", role=role, file=built.name, files=[built.name, built.name + ".data"], backend="onnxruntime",
         precision=p, num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
         head_dim=s["head_dim"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
@@ -68,6 +68,7 @@ def build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) ->
         source_sha256=facts["source"]["sha256"], parity=parity, build=info,
         session_config=info.get("session_config", {}), screen=screen,
         tokenizer_sha256=file_sha256(cache / "tokenizer.json"), build_versions=build_versions())
+    return entry.with_memory(engine_memory(entry, tmp))
 
 
 def chat_template(cache: Path) -> str | None:

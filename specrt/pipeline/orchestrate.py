@@ -21,6 +21,7 @@ from ..errors import SpecrtError
 from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
 from .buildcache import one_build_at_a_time, swap_into_place
 from .engines import build_engine, chat_template
+from .portable import PORTABLE_BACKENDS, build_portable_engine, check_backend
 from .tree_sizing import TREE_COSTS, build_medusa
 
 EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
@@ -38,6 +39,7 @@ class EngineSetRequest:
     draft_precisions: tuple[str, ...] = ("fp32",)
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
+    backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt (pipeline/portable.py)
 
 
 def _say(msg: str) -> None:
@@ -65,8 +67,10 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
     check_destination(Path(req.out_root), req.name)
     built = req.precisions + (req.draft_precisions if req.draft_source else ())
-    for p in built:
-        precision(p)  # validates before any work
+    check_backend(req.backend, built)  # before any work: a missing library or precision is one line
+    portable = req.backend in PORTABLE_BACKENDS
+    for p in ([] if portable else built):
+        precision(p)
     if req.max_context < MIN_CONTEXT:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
     src = resolve(req.source)
@@ -77,7 +81,12 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     log(f"fingerprinting {src.path.name}")
     fp = fingerprint(src)
 
-    recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
+    if portable:
+        from ..export.portable import FORMAT
+
+        recipes = [req.backend, FORMAT]
+    else:
+        recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()
     key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, tools, recipes, SCHEMA_VERSION]
     if dsrc is not None:
@@ -114,10 +123,12 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         engines = {}
         for role, rcache, rfacts, precs in roles:
             for p in precs:
-                engines[f"{role}-{p}"] = build_engine(role, p, rcache, rfacts, tmp, log)
+                engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend)
+                                          if req.backend in PORTABLE_BACKENDS
+                                          else build_engine(role, p, rcache, rfacts, tmp, log))
         if req.medusa_heads is not None:
             engines["medusa-fp32"] = build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
-                                                  req.medusa_tree_nodes, engines)
+                                                  req.medusa_tree_nodes, engines, req.backend)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = manifest_dict(

@@ -4,14 +4,13 @@ measured pass costs (docs/pipeline-notes.md, "Pass-cost sizing of the Medusa tre
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ..interface import heads_io_description
-from ..manifest import EngineEntry, file_sha256
+from ..manifest import EngineEntry, engine_memory, file_sha256
 from .runtime_link import open_built_engine
 
 # How the tree's pass costs are measured; part of the inputs key, so a change re-sizes the trees of existing
@@ -24,7 +23,7 @@ PRIOR_WIDTH_SLOPE = 0.05
 
 
 def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nodes: int,
-                 built: dict[str, EngineEntry]) -> EngineEntry:
+                 built: dict[str, EngineEntry], backend: str = "onnxruntime") -> EngineEntry:
     """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa"). built: the set's
     engine entries so far (the tree is sized from the target's pass costs, through its logit screen where
     the runtime will use it, as decoding runs them). nodes > 0: a fixed tree size instead of the measured one."""
@@ -36,10 +35,9 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
     heads = load_heads(heads_path)
     lm_head = read_initializers(cache / "model.onnx", "lm_head.weight_t")[0].T    # [V, H]
     report = heads["report"]
-    targets = sorted(f for f in os.listdir(tmp) if f.startswith("target-") and f.endswith(".onnx"))
-    target = "target-fp32.onnx" if "target-fp32.onnx" in targets else targets[0]
-    name = target[:-len(".onnx")]
-    cost = _plausible_pass_costs(tmp / target, facts, log, golden=cache / "golden.npz", entry=built[name])
+    targets = sorted(name for name, e in built.items() if e.role == "target")
+    target = built["target-fp32"] if "target-fp32" in built else built[targets[0]]
+    cost = _plausible_pass_costs(tmp / target.file, facts, log, golden=cache / "golden.npz", entry=target)
     if "tree_order" in report:
         order, values = report["tree_order"], report["tree_values"]
     else:  # heads trained without the joint measurement: assume independent heads
@@ -55,8 +53,8 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
     info = export_heads_onnx(heads, lm_head, tmp / "medusa-fp32.onnx", compiled.max_rank, compiled.max_depth)
     s = facts["spec"]
     inputs, outputs = heads_io_description(s["hidden_size"], info["heads"], info["topk"], info["token_input"])
-    return EngineEntry(
-        name="medusa-fp32", role="medusa", file="medusa-fp32.onnx", files=["medusa-fp32.onnx"], backend="onnxruntime",
+    entry = EngineEntry(
+        name="medusa-fp32", role="medusa", file="medusa-fp32.onnx", files=["medusa-fp32.onnx"], backend=backend,
         precision="fp32", num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, hidden_size=s["hidden_size"],
         vocab_size=s["vocab_size"], max_context=facts["max_context"], inputs=inputs, outputs=outputs,
         medusa={**info, "tree": [list(p) for p in tree], "tree_choice": choice,
@@ -64,6 +62,7 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
                 "heads_sha256": file_sha256(heads_path),
                 "training": {k: v for k, v in report.items() if k not in ("tree_order", "tree_values", "rank_acc")},
                 "rank_acc": report.get("rank_acc")})
+    return entry.with_memory(engine_memory(entry, tmp))
 
 
 def _pass_costs(path: Path, facts: dict, golden: Path, entry: EngineEntry,

@@ -1,0 +1,137 @@
+"""The portable decoder graph: standard ONNX ops only (opset 24), every inner shape fixed by the input shapes.
+
+What TensorRT's ONNX parser and ONNX Runtime's CUDA graphs both need (docs/design-notes.md, "The portable
+graph"): no com.microsoft ops and no shape computed from a value, so a (pass width W, cache capacity C) pair
+is one static shape. Per layer:
+
+    RMSNorm -> MatMul (fused QKV) -> RotaryEmbedding (q|k) at explicit position_ids
+    -> TensorScatter k, v into the cache at write_indices (axis -2, in place: past and present share a buffer)
+    -> Attention(q, cache_k, cache_v, attention_mask [B, 1, W, C])   (4-D, grouped-query by the head counts)
+    -> MatMul -> residual -> RMSNormalization -> MatMul (gate|up) -> SiLU * up -> MatMul -> residual
+
+then the final norm (hidden_states), the rows `logits_indices` through the lm_head (logits, float32) and their
+argmax (greedy_tokens). The mask carries causality, the tree and which cache slots are valid, so attention is
+the same op for a prefill, a chain and a token tree. Interface: specrt/interface.py (PORTABLE_*).
+
+It is written from the initializers of the export's own graph (export/graph.py), so every weight has the fused
+layout and the RoPE tables that graph was checked against PyTorch with. fp32 writes RMSNorm as the standard-op
+pattern ONNX Runtime fuses with the residual Add; fp16 casts the weights, activations and cache to float16 and
+uses the RMSNormalization op with float32 statistics (stash_type), and casts the logits to float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_INDICES,
+                         PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, portable_signature, present_name)
+from .graph import _Graph, read_initializers
+
+OPSET = 24
+IR_VERSION = 10
+FORMAT = 2  # bump when this graph changes: the pipeline keys its cache on it
+_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64}
+
+
+def weight_names(num_layers: int, qkv_bias: bool, o_bias: bool) -> list[str]:
+    """The initializers of the export's graph that the portable graph is written from."""
+    names = ["embed_tokens.weight", "lm_head.weight_t", "rope.cos", "rope.sin", "model.norm.weight"]
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "self_attn.qkv_proj.weight_t", p + "self_attn.o_proj.weight_t",
+                  p + "post_attention_layernorm.weight", p + "mlp.gate_up_proj.weight_t", p + "mlp.down_proj.weight_t"]
+        names += [p + "self_attn.qkv_proj.bias"] if qkv_bias else []
+        names += [p + "self_attn.o_proj.bias"] if o_bias else []
+    return names
+
+
+def write_portable(export_onnx: Path, spec: dict, max_context: int, precision: str, out: Path) -> None:
+    """The portable graph of the export at export_onnx (model.onnx) -> out (+ out.data), at precision fp32|fp16.
+    spec: the export's facts["spec"] (DecoderSpec as a dict)."""
+    names = weight_names(spec["num_layers"], spec["qkv_bias"], spec["o_bias"])
+    weights = dict(zip(names, read_initializers(export_onnx, *names)))
+    model = build_portable_decoder(spec, weights, max_context, precision, Path(str(out) + ".data"))
+    onnx.save_model(model, str(out))
+
+
+def build_portable_decoder(spec: dict, weights: dict[str, np.ndarray], max_context: int, precision: str = "fp32",
+                           data_path: Path | None = None) -> onnx.ModelProto:
+    """weights: the export graph's initializers by name (weight_names); data_path: stream them to this file."""
+    dtype = PORTABLE_DTYPES[precision]
+    np_dtype, onnx_dtype = np.dtype(dtype), _TYPES[dtype]
+    n, kv, d, layers = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"], spec["num_layers"]
+    g = _Graph(data_path)
+    w = lambda name: g.const(name, np.ascontiguousarray(weights[name], np_dtype))  # noqa: E731
+    i64 = lambda name, v: g.const(name, np.array(v, np.int64))  # noqa: E731
+    eps = float(spec["rms_norm_eps"])
+
+    fp32 = np_dtype == np.float32
+    if fp32:
+        eps_c, two, axes = g.const("rms_eps", np.array(eps, np.float32)), g.const("two", np.array(2.0, np.float32)), \
+            i64("axes_last", [-1])
+
+    def rmsnorm(x: str, weight: str, name: str = "") -> str:
+        if not fp32:  # one op, its statistics in float32 (stash_type): squares of fp16 activations overflow
+            return g.op("RMSNormalization", [x, w(weight)], axis=-1, epsilon=eps, stash_type=1, name=name)
+        # fp32: the pattern ONNX Runtime fuses with the residual Add into one kernel (SkipSimplifiedLayerNorm)
+        var = g.op("ReduceMean", [g.op("Pow", [x, two]), axes], keepdims=1)
+        normed = g.op("Div", [x, g.op("Sqrt", [g.op("Add", [var, eps_c])])])
+        return g.op("Mul", [normed, w(weight)], name=name)
+
+    cos, sin = w("rope.cos"), w("rope.sin")  # [max_context, D/2]
+    mask = g.op("Cast", [ATTENTION_MASK], to=onnx_dtype) if onnx_dtype != TensorProto.FLOAT else ATTENTION_MASK
+    shape_qkv, shape_out = i64("shape_qkv", [0, 0, n + 2 * kv, d]), i64("shape_out", [0, 0, n * d])
+    split_qk_v, split_q_k = i64("split_qk_v", [n + kv, kv]), i64("split_q_k", [n, kv])
+    split_gu = i64("split_gu", [spec["intermediate_size"]] * 2)
+
+    x = g.op("Gather", [w("embed_tokens.weight"), INPUT_IDS], axis=0, name="embed")
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        qkv = g.op("MatMul", [rmsnorm(x, p + "input_layernorm.weight"), w(p + "self_attn.qkv_proj.weight_t")],
+                   name=f"layers.{i}.qkv")
+        if spec["qkv_bias"]:
+            qkv = g.op("Add", [qkv, w(p + "self_attn.qkv_proj.bias")])
+        # one Reshape and Transpose for q|k|v, one RotaryEmbedding for q|k: fewer nodes per layer
+        qkv4 = g.op("Transpose", [g.op("Reshape", [qkv, shape_qkv])], perm=[0, 2, 1, 3])  # [B, n+2kv, S, D]
+        qk, v4 = g.op("Split", [qkv4, split_qk_v], n_out=2, axis=1)
+        q4, k4 = g.op("Split", [g.op("RotaryEmbedding", [qk, cos, sin, POSITION_IDS]), split_q_k], n_out=2, axis=1)
+        key, value = past_name(i, "key"), past_name(i, "value")
+        g.op("TensorScatter", [key, k4, WRITE_INDICES], axis=-2, name=present_name(i, "key"))
+        g.op("TensorScatter", [value, v4, WRITE_INDICES], axis=-2, name=present_name(i, "value"))
+        att = g.op("Attention", [q4, present_name(i, "key"), present_name(i, "value"), mask], name=f"layers.{i}.attn")
+        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), shape_out])
+        o = g.op("MatMul", [att, w(p + "self_attn.o_proj.weight_t")])
+        if spec["o_bias"]:
+            o = g.op("Add", [o, w(p + "self_attn.o_proj.bias")])
+        x = g.op("Add", [x, o])
+        gate, up = g.op("Split", [g.op("MatMul", [rmsnorm(x, p + "post_attention_layernorm.weight"),
+                                                  w(p + "mlp.gate_up_proj.weight_t")]), split_gu], n_out=2, axis=2)
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        x = g.op("Add", [x, g.op("MatMul", [act, w(p + "mlp.down_proj.weight_t")])])
+    final = rmsnorm(x, "model.norm.weight", name=HIDDEN_STATES if fp32 else "final_norm")
+    if not fp32:
+        g.op("Cast", [final], to=TensorProto.FLOAT, name=HIDDEN_STATES)
+    rows = g.op("Gather", [final, LOGITS_INDICES], axis=1)  # [B, N, H]
+    logits = g.op("MatMul", [rows, w("lm_head.weight_t")], name=LOGITS if fp32 else "")
+    if not fp32:
+        g.op("Cast", [logits], to=TensorProto.FLOAT, name=LOGITS)
+    g.op("ArgMax", [LOGITS], axis=-1, keepdims=0, name=GREEDY_TOKENS)
+
+    sizes = {"num_kv_heads": kv, "head_dim": d, "hidden_size": spec["hidden_size"], "vocab_size": spec["vocab_size"]}
+    sig_in, sig_out = portable_signature(layers, sizes, dtype)
+    inputs, outputs = ([helper.make_tensor_value_info(name, _TYPES[t], dims) for name, dims, t in sig]
+                       for sig in (sig_in, sig_out))
+    g.close()
+    graph = helper.make_graph(g.nodes, "specrt_portable_decoder", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, producer_name="specrt", opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    helper.set_model_props(model, {
+        "specrt.num_heads": str(n), "specrt.num_kv_heads": str(kv), "specrt.head_dim": str(d),
+        "specrt.num_layers": str(layers), "specrt.max_context": str(max_context), "specrt.precision": precision,
+        "specrt.portable_format": str(FORMAT),
+    })
+    return model

@@ -1,0 +1,128 @@
+"""Portable engines of a set (`specrt engines --backend onnxruntime-portable | onnxruntime-cuda | tensorrt`): the
+portable graph written from the export's own graph (export/portable.py), cached beside the export, then, for
+TensorRT, compiled into a serialized engine; linked into the set, checked against PyTorch through the runtime
+backend that will run it, and described by its manifest entry (memory included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import SpecrtError
+from ..interface import PORTABLE_DTYPES, portable_io_description
+from ..manifest import EngineEntry, engine_memory, file_sha256, tool_versions
+from . import checks
+from .buildcache import link
+
+PORTABLE_BACKENDS = ("onnxruntime-portable", "onnxruntime-cuda", "tensorrt")
+DEFAULT_PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "onnxruntime-portable": ("fp32", "fp16"),
+                      "onnxruntime-cuda": ("fp16",), "tensorrt": ("fp16",)}
+SET_SUFFIX = {"onnxruntime": "", "onnxruntime-portable": "-portable", "onnxruntime-cuda": "-cuda",
+              "tensorrt": "-tensorrt"}
+
+
+def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
+    """Before any work: the backend is known, its library is here, and it builds these precisions."""
+    if backend not in DEFAULT_PRECISIONS:
+        raise SpecrtError(f"--backend '{backend}' is not one specrt builds; use one of {', '.join(DEFAULT_PRECISIONS)}")
+    if backend == "onnxruntime":
+        return
+    bad = [p for p in precisions if p not in PORTABLE_DTYPES]
+    if bad:
+        raise SpecrtError(f"--backend {backend} builds precisions {', '.join(PORTABLE_DTYPES)}, not "
+                          f"{', '.join(bad)} (FP8/INT8 Q/DQ engines are not built yet); pass e.g. --precisions fp16")
+    if backend == "tensorrt":
+        from ..build.tensorrt import require_tensorrt
+
+        require_tensorrt()
+    elif backend == "onnxruntime-cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise SpecrtError("--backend onnxruntime-cuda needs onnxruntime-gpu with CUDA, and this onnxruntime "
+                              f"has only {', '.join(ort.get_available_providers())}; `pip install onnxruntime-gpu` "
+                              "on a machine with an NVIDIA GPU, or build --backend onnxruntime-portable for the CPU")
+
+
+def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str) -> EngineEntry:
+    """<role>-<p> of a portable set: the portable graph (cached per export and graph format), compiled for
+    TensorRT where asked, linked into tmp, checked -> its manifest entry."""
+    from ..export.portable import FORMAT
+
+    graph = _portable_graph(role, p, cache, facts, log, cache / f"portable-v{FORMAT}")
+    files, build = [graph, Path(str(graph) + ".data")], {"portable_format": FORMAT}
+    if backend == "tensorrt":
+        engine, trt_facts = _tensorrt_engine(graph, facts, log)
+        files, build = [engine], {**build, **trt_facts}
+    for f in files:
+        link(f, tmp / f.name)
+    log(f"checking {role}-{p} against PyTorch ({backend})")
+    parity = checks.check_engine(tmp / files[0].name, facts, cache / "golden.npz", backend=backend, precision=p)
+    if p == "fp32":  # fp32 weights and compute must match PyTorch; fp16 engines record their figures
+        checks.require_parity(f"{role}-{p}", parity)
+    s = facts["spec"]
+    sizes = {k: s[k] for k in ("num_kv_heads", "head_dim", "hidden_size", "vocab_size")}
+    inputs, outputs = portable_io_description(sizes, PORTABLE_DTYPES[p])
+    entry = EngineEntry(
+        name=f"{role}-{p}", role=role, file=files[0].name, files=[f.name for f in files], backend=backend,
+        precision=p, num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
+        head_dim=s["head_dim"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
+        max_context=facts["max_context"], architecture=s["architecture"], inputs=inputs, outputs=outputs,
+        source_sha256=facts["source"]["sha256"], parity=parity, build=build,
+        tokenizer_sha256=file_sha256(cache / "tokenizer.json"),
+        build_versions=tool_versions(("specrt", "onnx", "onnxruntime", "tensorrt")))
+    return entry.with_memory(engine_memory(entry, tmp))
+
+
+def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path) -> Path:
+    """bdir/<role>-<p>.onnx (+ .data), written once: into a temp folder, the weights first, the graph last."""
+    from ..export.portable import write_portable
+
+    out = bdir / f"{role}-{p}.onnx"
+    if out.is_file():
+        return out
+    log(f"writing the portable {role} graph at {p}")
+    bdir.mkdir(parents=True, exist_ok=True)
+    part = Path(tempfile.mkdtemp(prefix=".part-", dir=bdir))
+    try:
+        write_portable(cache / "model.onnx", facts["spec"], facts["max_context"], p, part / out.name)
+        os.replace(part / (out.name + ".data"), str(out) + ".data")
+        os.replace(part / out.name, out)
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return out
+
+
+def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
+    """The serialized TensorRT engine of a portable graph and its build facts, cached per TensorRT version and GPU
+    architecture (an engine runs only where both match)."""
+    from ..build.tensorrt import build_engine, require_tensorrt
+
+    trt = require_tensorrt()
+    key = f"trt{trt.__version__}-sm{_compute_capability().replace('.', '')}"
+    out = graph.parent / f"tensorrt-{key}" / (graph.stem + ".engine")
+    facts_file = out.with_suffix(".json")
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log(f"building the TensorRT engine {out.name} ({key}); minutes, once per GPU architecture")
+        t0 = time.time()
+        built = build_engine(graph, out, max_prompt=min(facts["max_context"], 2048), max_width=64,
+                             max_capacity=facts["max_context"] + 64, timing_cache=graph.parent / "tensorrt.cache")
+        facts_file.write_text(json.dumps({**built, "build_seconds": round(time.time() - t0, 1)}))
+    return out, json.loads(facts_file.read_text())
+
+
+def _compute_capability() -> str:
+    """Device 0's compute capability, e.g. "9.0" (cuda-bindings, which TensorRT's Python wheels depend on)."""
+    from cuda.bindings import runtime as cudart
+
+    err, prop = cudart.cudaGetDeviceProperties(0)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise SpecrtError(f"no CUDA device for --backend tensorrt ({err}); build TensorRT engines on the GPU that "
+                          "runs them")
+    return f"{prop.major}.{prop.minor}"

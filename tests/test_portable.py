@@ -1,0 +1,261 @@
+"""The portable graph (export/portable.py) and its CPU backend (runtime/backends/onnxruntime_portable.py): the same
+tokens as today's graph, width-exact, trees kept apart, the padded static-shape protocol equal to unpadded passes,
+standard ONNX ops inside onnx-tensorrt's operator table, and `specrt engines --backend` refusing what it cannot do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt.manifest import load_manifest
+from specrt.runtime.engine import open_engine
+from specrt.runtime.static_shapes import Buckets, PassInputs
+
+TABLE = json.loads((Path(__file__).parent / "data" / "onnx_tensorrt_operators.json").read_text())
+PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n", "Hello, how are you today?"]
+
+
+@pytest.fixture(scope="module")
+def portable_engines(tiny_dir, tiny_engines) -> Path:
+    """fp32 + fp16 portable sets of the tiny Llama, beside tiny_engines (one export cache)."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-portable", ("fp32", "fp16"), 256,
+                                            tiny_engines.parent, backend="onnxruntime-portable"), log=lambda m: None)
+
+
+def _engine(root: Path, precision: str = "fp32", buckets: Buckets | None = None):
+    m = load_manifest(root)
+    e = open_engine(m.root, m.engine("target", precision))
+    if buckets is not None:  # the same engine under another bucketing
+        from specrt.runtime.backends.onnxruntime_portable import PortableEngine
+
+        entry = m.engine("target", precision)
+        e = PortableEngine(m.root / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
+                           head_dim=entry.head_dim, vocab_size=entry.vocab_size, hidden_size=entry.hidden_size,
+                           max_context=entry.max_context, precision=precision, buckets=buckets)
+    return e
+
+
+@pytest.mark.parametrize("mode", ["off", "prompt-lookup"])
+def test_portable_fp32_gives_todays_fp32_tokens(tiny_engines, portable_engines, mode):
+    from specrt.runtime.session import load
+
+    today, portable = load(tiny_engines, "fp32", mode), load(portable_engines, "fp32", mode)
+    assert "onnxruntime-portable" in portable.engine.description
+    for prompt in PROMPTS:
+        a, b = today.generate(prompt, max_new_tokens=40), portable.generate(prompt, max_new_tokens=40)
+        assert list(a.token_ids) == list(b.token_ids)
+
+
+def test_portable_fp16_speculation_equals_its_own_plain_decoding(portable_engines):
+    from specrt.runtime.session import load
+
+    plain, spec = load(portable_engines, "fp16", "off"), load(portable_engines, "fp16", "prompt-lookup")
+    for prompt in PROMPTS:
+        assert list(plain.generate(prompt, max_new_tokens=40).token_ids) == \
+            list(spec.generate(prompt, max_new_tokens=40).token_ids)
+
+
+def test_the_manifest_records_parity_and_memory(portable_engines):
+    m = load_manifest(portable_engines)
+    fp32, fp16 = m.engine("target", "fp32"), m.engine("target", "fp16")
+    assert fp32.backend == "onnxruntime-portable" and fp32.width_exact
+    assert fp32.parity["max_abs_logit_diff_vs_torch"] < 1e-4
+    assert fp16.memory["kv_bytes_per_position"] * 2 == fp32.memory["kv_bytes_per_position"] == \
+        fp32.num_layers * 2 * fp32.num_kv_heads * fp32.head_dim * 4
+    assert fp16.memory["weights_bytes"] < 0.6 * fp32.memory["weights_bytes"]
+
+
+def test_a_k_token_pass_equals_k_one_token_passes(portable_engines):
+    e = _engine(portable_engines)
+    prompt = np.arange(20, 50)
+    e.forward(prompt)
+    e.commit(len(prompt))
+    draft = np.array([5, 9, 11, 200, 3, 7, 42])
+    wide = e.forward(draft, num_logits=len(draft)).copy()
+    e.rewind(len(prompt))
+    narrow = []
+    for t in draft:
+        narrow.append(e.forward(np.array([t]))[0].copy())
+        e.commit(1)
+    assert np.abs(wide - np.array(narrow)).max() < 1e-4
+
+
+def test_a_tree_pass_equals_branch_by_branch_decoding(portable_engines):
+    """Two branches after a shared root; each branch's logits equal a chain pass over that branch, and
+    committing one branch's path leaves the cache a chain pass over it would."""
+    e = _engine(portable_engines)
+    prompt = np.arange(30, 60)
+    e.forward(prompt)
+    e.commit(len(prompt))
+    L = len(prompt)
+    tokens = np.array([7, 8, 9, 10, 11])       # 7 -> (8 -> 9) and 7 -> (10 -> 11)
+    parents = [-1, 0, 1, 0, 3]
+    positions = L + np.array([0, 1, 2, 1, 2])
+    mask = np.full((5, 5), -np.inf, np.float32)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            mask[i, j] = 0.0
+            j = parents[j]
+    tree = e.forward(tokens, positions, mask, num_logits=5).copy()
+    for branch in ([0, 1, 2], [0, 3, 4]):
+        e.rewind(L)
+        chain = e.forward(tokens[branch], num_logits=3)
+        assert np.abs(chain - tree[branch]).max() < 1e-4
+    e.rewind(L)
+    e.forward(tokens, positions, mask, num_logits=5)
+    e.commit(3, np.array([0, 3, 4]))
+    after_tree = e.forward(np.array([99]))[0].copy()
+    e.rewind(L)
+    e.forward(tokens[[0, 3, 4]], num_logits=3)
+    e.commit(3)
+    assert np.abs(e.forward(np.array([99]))[0] - after_tree).max() < 1e-4
+
+
+def test_padded_passes_equal_unpadded_ones(portable_engines):
+    """The static-shape protocol (widths 1, 2, 4, 8, ..., capacities every 256) against one width per pass size
+    and a single large capacity: the same logits, pass for pass, as the context grows past a capacity bucket."""
+    padded = _engine(portable_engines, buckets=Buckets((1, 4, 8, 64), (96, 192, 320)))
+    exact = _engine(portable_engines, buckets=Buckets(tuple(range(1, 65)), (256 + 64,)))
+    rng = np.random.default_rng(0)
+    for e in (padded, exact):
+        e.reserve(1)
+    assert padded.capacity == 96
+    seq = rng.integers(0, 300, 240)
+    pos, worst = 0, 0.0
+    for n in (3, 1, 5, 2, 7, 6, 30, 3, 64, 5, 9, 1):
+        a = padded.forward(seq[pos:pos + n], num_logits=min(n, 4)).copy()
+        b = exact.forward(seq[pos:pos + n], num_logits=min(n, 4)).copy()
+        assert padded.argmax(seq[pos:pos + n], num_logits=1)[0] == b[-1].argmax()
+        worst = max(worst, float(np.abs(a - b).max()))
+        for e in (padded, exact):
+            e.commit(n - 1)  # the last token is "rejected": its slot is garbage the next pass overwrites
+        pos += n - 1
+    assert padded.capacity == 192  # the padded engine moved to a larger layout on the way, keeping the cache
+    assert worst < 1e-4
+
+
+def test_the_mask_of_a_padded_pass():
+    b = Buckets((1, 4), (16, 24))
+    p = PassInputs(b).plan(length=5, tokens=np.array([1, 2]), positions=None, tree_mask=None, num_logits=2,
+                           capacity=16)
+    assert p.width == 4 and p.tokens.tolist() == [1, 2, 0, 0] and p.positions.tolist() == [5, 6, 6, 6]
+    visible = p.mask == 0
+    assert visible[0].nonzero()[0].tolist() == [0, 1, 2, 3, 4, 5]          # the cache, then itself
+    assert visible[1].nonzero()[0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert visible[2].nonzero()[0].tolist() == [7] and visible[3].nonzero()[0].tolist() == [8]  # pads: own slot
+    assert p.logits_rows.tolist() == [0, 1] and p.write_index == 5
+    assert b.width(3) == 4 and b.width(9) == 9 and b.capacity(17) == 24
+    with pytest.raises(ValueError):
+        b.capacity(25)
+
+
+def test_capacity_buckets_cover_max_context_plus_the_widest_pad():
+    cpu, gpu = Buckets.for_engine(4096, 64), Buckets.for_engine(4096, 64, geometric=True, pad_logits=True)
+    assert cpu.widths == (1, 2, 4, 8, 16, 32, 64) and cpu.capacities[-1] == gpu.capacities[-1] == 4096 + 64
+    assert gpu.capacities == (256, 512, 1024, 2048, 4096, 4160) and len(cpu.capacities) == 17
+
+
+# --- onnx-tensorrt's operator table ------------------------------------------------------------------------------
+
+_ELEM = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
+         onnx.TensorProto.INT32: "INT32", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.BOOL: "BOOL",
+         onnx.TensorProto.INT8: "INT8", onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.FLOAT8E4M3FN: "FP8"}
+
+
+def tensorrt_violations(model: onnx.ModelProto) -> list[str]:
+    """Where a graph leaves the pinned operator table: a domain other than ONNX's, an opset out of range, an op
+    not supported, a data type not listed, or a restriction of the table broken (those our graphs could meet)."""
+    out = []
+    opsets = {o.domain: o.version for o in model.opset_import}
+    if not TABLE["opset"]["min"] <= opsets.get("", 0) <= TABLE["opset"]["max"]:
+        out.append(f"opset {opsets.get('')}")
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type for v in (*inferred.graph.value_info, *inferred.graph.input,
+                                                   *inferred.graph.output)}
+    types |= {t.name: onnx.TypeProto.Tensor(elem_type=t.data_type, shape=onnx.TensorShapeProto(
+        dim=[onnx.TensorShapeProto.Dimension(dim_value=d) for d in t.dims])) for t in model.graph.initializer}
+    consts = {t.name: t for t in model.graph.initializer}
+    rank = lambda name: len(types[name].shape.dim)  # noqa: E731
+    for node in model.graph.node:
+        where = f"{node.op_type} {node.name}"
+        if node.domain not in ("", "ai.onnx"):
+            out.append(f"{where}: domain {node.domain}")
+            continue
+        spec = TABLE["operators"].get(node.op_type)
+        if spec is None:
+            out.append(f"{where}: not in the table")
+            continue
+        elem = _ELEM.get(types[node.input[0]].elem_type, "?") if node.input and node.input[0] in types else None
+        if elem is not None and elem not in spec["types"]:
+            out.append(f"{where}: type {elem}")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Attention":
+            if len(node.input) > 4 or len(node.output) > 1 or {"softcap", "qk_matmul_output_mode"} & set(attrs):
+                out.append(f"{where}: past/present inputs or outputs, softcap or qk_matmul_output_mode")
+            if any(rank(i) != 4 for i in node.input[:4]):
+                out.append(f"{where}: Q, K, V and the mask must be 4-D")
+        if node.op_type == "TensorScatter" and (attrs.get("axis", -2) != -2 or rank(node.input[0]) != 4
+                                                or rank(node.input[1]) != 4):
+            out.append(f"{where}: 4-D past and update, axis -2")
+        if node.op_type in ("Squeeze", "Unsqueeze", "Slice", "ReduceMean", "ReduceMax", "ReduceSum") and \
+                len(node.input) > 1 and any(i and i not in consts for i in node.input[1:]):
+            out.append(f"{where}: axes/starts must be initializers")
+        if node.op_type == "TopK" and (attrs.get("sorted", 1) != 1 or
+                                       int(onnx.numpy_helper.to_array(consts[node.input[1]]).max()) >= 3840):
+            out.append(f"{where}: sorted, K < 3840")
+        if node.op_type == "RotaryEmbedding" and types[node.input[3]].elem_type != onnx.TensorProto.INT64:
+            out.append(f"{where}: position_ids must be INT64")
+    return out
+
+
+def test_the_portable_graphs_stay_inside_onnx_tensorrts_operator_table(portable_engines):
+    m = load_manifest(portable_engines)
+    for entry in m.engines.values():
+        model = onnx.load(str(m.root / entry.file), load_external_data=False)
+        assert tensorrt_violations(model) == [], entry.name
+    assert TABLE["tensorrt"] == "10.15" and "TensorScatter" in TABLE["operators"]
+
+
+def test_the_table_check_sees_todays_contrib_graph(tiny_engines):
+    m = load_manifest(tiny_engines)
+    model = onnx.load(str(m.root / m.engine("target", "fp32").file), load_external_data=False)
+    found = tensorrt_violations(model)
+    assert any("GroupQueryAttention" in v and "domain com.microsoft" in v for v in found)
+
+
+def test_heads_of_a_medusa_set_check_too(tmp_path):
+    from specrt.export.medusa import export_heads_onnx
+
+    rng = np.random.default_rng(0)
+    H, V, K = 16, 50, 2
+    heads = {"w1": rng.standard_normal((K, H, H)), "b1": np.zeros((K, H)), "w2": rng.standard_normal((K, H, H)),
+             "b2": np.zeros((K, H)), "vocab": np.arange(V)}
+    export_heads_onnx(heads, rng.standard_normal((V, H)), tmp_path / "m.onnx", 4, 2)
+    assert tensorrt_violations(onnx.load(str(tmp_path / "m.onnx"))) == []
+
+
+# --- what `specrt engines --backend` refuses ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, says", [
+    (["--backend", "tensorrt"], "TensorRT is not installed"),
+    (["--backend", "onnxruntime-cuda"], "onnxruntime-gpu"),
+    (["--backend", "bogus"], "--backend 'bogus'"),
+    (["--backend", "onnxruntime-portable", "--precisions", "int4"], "not int4"),
+])
+def test_engines_refuses_a_backend_it_cannot_build_in_one_line(tiny_dir, tmp_path, args, says):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["engines", "--source", str(tiny_dir), "--out", str(tmp_path), *args])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and says in lines[0], r.output
+    assert not any(tmp_path.iterdir()) or [p.name for p in tmp_path.iterdir()] == [".cache"]
