@@ -372,6 +372,49 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
     _guard(run)
 
 
+@app.command(cls=_Command)
+def parity(
+    engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="A portable engine set (specrt engines --backend ...)."),
+    precision: str = typer.Option("fp32", "--precision", help="The target engine to check."),
+    runners: str = typer.Option("onnxrt-cpu,onnxrt-cpu-basic", "--runners",
+                                help="Comma-separated Polygraphy runners, the first the reference: onnxrt-cpu, "
+                                     "onnxrt-cpu-basic, onnxrt-cuda, tensorrt."),
+    save_inputs: Optional[Path] = typer.Option(None, "--save-inputs",
+                                               help="Write the passes as Polygraphy JSON, for `polygraphy run "
+                                                    "... --load-inputs FILE`."),
+    atol: float = typer.Option(1e-3, "--atol"),
+    rtol: float = typer.Option(1e-3, "--rtol"),
+):
+    """Compare a portable engine's graph across backends with Polygraphy's comparator, on real padded passes."""
+
+    def run():
+        import numpy as np
+
+        from .manifest import load_manifest
+        from .pipeline.parity import compare, protocol_feeds
+
+        m = load_manifest(engines_dir)
+        entry = m.engine("target", precision)
+        if not entry.file.endswith(".onnx"):
+            raise SpecrtError(f"engine '{entry.name}' is a {entry.backend} engine, not an ONNX graph; run parity on "
+                              "the onnxruntime-portable set built from the same source")
+        if entry.backend == "onnxruntime":
+            raise SpecrtError(f"'{engines_dir}' holds onnxruntime (contrib-op) engines; build the portable set with "
+                              "`specrt engines --backend onnxruntime-portable` and check that")
+        feeds = protocol_feeds(m.root / entry.file, entry, np.arange(1, 33) % entry.vocab_size)
+        if save_inputs is not None:
+            from polygraphy.json import save_json
+
+            save_json(feeds, str(save_inputs))
+        res = compare(m.root / entry.file, feeds, tuple(r.strip() for r in runners.split(",") if r.strip()),
+                      atol, rtol)
+        typer.echo(json.dumps(res, indent=1))
+        if not res["passed"]:
+            raise typer.Exit(1)
+
+    _guard(run)
+
+
 def _screen_status(entry: dict) -> str:
     """An fp32 engine's logit screen (build/screen.py): in use here, or why not."""
     facts = entry.get("screen")

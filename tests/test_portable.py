@@ -69,6 +69,7 @@ def test_the_manifest_records_parity_and_memory(portable_engines):
     assert fp16.memory["kv_bytes_per_position"] * 2 == fp32.memory["kv_bytes_per_position"] == \
         fp32.num_layers * 2 * fp32.num_kv_heads * fp32.head_dim * 4
     assert fp16.memory["weights_bytes"] < 0.6 * fp32.memory["weights_bytes"]
+    assert fp16.parity["top1_agreement_vs_fp32"] >= 0.9 and 0 < fp16.parity["max_abs_logit_diff_vs_fp32"] < 0.1
 
 
 def test_a_k_token_pass_equals_k_one_token_passes(portable_engines):
@@ -259,3 +260,19 @@ def test_engines_refuses_a_backend_it_cannot_build_in_one_line(tiny_dir, tmp_pat
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], r.output
     assert not any(tmp_path.iterdir()) or [p.name for p in tmp_path.iterdir()] == [".cache"]
+
+
+def test_polygraphy_compares_runners_on_protocol_passes(portable_engines, tmp_path):
+    from polygraphy.json import load_json, save_json
+
+    from specrt.pipeline.parity import compare, protocol_feeds
+
+    m = load_manifest(portable_engines)
+    entry = m.engine("target", "fp32")
+    feeds = protocol_feeds(m.root / entry.file, entry, np.arange(3, 23))
+    assert feeds[0]["input_ids"].shape == (1, 20) and feeds[1]["input_ids"].shape == (1, 4)
+    assert feeds[1]["write_indices"].tolist() == [20] and np.abs(feeds[1]["past_key_values.0.key"]).sum() > 0
+    save_json(feeds, str(tmp_path / "passes.json"))  # what `specrt parity --save-inputs` writes for polygraphy run
+    assert len(load_json(str(tmp_path / "passes.json"))) == 2
+    res = compare(m.root / entry.file, feeds)
+    assert res["passed"] and res["max_abs_logit_diff"]["onnxrt-cpu-basic"] < 1e-4

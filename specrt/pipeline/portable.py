@@ -79,6 +79,15 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
     return entry.with_memory(engine_memory(entry, tmp))
 
 
+def with_fp32_agreement(entry: EngineEntry, fp32: EngineEntry, cache: Path, facts: dict, tmp: Path) -> EngineEntry:
+    """entry with its agreement against the set's fp32 engine of the same role in its parity figures."""
+    from dataclasses import replace
+
+    agree = checks.agreement_with_fp32(tmp / entry.file, tmp / fp32.file, facts, cache / "golden.npz", entry.backend,
+                                       entry.precision)
+    return replace(entry, parity={**(entry.parity or {}), **agree}, raw=None)
+
+
 def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path) -> Path:
     """bdir/<role>-<p>.onnx (+ .data), written once: into a temp folder, the weights first, the graph last."""
     from ..export.portable import write_portable

@@ -1,0 +1,101 @@
+"""Parity of a portable graph between backends, through Polygraphy's comparator, so any check can be rerun with
+`polygraphy run`: the inputs are real passes of the static-shape protocol (a prefill over an empty cache, then a
+4-token verification pass over the cache it wrote), saved in Polygraphy's JSON format.
+
+    specrt parity ENGINES --save-inputs passes.json
+    polygraphy run ENGINES/target-fp32.onnx --onnxrt --trt --load-inputs passes.json --atol 1e-3 --rtol 1e-3
+
+Runners: "onnxrt-cpu" (ONNX Runtime's CPU provider, all graph optimizations: the reference), "onnxrt-cpu-basic"
+(basic optimizations only: whether ONNX Runtime's fusions move the numbers), "onnxrt-cuda" (onnxruntime-gpu) and
+"tensorrt" (an engine Polygraphy builds from the same graph, strongly typed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecrtError
+from ..interface import (ATTENTION_MASK, INPUT_IDS, KV_KINDS, LOGITS_INDICES, PORTABLE_DTYPES, POSITION_IDS,
+                         WRITE_INDICES, past_name, present_name)
+
+RUNNERS = ("onnxrt-cpu", "onnxrt-cpu-basic", "onnxrt-cuda", "tensorrt")
+VERIFY_WIDTH = 4
+
+
+def protocol_feeds(onnx_path: Path, entry, prompt: np.ndarray, capacity: int = 256) -> list[dict[str, np.ndarray]]:
+    """Two passes as the runtime feeds them: prompt [n] over an empty cache laid out for `capacity` positions,
+    then VERIFY_WIDTH tokens over the cache the first pass wrote (computed here on the CPU reference)."""
+    import onnxruntime as ort
+
+    from ..runtime.static_shapes import Buckets, PassInputs
+
+    n, W = len(prompt), VERIFY_WIDTH
+    if n + W > capacity:
+        raise SpecrtError(f"a parity prompt of {n} tokens does not fit a {capacity}-position layout; shorten it")
+    inputs = PassInputs(Buckets((W,), (capacity,)))
+    dtype = np.dtype(PORTABLE_DTYPES[entry.precision])
+    cache = {past_name(i, k): np.zeros((1, entry.num_kv_heads, capacity, entry.head_dim), dtype)
+             for i in range(entry.num_layers) for k in KV_KINDS}
+
+    def feed(tokens, length, num_logits):
+        p = inputs.plan(length, np.asarray(tokens, np.int64), None, None, num_logits, capacity)
+        return {INPUT_IDS: p.tokens[None].copy(), POSITION_IDS: p.positions[None].copy(),
+                ATTENTION_MASK: p.mask.reshape(1, 1, p.width, capacity).copy(),
+                WRITE_INDICES: np.array([length], np.int64), LOGITS_INDICES: p.logits_rows.copy(), **cache}
+
+    prefill = feed(prompt, 0, 1)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    outs = dict(zip(names, session.run(None, prefill)))
+    cache = {past_name(i, k): outs[present_name(i, k)] for i in range(entry.num_layers) for k in KV_KINDS}
+    verify = feed(np.resize(prompt[-W:], W), n, W)
+    return [prefill, verify]
+
+
+def _runner(name: str, onnx_path: Path):
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    import onnxruntime as ort
+
+    path = str(onnx_path)
+    if name == "onnxrt-cpu":
+        return OnnxrtRunner(SessionFromOnnx(path, providers=["CPUExecutionProvider"]), name=name)
+    if name == "onnxrt-cpu-basic":
+        basic = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        return OnnxrtRunner(SessionFromOnnx(path, providers=["CPUExecutionProvider"], graph_optimization_level=basic),
+                            name=name)
+    if name == "onnxrt-cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise SpecrtError("runner onnxrt-cuda needs onnxruntime-gpu with CUDA; this onnxruntime has "
+                              f"{', '.join(ort.get_available_providers())}")
+        return OnnxrtRunner(SessionFromOnnx(path, providers=["CUDAExecutionProvider"]), name=name)
+    if name == "tensorrt":
+        from ..build.tensorrt import require_tensorrt
+
+        require_tensorrt()
+        from polygraphy.backend.trt import EngineFromNetwork, NetworkFromOnnxPath, TrtRunner
+
+        return TrtRunner(EngineFromNetwork(NetworkFromOnnxPath(path, strongly_typed=True)), name=name)
+    raise SpecrtError(f"unknown parity runner '{name}'; choose from {', '.join(RUNNERS)}")
+
+
+def compare(onnx_path: Path, feeds: list[dict], runners=("onnxrt-cpu", "onnxrt-cpu-basic"), atol: float = 1e-3,
+            rtol: float = 1e-3) -> dict:
+    """Run every runner on the feeds through Polygraphy's Comparator -> {"passed": bool, "max_abs_logit_diff":
+    {runner: float} against the first runner, "runners": [...]}."""
+    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.severity = G_LOGGER.WARNING  # its per-tensor statistics would bury the result
+    built = [_runner(r, onnx_path) for r in runners]
+    results = Comparator.run(built, data_loader=feeds)
+    accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+    runs = list(results.items())
+    ref = runs[0][1]
+    diffs = {}
+    for name, outs in runs[1:]:
+        diffs[name] = max(float(np.abs(np.asarray(a["logits"], np.float64) - np.asarray(b["logits"], np.float64))
+                                .max()) for a, b in zip(ref, outs))
+    return {"passed": bool(accuracy), "runners": list(runners), "max_abs_logit_diff": diffs}
