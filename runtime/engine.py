@@ -43,7 +43,7 @@ class EngineOptions:
 
 class Engine(Protocol):
     length: int           # committed positions in the cache
-    capacity: int         # positions the cache is laid out for now (reserve); <= max_context
+    capacity: int         # positions the cache is laid out for now (reserve); portable engines add the widest pad
     max_context: int
     vocab_size: int
     max_pass_tokens: int  # the most tokens (and logit rows) one decode pass takes

@@ -124,7 +124,8 @@ class PassInputs:
             block += np.asarray(tree_mask, np.float32).reshape(n, n)
         pads = np.arange(n, W)
         mask[pads, length + pads] = 0.0
-        rows = buf._rows[: W if self.buckets.pad_logits else num_logits]
+        captured = W <= self.buckets.widths[-1]  # a wider prefill is not captured: no need to pad its logits
+        rows = buf._rows[: W if self.buckets.pad_logits and captured else num_logits]
         rows[:num_logits] = np.arange(n - num_logits, n)
         rows[num_logits:] = n - 1
         return Pass(t, p, mask, length, rows, W, capacity)

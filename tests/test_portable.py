@@ -276,3 +276,17 @@ def test_polygraphy_compares_runners_on_protocol_passes(portable_engines, tmp_pa
     assert len(load_json(str(tmp_path / "passes.json"))) == 2
     res = compare(m.root / entry.file, feeds)
     assert res["passed"] and res["max_abs_logit_diff"]["onnxrt-cpu-basic"] < 1e-4
+
+
+def test_growing_near_the_largest_layout_and_a_wide_prefill_with_padded_logits(portable_engines):
+    e = _engine(portable_engines, buckets=Buckets((1, 4, 8, 64), (96, 192, 320), pad_logits=True))
+    e.forward(np.arange(100) % 300, num_logits=3)  # wider than any captured width: its logits are not padded
+    e.commit(100)
+    assert e.capacity == 192
+    e.forward(np.arange(50) % 300)  # padded to 64: 164 slots
+    e.commit(50)
+    assert e.capacity == 192
+    e.forward(np.arange(64) % 300)  # 150 + 64 > 192, and twice 192 is past the largest layout
+    e.commit(64)
+    assert e.capacity == 320 and e.length == 214
+    assert e.argmax(np.array([1, 2, 3]), num_logits=3).shape == (3,)

@@ -110,10 +110,12 @@ def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path
 def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
     """The serialized TensorRT engine of a portable graph and its build facts, cached per TensorRT version and GPU
     architecture (an engine runs only where both match)."""
-    from ..build.tensorrt import build_engine, require_tensorrt
+    from ..build.tensorrt import build_engine, compute_capability, require_tensorrt
 
-    trt = require_tensorrt()
-    key = f"trt{trt.__version__}-sm{_compute_capability().replace('.', '')}"
+    trt, cc = require_tensorrt(), compute_capability()
+    if cc is None:
+        raise SpecrtError("--backend tensorrt found no CUDA device; build TensorRT engines on the GPU that runs them")
+    key = f"trt{trt.__version__}-sm{cc.replace('.', '')}"
     out = graph.parent / f"tensorrt-{key}" / (graph.stem + ".engine")
     facts_file = out.with_suffix(".json")
     if not out.is_file():
@@ -124,14 +126,3 @@ def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
                              max_capacity=facts["max_context"] + 64, timing_cache=graph.parent / "tensorrt.cache")
         facts_file.write_text(json.dumps({**built, "build_seconds": round(time.time() - t0, 1)}))
     return out, json.loads(facts_file.read_text())
-
-
-def _compute_capability() -> str:
-    """Device 0's compute capability, e.g. "9.0" (cuda-bindings, which TensorRT's Python wheels depend on)."""
-    from cuda.bindings import runtime as cudart
-
-    err, prop = cudart.cudaGetDeviceProperties(0)
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise SpecrtError(f"no CUDA device for --backend tensorrt ({err}); build TensorRT engines on the GPU that "
-                          "runs them")
-    return f"{prop.major}.{prop.minor}"

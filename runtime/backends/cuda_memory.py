@@ -1,0 +1,305 @@
+"""Device memory of the GPU backends (TensorRT, ONNX Runtime's CUDA EP): buffers, one stream, and the KV-cache
+copies of the static-shape protocol (runtime/static_shapes.py) done on the device.
+
+Everything a GPU engine does to memory goes through a `Memory`: allocate zeroed bytes once, upload inputs and
+download outputs asynchronously on the engine's one stream, device-to-device 2-D copies, and one sync per pass.
+`CudaMemory` is that interface over cuda-bindings (imported lazily, so this module loads without a GPU);
+`HostMemory` is the same interface over host memory, so the engines' bookkeeping (padding, capacity changes,
+tree commits, which bytes go back) runs on the CPU in tests, through an ONNX Runtime CPU session bound to the
+same raw addresses.
+
+The cache copies are data: `relayout_plan` and `commit_plan` are pure functions returning `Copy2D`s, checked on the
+CPU against static_shapes.relayout and numpy's fancy-index assignment. CUDA leaves overlapping copies undefined,
+so a plan never copies a region onto one it overlaps: it goes through a scratch buffer instead (HostMemory
+refuses overlapping copies, which is how the tests would see a plan that relies on them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ...errors import SpecrtError
+from ...interface import KV_KINDS
+
+INSTALL = ("`pip install cuda-bindings` (NVIDIA's CUDA Python bindings) on a machine with an NVIDIA GPU and driver, "
+           "or build the engines with --backend onnxruntime-portable for the CPU")
+
+
+def cudart():
+    """cuda-bindings' runtime module, imported now (a one-line SpecrtError when it is not installed)."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        raise SpecrtError(f"the GPU backends need cuda-bindings, which is not installed: {INSTALL}") from None
+    return runtime
+
+
+def check(result, what: str):
+    """A cuda-bindings call's (error, *values) -> its values (one alone as itself, none as None); an error is a
+    one-line SpecrtError naming the call (`what`) and CUDA's own name and description of the error."""
+    rt = cudart()
+    err, values = result[0], result[1:]
+    if err != rt.cudaError_t.cudaSuccess:
+        name, desc = rt.cudaGetErrorName(err)[1], rt.cudaGetErrorString(err)[1]
+        raise SpecrtError(f"CUDA error in {what}: {name.decode()} ({desc.decode()}); check the GPU with `nvidia-smi` "
+                          "(driver loaded, memory free)")
+    return None if not values else values[0] if len(values) == 1 else values
+
+
+def device_count() -> tuple[int, str]:
+    """(CUDA devices visible here, why none when 0): no cuda-bindings, no driver and no GPU all count as none."""
+    try:
+        rt = cudart()
+    except SpecrtError as e:
+        return 0, str(e)
+    err, n = rt.cudaGetDeviceCount()
+    if err != rt.cudaError_t.cudaSuccess:
+        return 0, rt.cudaGetErrorName(err)[1].decode()
+    return int(n), "" if n else "no CUDA device"
+
+
+def require_device(backend: str) -> None:
+    """Refuse in one line where no CUDA device can run `backend`'s engines (or cuda-bindings is missing)."""
+    cudart()
+    n, why = device_count()
+    if not n:
+        raise SpecrtError(f"{backend}: no NVIDIA GPU is usable here ({why}); run on a machine with one, or build "
+                          "the engines with --backend onnxruntime-portable for the CPU")
+
+
+def compute_capability(device: int = 0) -> str:
+    """The compute capability of `device`, as build/tensorrt.py records it (e.g. "9.0")."""
+    rt = cudart()
+    attr = rt.cudaDeviceAttr
+    major = check(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute")
+    minor = check(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute")
+    return f"{major}.{minor}"
+
+
+@dataclass(frozen=True)
+class Copy2D:
+    """`height` rows of `width` bytes, device to device: row r from src + r * spitch to dst + r * dpitch."""
+
+    dst: int
+    dpitch: int
+    src: int
+    spitch: int
+    width: int
+    height: int
+
+
+class Memory(Protocol):
+    """What a GPU engine needs from device memory (CudaMemory; HostMemory in tests). Addresses are ints."""
+
+    stream: int  # the stream handle libraries enqueue on (0 on the host)
+
+    def alloc(self, nbytes: int) -> int:
+        """nbytes of zeroed memory, kept until close(): a NaN in a cache slot the mask hides still poisons (0 * NaN)."""
+
+    def host(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A host array downloads land in (page-locked on a GPU, so the copies are asynchronous), kept until close()."""
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        """Copy a C-contiguous host array to dst (queued on the stream)."""
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        """Copy host.nbytes bytes from src into a C-contiguous host array (queued; valid after sync())."""
+
+    def copy2d(self, c: Copy2D) -> None:
+        """One device-to-device copy (queued)."""
+
+    def sync(self) -> None:
+        """Wait for everything queued on the stream."""
+
+    def close(self) -> None:
+        """Free everything allocated here."""
+
+
+class CudaMemory:
+    """Memory on CUDA device 0 through cuda-bindings, with one non-blocking stream for the engine's passes."""
+
+    def __init__(self):
+        rt = self._rt = cudart()
+        kinds = rt.cudaMemcpyKind
+        self._h2d, self._d2h, self._d2d = kinds.cudaMemcpyHostToDevice, kinds.cudaMemcpyDeviceToHost, \
+            kinds.cudaMemcpyDeviceToDevice
+        self._stream = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+        self.stream = int(self._stream)
+        self._device: list[int] = []
+        self._pinned: list[int] = []
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = int(check(self._rt.cudaMalloc(max(nbytes, 1)), f"cudaMalloc({nbytes} bytes)"))
+        self._device.append(ptr)
+        check(self._rt.cudaMemset(ptr, 0, max(nbytes, 1)), "cudaMemset")
+        return ptr
+
+    def host(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+        ptr = int(check(self._rt.cudaMallocHost(nbytes), f"cudaMallocHost({nbytes} bytes)"))
+        self._pinned.append(ptr)
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        return raw[: int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        assert host.flags.c_contiguous
+        check(self._rt.cudaMemcpyAsync(dst, host.ctypes.data, host.nbytes, self._h2d, self._stream), "cudaMemcpyAsync")
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        assert host.flags.c_contiguous
+        check(self._rt.cudaMemcpyAsync(host.ctypes.data, src, host.nbytes, self._d2h, self._stream), "cudaMemcpyAsync")
+
+    def copy2d(self, c: Copy2D) -> None:
+        check(self._rt.cudaMemcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height, self._d2d,
+                                         self._stream), "cudaMemcpy2DAsync")
+
+    def sync(self) -> None:
+        check(self._rt.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+
+    def close(self) -> None:
+        rt = self._rt
+        for ptr in self._device:
+            rt.cudaFree(ptr)
+        for ptr in self._pinned:
+            rt.cudaFreeHost(ptr)
+        self._device, self._pinned = [], []
+        if self._stream is not None:
+            rt.cudaStreamDestroy(self._stream)
+            self._stream = None
+
+
+class HostMemory:
+    """The Memory interface over host memory, synchronously: the GPU engines' bookkeeping on the CPU, for tests.
+    It refuses a copy whose source and destination overlap (undefined on CUDA)."""
+
+    stream = 0
+
+    def __init__(self):
+        self._keep: list[np.ndarray] = []
+
+    def alloc(self, nbytes: int) -> int:
+        buf = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        self._keep.append(buf)
+        return -(-buf.ctypes.data // 64) * 64  # 64-byte aligned, like any cudaMalloc
+
+    def host(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        arr = np.zeros(shape, dtype)
+        self._keep.append(arr)
+        return arr
+
+    def upload(self, dst: int, host: np.ndarray) -> None:
+        ctypes.memmove(dst, np.ascontiguousarray(host).ctypes.data, host.nbytes)
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        assert host.flags.c_contiguous
+        ctypes.memmove(host.ctypes.data, src, host.nbytes)
+
+    def copy2d(self, c: Copy2D) -> None:
+        src_end, dst_end = c.src + (c.height - 1) * c.spitch + c.width, c.dst + (c.height - 1) * c.dpitch + c.width
+        if c.src < dst_end and c.dst < src_end:  # ranges overlap: only safe if no row meets another
+            rows_src = {(c.src + r * c.spitch, c.src + r * c.spitch + c.width) for r in range(c.height)}
+            rows_dst = [(c.dst + r * c.dpitch, c.dst + r * c.dpitch + c.width) for r in range(c.height)]
+            if any(a < e and s < b for a, b in rows_dst for s, e in rows_src):
+                raise AssertionError(f"overlapping device copy {c}")
+        for r in range(c.height):
+            ctypes.memmove(c.dst + r * c.dpitch, c.src + r * c.spitch, c.width)
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._keep = []
+
+
+def relayout_plan(buffer: int, scratch: int, heads: int, row: int, old: int, new: int, length: int) -> list[Copy2D]:
+    """static_shapes.relayout on the device: the copies that keep the first `length` positions of each head when a
+    buffer laid out [heads, old, row bytes] is viewed as [heads, new, row bytes]. The two layouts share the buffer
+    and overlap, so the rows go out to scratch ([heads, length, row], packed) and back in two copies."""
+    if not length or old == new:
+        return []
+    width = length * row
+    return [Copy2D(scratch, width, buffer, old * row, width, heads),
+            Copy2D(buffer, new * row, scratch, width, width, heads)]
+
+
+def relayout_device(memory: Memory, buffer: int, scratch: int, heads: int, row: int, old: int, new: int,
+                    length: int) -> None:
+    """static_shapes.relayout for a device buffer: queue relayout_plan's copies on memory's stream."""
+    for c in relayout_plan(buffer, scratch, heads, row, old, new, length):
+        memory.copy2d(c)
+
+
+def commit_plan(buffer: int, scratch: int, heads: int, row: int, capacity: int, src: np.ndarray,
+                dst: np.ndarray) -> list[Copy2D]:
+    """A tree commit on the device: the copies that move cache slot src[i] to dst[i] for every head of a buffer laid
+    out [heads, capacity, row bytes], with numpy's `view[:, :, dst] = view[:, :, src]` semantics (every source read
+    before any write). Slots that stay put are skipped and consecutive slots move as one copy; the moves go
+    directly when no destination meets a source still to be read, else through scratch ([heads, moved, row])."""
+    moved = [(int(s), int(d)) for s, d in zip(src, dst) if s != d]
+    if not moved:
+        return []
+    runs: list[list[int]] = []  # [src, dst, count]: consecutive slots in both
+    for s, d in moved:
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    pitch = capacity * row
+    clash = any(d < s2 + k2 and s2 < d + k for i, (_, d, k) in enumerate(runs) for s2, _, k2 in runs[i:])
+    if not clash:
+        return [Copy2D(buffer + d * row, pitch, buffer + s * row, pitch, k * row, heads) for s, d, k in runs]
+    m, out, j = len(moved), [], 0
+    for s, _, k in runs:
+        out.append(Copy2D(scratch + j * row, m * row, buffer + s * row, pitch, k * row, heads))
+        j += k
+    j = 0
+    for _, d, k in runs:
+        out.append(Copy2D(buffer + d * row, pitch, scratch + j * row, m * row, k * row, heads))
+        j += k
+    return out
+
+
+class DeviceCache:
+    """A static-shape engine's KV cache in device memory: one buffer per (layer, key|value) of max_capacity
+    positions, viewed as a contiguous [1, kv_heads, capacity, head_dim] tensor for the current capacity (so an
+    address never changes, which CUDA graphs need), and one scratch buffer for the copies that overlap."""
+
+    def __init__(self, memory: Memory, layers: int, kv_heads: int, head_dim: int, dtype, max_capacity: int):
+        self.memory, self.heads, self.head_dim, self.dtype = memory, kv_heads, head_dim, np.dtype(dtype)
+        self.row = head_dim * self.dtype.itemsize  # bytes per position per head
+        size = kv_heads * max_capacity * self.row
+        self.ptrs = [[memory.alloc(size) for _ in KV_KINDS] for _ in range(layers)]
+        self._scratch = memory.alloc(size)
+        self.max_capacity, self.capacity = max_capacity, 0
+
+    def shape(self) -> tuple[int, int, int, int]:
+        return 1, self.heads, self.capacity, self.head_dim
+
+    def relayout(self, capacity: int, length: int) -> None:
+        """Lay every buffer out for `capacity` positions, keeping the first `length` (queued on the stream)."""
+        if capacity > self.max_capacity:
+            raise ValueError(f"capacity {capacity} exceeds the allocated {self.max_capacity}")
+        for layer in self.ptrs:
+            for ptr in layer:
+                relayout_device(self.memory, ptr, self._scratch, self.heads, self.row, self.capacity, capacity, length)
+        self.capacity = capacity
+
+    def commit(self, length: int, path: np.ndarray) -> None:
+        """Move the accepted nodes' entries: slot length + path[i] -> length + i, every layer and kind (queued)."""
+        src = length + np.asarray(path, np.int64)
+        dst = length + np.arange(len(src))
+        for layer in self.ptrs:
+            for ptr in layer:
+                for c in commit_plan(ptr, self._scratch, self.heads, self.row, self.capacity, src, dst):
+                    self.memory.copy2d(c)
+
+    def read(self, layer: int, kind: int) -> np.ndarray:
+        """The [1, kv_heads, capacity, head_dim] contents of one buffer, on the host (tests and checks; syncs)."""
+        out = np.empty(self.shape(), self.dtype)
+        self.memory.download(out, self.ptrs[layer][kind])
+        self.memory.sync()
+        return out

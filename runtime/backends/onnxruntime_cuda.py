@@ -1,0 +1,165 @@
+"""The ONNX Runtime CUDA backend: the portable graph (export/portable.py) on onnxruntime-gpu's CUDA execution
+provider, with one CUDA graph per (pass width, cache capacity).
+
+ORT replays a captured graph only if every input and output sits at the address it was captured with, so nothing
+here is bound from host arrays: all inputs, outputs and the cache live in device buffers allocated once
+(cuda_engine.DeviceEngine), the host-built pass is uploaded into them on our stream, and one IOBinding per
+(width, capacity) binds them by address with that pair's shapes, next to its RunOptions carrying a gpu_graph_id
+of its own (ids from 1; ORT reserves 0, and -1 runs uncaptured: the wide prefill). ORT gets our stream as its
+compute stream (`user_compute_stream`) and is told not to sync after a run, so upload, pass, cache copies and
+download are ordered on one stream and a pass ends in one sync. Each cache buffer is bound as both past input
+and present output: TensorScatter writes in place. Medusa heads run on the CPU (onnxruntime_cpu.OrtHeads): a
+few small MatMuls between two target passes.
+
+Where this onnxruntime has no CUDA provider (plain `onnxruntime`), or its CUDA provider does not load (ORT then
+falls back to the CPU with a warning), opening an engine is a one-line SpecrtError. Where the CUDA EP refuses
+graph capture for this graph (a node placed on the CPU, say), the engine runs without graphs and says why in
+its description.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import SpecrtError, first_line
+from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
+                          POSITION_IDS, WRITE_INDICES, past_name, present_name)
+from ..engine import EngineOptions
+from ..static_shapes import Buckets
+from .cuda_engine import GRAPHS_ENV, DeviceEngine, Geometry, graphs_wanted
+from .cuda_memory import CudaMemory, Memory, require_device
+
+MAX_PASS_TOKENS = 64
+CUDA_EP = "CUDAExecutionProvider"
+NO_CUDA = ("onnxruntime-cuda: this onnxruntime runs on the CPU only ({}); pip install onnxruntime-gpu on a machine "
+           "with CUDA, or build with --backend onnxruntime-portable")
+
+
+def require_cuda_provider(providers: list[str]) -> None:
+    """Refuse in one line unless `providers` (ort.get_available_providers(), or a session's get_providers())
+    include the CUDA execution provider."""
+    if CUDA_EP not in providers:
+        raise SpecrtError(NO_CUDA.format("providers: " + ", ".join(providers)))
+
+
+def open_session(onnx_path: Path, stream: int, threads: int = 0, graphs: bool = True):
+    """(an InferenceSession of onnx_path on the CUDA EP, enqueueing on `stream`; why graphs are off, or None).
+    A CUDA EP that will not capture this graph (ORT refuses at session creation) gives a session without graphs."""
+    import onnxruntime as ort
+
+    require_cuda_provider(ort.get_available_providers())
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+
+    def session(capture: bool):
+        options = {"device_id": "0", "user_compute_stream": str(stream), "enable_cuda_graph": str(int(capture))}
+        return ort.InferenceSession(str(onnx_path), so, providers=[(CUDA_EP, options)])
+
+    note = None
+    try:
+        try:
+            s = session(graphs)
+        except MemoryError:
+            raise
+        except Exception as e:
+            if not graphs:
+                raise
+            note = f"the CUDA EP would not capture this graph: {first_line(e)}"
+            s = session(False)
+    except MemoryError:
+        raise
+    except Exception as e:
+        raise SpecrtError(f"cannot load engine '{onnx_path}' on the CUDA EP ({first_line(e)}); "
+                          "rebuild the engine set with `specrt engines --backend onnxruntime-cuda`") from None
+    require_cuda_provider(s.get_providers())
+    return s, note
+
+
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtCudaEngine":
+    """The portable decoder engine of a manifest entry on the CUDA EP (engine.open_engine's CUDA half)."""
+    import onnxruntime as ort
+
+    require_cuda_provider(ort.get_available_providers())
+    require_device("onnxruntime-cuda")
+    geometry = Geometry.of(entry)
+    memory = CudaMemory()
+    graphs, note = graphs_wanted()
+    try:
+        session, refused = open_session(Path(root) / entry.file, memory.stream, options.threads, graphs)
+        max_width = int((entry.build or {}).get("max_width", MAX_PASS_TOKENS))
+        buckets = Buckets.for_engine(entry.max_context, max_width, geometric=True, pad_logits=True)
+        return OrtCudaEngine(session, memory, geometry, buckets, name=entry.name, width_exact=entry.width_exact,
+                             graphs=graphs and refused is None, graphs_note=note or refused)
+    except BaseException:
+        memory.close()
+        raise
+
+
+def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """Medusa heads, on ONNX Runtime's CPU provider (their graph is a few MatMuls; the GPU would not pay)."""
+    from .onnxruntime_cpu import OrtHeads
+
+    return OrtHeads(Path(root) / entry.file, threads=1)
+
+
+class OrtCudaEngine(DeviceEngine):
+    """runtime/engine.py's Engine over an ORT session of the portable graph. device: where `memory`'s addresses
+    live as ORT names it ("cuda"; "cpu" with cuda_memory.HostMemory and a CPU session, which is how the tests
+    run this class without a GPU). max_prompt: the widest pass (default max_context)."""
+
+    backend = "onnxruntime-cuda"
+
+    def __init__(self, session, memory: Memory, geometry: Geometry, buckets: Buckets, *, name: str,
+                 width_exact: bool = True, graphs: bool = True, graphs_note: str | None = None,
+                 device: str = "cuda", max_prompt: int | None = None):
+        super().__init__(memory, geometry, buckets, max_prompt=max_prompt or geometry.max_context, name=name,
+                         width_exact=width_exact, graphs=graphs and device == "cuda",
+                         graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"))
+        self.session, self.device = session, device
+        self._bound: dict[tuple[int, int, int, bool], tuple[object, object]] = {}  # -> (IOBinding, RunOptions)
+        self._graph_ids: dict[tuple[int, int], int] = {}
+
+    def _binding(self, width: int, capacity: int, rows: int, graph: bool):
+        """The IOBinding and RunOptions of one pass shape, every buffer bound by address (built once per shape)."""
+        import onnxruntime as ort
+
+        key = (width, capacity, rows, graph)
+        if key in self._bound:
+            return self._bound[key]
+        g, io, dev = self.geometry, self.session.io_binding(), self.device
+        for name, dtype, shape, ptr in (
+                (INPUT_IDS, np.int64, [1, width], self.tokens), (POSITION_IDS, np.int64, [1, width], self.positions),
+                (ATTENTION_MASK, np.float32, [1, 1, width, capacity], self.mask),
+                (WRITE_INDICES, np.int64, [1], self.write), (LOGITS_INDICES, np.int64, [rows], self.rows)):
+            io.bind_input(name, dev, 0, dtype, shape, ptr)
+        cache = [1, g.num_kv_heads, capacity, g.head_dim]
+        for i, layer in enumerate(self.cache.ptrs):
+            for kind, ptr in zip(KV_KINDS, layer):
+                io.bind_input(past_name(i, kind), dev, 0, g.cache_dtype.type, cache, ptr)
+                io.bind_output(present_name(i, kind), dev, 0, g.cache_dtype.type, cache, ptr)
+        io.bind_output(LOGITS, dev, 0, np.float32, [1, rows, g.vocab_size], self.out_logits)
+        io.bind_output(GREEDY_TOKENS, dev, 0, np.int64, [1, rows], self.out_greedy)
+        io.bind_output(HIDDEN_STATES, dev, 0, np.float32, [1, width, g.hidden_size], self.out_hidden)
+        run = ort.RunOptions()
+        if self.graphs:  # ids from 1 (ORT keeps 0 for itself); -1: run this shape uncaptured
+            gid = self._graph_ids.setdefault((width, capacity), len(self._graph_ids) + 1) if graph else -1
+            run.add_run_config_entry("gpu_graph_id", str(gid))
+        if dev == "cuda":  # we sync once after the download, on the same stream
+            run.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if width <= self.max_pass_tokens:  # a wide prefill's binding is not kept (once per request)
+            self._bound[key] = (io, run)
+        return io, run
+
+    def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
+        io, run = self._binding(width, capacity, rows, graph)
+        try:
+            self.session.run_with_iobinding(io, run)
+        except MemoryError:
+            raise
+        except Exception as e:  # ORT's own exception types; a capture can fail on its first run, not at load
+            hint = f"; {GRAPHS_ENV}=0 runs without CUDA graphs" if graph else ""
+            raise SpecrtError(f"onnxruntime-cuda failed a pass of width {width} over capacity {capacity} "
+                              f"({first_line(e)}){hint}") from None

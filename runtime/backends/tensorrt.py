@@ -1,0 +1,181 @@
+"""The TensorRT backend: a serialized engine of the portable graph (build/tensorrt.py) with one CUDA graph per
+(pass width, cache capacity).
+
+The engine has two optimization profiles (prefill: widths up to max_prompt; decode/verify: up to max_width),
+and this backend one execution context for each, so neither ever switches profile. Every tensor address is set
+once at open (cuda_engine.DeviceEngine's buffers; each cache buffer as both past input and present output,
+which TensorRT's KV-cache update requires: it writes in place). A decode pass at a (width, capacity) it has not
+seen runs once with execute_async_v3 (TensorRT finishes its shape-dependent setup there) and is then captured as
+a CUDA graph; later passes at that pair only upload their inputs and launch the graph. A capacity bucket change
+copies the committed cache rows on the device (cuda_memory.relayout_plan); the graphs of the new capacity are
+captured as they come. Where capture fails, the engine carries on without graphs and says why.
+
+A serialized engine runs only under the TensorRT version and on the GPU architecture it was built with: opening
+one recorded otherwise (entry.build's "tensorrt" and "compute_capability") is a one-line SpecrtError, as is a
+machine without TensorRT or a GPU, and an engine whose profiles cannot hold max_context. Medusa heads run on
+ONNX Runtime's CPU provider (onnxruntime_cpu.OrtHeads): a few small MatMuls between two target passes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...errors import SpecrtError
+from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
+                          POSITION_IDS, WRITE_INDICES, past_name, present_name)
+from ..engine import EngineOptions
+from ..static_shapes import Buckets
+from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
+from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
+
+PREFILL, DECODE = 0, 1  # optimization profiles, in the order build/tensorrt.py adds them
+REBUILD = "rebuild the engine set here with `specrt engines --backend tensorrt`"
+
+
+def import_tensorrt():
+    """The tensorrt module, or a one-line SpecrtError on how to install it (the same as build/tensorrt.py's)."""
+    try:
+        import tensorrt
+    except ImportError:
+        raise SpecrtError("TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your "
+                          "CUDA) on a machine with an NVIDIA GPU; TensorRT engines need it") from None
+    return tensorrt
+
+
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
+    """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
+    trt = import_tensorrt()
+    require_device("tensorrt")
+    built = entry.build or {}  # the pipeline's provisional entries (checks before the manifest) record nothing
+    if built.get("tensorrt") not in (None, trt.__version__):
+        raise SpecrtError(f"engine '{entry.name}' was built with TensorRT {built['tensorrt']}, this is "
+                          f"{trt.__version__}, and serialized engines run only under their own version; {REBUILD}")
+    here = compute_capability(0)
+    if built.get("compute_capability") not in (None, here):
+        raise SpecrtError(f"engine '{entry.name}' was built for compute capability {built['compute_capability']}, "
+                          f"this GPU is {here}, and serialized engines run only on their own architecture; {REBUILD}")
+    path = Path(root) / entry.file
+    logger = trt.Logger(trt.Logger.WARNING)
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    if engine is None:
+        raise SpecrtError(f"TensorRT cannot deserialize engine '{path}' (see its log above); {REBUILD}")
+    if engine.num_optimization_profiles != 2:
+        raise SpecrtError(f"engine '{path}' has {engine.num_optimization_profiles} optimization profiles, not the "
+                          f"prefill and decode ones build/tensorrt.py makes; {REBUILD}")
+    max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
+    max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
+    buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
+    graphs, note = graphs_wanted()
+    memory = CudaMemory()
+    try:
+        return TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
+                         width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=(logger, runtime))
+    except BaseException:
+        memory.close()
+        raise
+
+
+def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:
+    """The widths and capacities an engine's decode profile allows. TensorRT's KV-cache update wants a static
+    sequence dimension, so build/tensorrt.py fixes the cache capacity by default: then every pass attends over that
+    one capacity; a dynamic capacity gets the geometric buckets of static_shapes within the profile's range."""
+    buckets = Buckets.for_engine(max_context, max_width, geometric=True, pad_logits=True)
+    static = int(engine.get_tensor_shape(past_name(0, "key"))[2])
+    if static > 0:
+        low = high = static
+    else:
+        smallest, _, largest = engine.get_tensor_profile_shape(past_name(0, "key"), DECODE)
+        low, high = int(smallest[2]), int(largest[2])
+    if high < buckets.max_capacity:
+        raise SpecrtError(f"{what} holds {high} cache positions, fewer than max_context {max_context} + the widest "
+                          f"pass {max_width}; {REBUILD}")
+    caps = (static,) if static > 0 else tuple(c for c in buckets.capacities if c >= low)
+    return Buckets(buckets.widths, caps, pad_logits=True)
+
+
+def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """Medusa heads, on ONNX Runtime's CPU provider (the heads' graph is standard ops; the GPU would not pay)."""
+    from .onnxruntime_cpu import OrtHeads
+
+    return OrtHeads(Path(root) / entry.file, threads=1)
+
+
+class TrtEngine(DeviceEngine):
+    """runtime/engine.py's Engine over a deserialized TensorRT engine. keep: objects the engine must outlive
+    (its logger and runtime)."""
+
+    backend = "tensorrt"
+
+    def __init__(self, engine, memory: CudaMemory, geometry: Geometry, buckets: Buckets, *, max_prompt: int,
+                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = ()):
+        super().__init__(memory, geometry, buckets, max_prompt=max_prompt, name=name, width_exact=width_exact,
+                         graphs=graphs, graphs_note=graphs_note)
+        self._keep, self.engine = keep, engine
+        self._contexts = []
+        for profile in (PREFILL, DECODE):
+            ctx = engine.create_execution_context()
+            if ctx is None or not ctx.set_optimization_profile_async(profile, memory.stream):
+                raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}' (out of GPU "
+                                  "memory? see its log above)")
+            addresses = {INPUT_IDS: self.tokens, POSITION_IDS: self.positions, ATTENTION_MASK: self.mask,
+                         WRITE_INDICES: self.write, LOGITS_INDICES: self.rows, LOGITS: self.out_logits,
+                         GREEDY_TOKENS: self.out_greedy, HIDDEN_STATES: self.out_hidden}
+            for i, layer in enumerate(self.cache.ptrs):
+                for kind, ptr in zip(KV_KINDS, layer):
+                    addresses[past_name(i, kind)] = addresses[present_name(i, kind)] = ptr
+            for tensor, ptr in addresses.items():
+                if not ctx.set_tensor_address(tensor, ptr):
+                    raise SpecrtError(f"engine '{name}' has no tensor '{tensor}'; {REBUILD}")
+            self._contexts.append(ctx)
+        self._shapes: list[tuple | None] = [None, None]  # the (width, capacity, rows) each context is set for
+        self._graphs: dict[tuple[int, int], object] = {}  # (width, capacity) -> instantiated CUDA graph
+
+    def _set_shapes(self, profile: int, width: int, capacity: int, rows: int) -> None:
+        if self._shapes[profile] == (width, capacity, rows):
+            return
+        ctx, g = self._contexts[profile], self.geometry
+        shapes = {INPUT_IDS: (1, width), POSITION_IDS: (1, width), ATTENTION_MASK: (1, 1, width, capacity),
+                  WRITE_INDICES: (1,), LOGITS_INDICES: (rows,)}
+        shapes.update({past_name(i, kind): (1, g.num_kv_heads, capacity, g.head_dim)
+                       for i in range(g.num_layers) for kind in KV_KINDS})
+        for tensor, shape in shapes.items():
+            if not ctx.set_input_shape(tensor, shape):
+                raise SpecrtError(f"engine '{self.name}' does not take {tensor} of shape {shape}; {REBUILD}")
+        self._shapes[profile] = (width, capacity, rows)
+
+    def _execute(self, profile: int) -> bool:
+        return bool(self._contexts[profile].execute_async_v3(self.memory.stream))
+
+    def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
+        if graph and (width, capacity) in self._graphs:
+            check(cudart().cudaGraphLaunch(self._graphs[(width, capacity)], self.memory.stream), "cudaGraphLaunch")
+            return
+        profile = DECODE if width <= self.max_pass_tokens else PREFILL
+        self._set_shapes(profile, width, capacity, rows)
+        if not self._execute(profile):  # also the warm-up a capture needs
+            raise SpecrtError(f"TensorRT failed to run engine '{self.name}' at width {width}, capacity {capacity} "
+                              "(see its log above)")
+        if graph:
+            self._capture(profile, (width, capacity))
+
+    def _capture(self, profile: int, key: tuple[int, int]) -> None:
+        """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work)."""
+        rt, stream = cudart(), self.memory.stream
+        check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+              "cudaStreamBeginCapture")
+        ran = self._execute(profile)
+        err, graph = rt.cudaStreamEndCapture(stream)
+        if not ran or err != rt.cudaError_t.cudaSuccess or graph is None:
+            if graph is not None:
+                rt.cudaGraphDestroy(graph)
+            self.graphs, self.graphs_note = False, f"capture failed at width {key[0]}, capacity {key[1]} ({err})"
+            return
+        self._graphs[key] = check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        rt.cudaGraphDestroy(graph)
+
+    def close(self) -> None:
+        for exe in self._graphs.values():
+            cudart().cudaGraphExecDestroy(exe)
+        self._graphs, self._contexts = {}, []
+        super().close()

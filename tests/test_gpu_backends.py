@@ -1,0 +1,431 @@
+"""The GPU backends (TensorRT, onnxruntime-cuda) where no GPU is: they refuse in one line that names the fix, and
+everything of theirs that is not a CUDA call runs here. The device copies (relayout across capacity buckets, tree
+commits) are planned by pure functions and run on cuda_memory.HostMemory, which refuses overlapping copies; both
+engine classes run a random portable graph at HostMemory's raw addresses (ONNX Runtime through a CPU session,
+TensorRT through a fake execution context that runs that session with the shapes and addresses it was given),
+pass for pass equal to the portable CPU backend. The checks that need a GPU are in tests/gpu/check.py
+(tests/gpu/check.sh); the tests here that need one skip without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.interface import KV_KINDS, PORTABLE_CACHE_DIMS, PORTABLE_INPUTS, past_name, portable_signature
+from specrt.manifest import EngineEntry
+from specrt.runtime.backends import cuda_memory
+from specrt.runtime.backends.cuda_memory import Copy2D, DeviceCache, HostMemory, commit_plan, relayout_plan
+from specrt.runtime.engine import open_engine
+from specrt.runtime.static_shapes import Buckets, relayout
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+def _entry(backend: str, file: str, **extra) -> EngineEntry:
+    return EngineEntry(name="target-fp16", role="target", file=file, backend=backend, precision="fp16",
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=96,
+                       max_context=600, **extra)
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+# --- refusals -----------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(_has("tensorrt"), reason="TensorRT is installed here")
+def test_require_tensorrt_is_one_line_naming_the_install():
+    from specrt.build.tensorrt import build_engine, require_tensorrt
+
+    with pytest.raises(SpecrtError) as e:
+        require_tensorrt()
+    assert "pip install tensorrt-cu12" in _one_line(e)
+    with pytest.raises(SpecrtError) as e:  # the build refuses before touching its arguments
+        build_engine(Path("missing.onnx"), Path("x.engine"), max_prompt=8, max_width=4, max_capacity=64,
+                     timing_cache=Path("t.cache"))
+    assert "pip install tensorrt-cu12" in _one_line(e)
+
+
+@pytest.mark.skipif(_has("tensorrt"), reason="TensorRT is installed here")
+def test_a_tensorrt_engine_here_is_one_line(tmp_path):
+    (tmp_path / "target-fp16.engine").write_bytes(b"not an engine")
+    entry = _entry("tensorrt", "target-fp16.engine", build={"tensorrt": "10.15.1", "compute_capability": "9.0"})
+    with pytest.raises(SpecrtError) as e:
+        open_engine(tmp_path, entry)
+    assert "TensorRT is not installed" in _one_line(e) and "pip install" in str(e.value)
+
+
+@pytest.mark.skipif(_has("cuda.bindings"), reason="cuda-bindings is installed here")
+def test_the_gpu_backends_name_cuda_bindings_where_it_is_missing():
+    with pytest.raises(SpecrtError) as e:
+        cuda_memory.require_device("tensorrt")
+    assert "pip install cuda-bindings" in _one_line(e)
+    assert cuda_memory.device_count()[0] == 0
+
+
+def _identity_model(path: Path) -> Path:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # ORT: "Specified provider 'CUDAExecutionProvider' is not..."
+def test_onnxruntime_cuda_refuses_a_cpu_only_onnxruntime(tmp_path, monkeypatch):
+    import onnxruntime as ort
+
+    from specrt.runtime.backends import onnxruntime_cuda
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    with pytest.raises(SpecrtError) as e:  # through the registry, as the loader opens it
+        open_engine(tmp_path, _entry("onnxruntime-cuda", "target-fp16.onnx"))
+    msg = _one_line(e)
+    assert msg.startswith("onnxruntime-cuda: this onnxruntime runs on the CPU only (providers: ")
+    assert "pip install onnxruntime-gpu" in msg and "--backend onnxruntime-portable" in msg
+    # a session that asked for CUDA and got the CPU (ORT falls back with a warning) is refused the same way
+    model = _identity_model(tmp_path / "id.onnx")
+    session = ort.InferenceSession(str(model), providers=[("CUDAExecutionProvider", {"device_id": "0"})])
+    assert session.get_providers() == ["CPUExecutionProvider"]
+    with pytest.raises(SpecrtError, match="runs on the CPU only"):
+        onnxruntime_cuda.require_cuda_provider(session.get_providers())
+    # ... which is what open_session checks once the session exists (here: a provider list that claims CUDA)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(SpecrtError) as e:
+        onnxruntime_cuda.open_session(model, stream=0)
+    assert "providers: CPUExecutionProvider" in _one_line(e)
+
+
+def test_tensorrt_profiles_cover_every_portable_input():
+    from specrt.build.tensorrt import profile_shapes
+
+    sig, _ = portable_signature(2, {"num_kv_heads": 2, "head_dim": 8, "hidden_size": 32, "vocab_size": 96}, "float16")
+    network = {name: tuple(d if isinstance(d, int) else -1 for d in dims) for name, dims, _ in sig}
+    network[past_name(0, "key")] = (-1, 2, 664, 8)  # a capacity the graph fixes keeps its size
+    shapes = profile_shapes(network, seq=(1, 8, 64), logits=(1, 8, 64), capacity=(256, 664, 664))
+    assert set(shapes) == set(network)
+    assert shapes["attention_mask"] == ((1, 1, 1, 256), (1, 1, 8, 664), (1, 1, 64, 664))
+    assert shapes["logits_indices"] == ((1,), (8,), (64,)) and shapes["write_indices"] == ((1,), (1,), (1,))
+    assert shapes[past_name(0, "key")] == ((1, 2, 664, 8),) * 3
+    assert shapes[past_name(1, "value")] == ((1, 2, 256, 8), (1, 2, 664, 8), (1, 2, 664, 8))
+    assert len(PORTABLE_CACHE_DIMS) == 4 and {n for n, _, _ in PORTABLE_INPUTS} <= set(shapes)
+    with pytest.raises(SpecrtError, match="not one of a portable decoder's"):
+        profile_shapes({"tree_mask": (-1, -1, -1)}, (1, 1, 1), (1, 1, 1), (1, 1, 1))
+
+
+def test_the_cache_capacity_is_fixed_in_the_graph_tensorrt_parses(tmp_path):
+    from specrt.build.tensorrt import fix_capacity
+
+    path = tmp_path / "portable.onnx"
+    _random_portable(path, max_context=300)
+    model = onnx.load_model_from_string(fix_capacity(path, 364))
+    dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+            for i in [*model.graph.input, *model.graph.output]}
+    assert dims[past_name(1, "value")] == ["batch", 2, 364, 8] and dims["attention_mask"] == ["batch", 1, "seq", 364]
+    # the weights stay in the .data file beside the graph, where the parser reads them
+    assert any(i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer)
+
+
+# --- device copies ------------------------------------------------------------------------------------------
+
+def test_host_memory_refuses_overlapping_copies():
+    m = HostMemory()
+    base = m.alloc(64)
+    m.copy2d(Copy2D(base + 32, 8, base, 8, 8, 2))  # rows apart: fine
+    with pytest.raises(AssertionError, match="overlapping"):
+        m.copy2d(Copy2D(base + 4, 8, base, 8, 8, 1))
+
+
+def test_commit_plans_go_direct_unless_a_destination_meets_a_source():
+    row, cap, heads = 16, 32, 3
+    direct = commit_plan(1000, 9000, heads, row, cap, np.array([10, 12, 14]), np.array([10, 11, 12]))
+    assert [(c.src - 1000, c.dst - 1000) for c in direct] == [(12 * row, 11 * row), (14 * row, 12 * row)]
+    assert all(c.height == heads and c.spitch == c.dpitch == cap * row for c in direct)
+    via = commit_plan(1000, 9000, heads, row, cap, np.array([10, 12, 13]), np.array([10, 11, 12]))  # 12,13 -> 11,12
+    assert len(via) == 2 and via[0].dst == 9000 and via[1].src == 9000 and via[0].width == 2 * row
+    assert commit_plan(1000, 9000, heads, row, cap, np.array([4, 5]), np.array([4, 5])) == []
+    assert relayout_plan(1000, 9000, heads, row, 256, 256, 40) == [] and relayout_plan(1000, 9000, 2, 8, 4, 8, 0) == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_device_cache_copies_match_static_shapes(dtype):
+    """Random capacity changes and tree commits on a DeviceCache over HostMemory against the numpy reference:
+    static_shapes.relayout for the layout, fancy-index assignment for the commits."""
+    rng = np.random.default_rng(0)
+    layers, heads, dim, caps = 2, 3, 4, (8, 16, 24)
+    cache = DeviceCache(HostMemory(), layers, heads, dim, dtype, caps[-1])
+    ref = [[np.zeros(heads * caps[-1] * dim, dtype) for _ in KV_KINDS] for _ in range(layers)]
+    views = [[relayout(b, heads, dim, 0, caps[0], 0) for b in layer] for layer in ref]
+    cache.relayout(caps[0], 0)
+    length = 0
+    for step in range(60):
+        cap = cache.capacity
+        if rng.random() < 0.3:  # a new layout, keeping what is committed
+            new = int(rng.choice([c for c in caps if c >= length]))
+            cache.relayout(new, length)
+            views = [[relayout(b, heads, dim, cap, new, length) for b in layer] for layer in ref]
+            cap = new
+        n = int(rng.integers(1, cap - length + 1)) if cap > length else 0
+        if n:  # a pass writes n rows (same values into both), then a tree commit of an ascending path
+            rows = rng.standard_normal((layers, 2, heads, n, dim)).astype(dtype)
+            for i in range(layers):
+                for k in range(2):
+                    views[i][k][0, :, length:length + n] = rows[i, k]
+                    host = cache.read(i, k)
+                    host[0, :, length:length + n] = rows[i, k]
+                    cache.memory.upload(cache.ptrs[i][k], host)
+            keep = int(rng.integers(0, n + 1))
+            path = np.sort(rng.choice(n, keep, replace=False))
+            cache.commit(length, path)
+            src, dst = length + path, length + np.arange(keep)
+            for layer in views:
+                for v in layer:
+                    v[:, :, dst] = v[:, :, src]
+            length += keep
+        if rng.random() < 0.1:
+            length = int(rng.integers(0, length + 1))  # rewind
+        for i in range(layers):
+            for k in range(2):
+                np.testing.assert_array_equal(cache.read(i, k)[:, :, :length], views[i][k][:, :, :length])
+
+
+# --- the ONNX Runtime engine class on the CPU -------------------------------------------------------------
+
+def _random_portable(out: Path, layers: int = 2, hidden: int = 32, heads: int = 4, kv: int = 2, vocab: int = 96,
+                     inter: int = 64, max_context: int = 600, seed: int = 0) -> dict:
+    """A random portable decoder graph (export/portable.py) at out (+ out.data) whose output depends on the
+    whole context (a sharpened lm_head)."""
+    from specrt.export.portable import build_portable_decoder
+
+    d = hidden // heads
+    spec = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, num_layers=layers, rms_norm_eps=1e-6, qkv_bias=False,
+                o_bias=False, intermediate_size=inter, hidden_size=hidden, vocab_size=vocab)
+    g = np.random.default_rng(seed)
+    w = lambda *s: (g.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
+    angle = np.arange(max_context)[:, None] * 10000.0 ** (-np.arange(d // 2) / (d // 2))
+    weights = {"embed_tokens.weight": g.standard_normal((vocab, hidden)).astype(np.float32),
+               "lm_head.weight_t": w(hidden, vocab) * 8, "rope.cos": np.cos(angle).astype(np.float32),
+               "rope.sin": np.sin(angle).astype(np.float32), "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights |= {p + "input_layernorm.weight": np.ones(hidden, np.float32),
+                    p + "self_attn.qkv_proj.weight_t": w(hidden, (heads + 2 * kv) * d),
+                    p + "self_attn.o_proj.weight_t": w(heads * d, hidden),
+                    p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                    p + "mlp.gate_up_proj.weight_t": w(hidden, 2 * inter),
+                    p + "mlp.down_proj.weight_t": w(inter, hidden)}
+    onnx.save_model(build_portable_decoder(spec, weights, max_context, "fp32", Path(str(out) + ".data")), str(out))
+    return spec
+
+
+class FakeTrtContext:
+    """A TensorRT execution context that runs the portable graph through an ONNX Runtime CPU session at the
+    addresses and shapes TrtEngine set: what reaches TensorRT is what a pass needs."""
+
+    def __init__(self, session, log: list):
+        self.session, self.log, self.shapes, self.addresses = session, log, {}, {}
+        self.names = {i.name for i in session.get_inputs()} | {o.name for o in session.get_outputs()}
+
+    def set_optimization_profile_async(self, profile: int, stream: int) -> bool:
+        self.profile = profile
+        return True
+
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        self.addresses[name] = ptr
+        return name in self.names
+
+    def set_input_shape(self, name: str, shape: tuple) -> bool:
+        self.shapes[name] = tuple(shape)
+        return name in self.names
+
+    def execute_async_v3(self, stream: int) -> bool:
+        from specrt.interface import ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, LOGITS, LOGITS_INDICES
+
+        width, capacity = self.shapes[ATTENTION_MASK][2:]
+        rows, io = self.shapes[LOGITS_INDICES][0], self.session.io_binding()
+        self.log.append((self.profile, width, capacity))
+        types = {"tensor(int64)": np.int64, "tensor(float)": np.float32}
+        for i in self.session.get_inputs():
+            io.bind_input(i.name, "cpu", 0, types[i.type], self.shapes[i.name], self.addresses[i.name])
+        outputs = {LOGITS: [1, rows, 96], GREEDY_TOKENS: [1, rows], HIDDEN_STATES: [1, width, 32]}
+        for o in self.session.get_outputs():
+            shape = outputs.get(o.name) or self.shapes[o.name.replace("present.", "past_key_values.")]
+            io.bind_output(o.name, "cpu", 0, types[o.type], shape, self.addresses[o.name])
+        self.session.run_with_iobinding(io)
+        return True
+
+
+class FakeTrtEngine:
+    num_optimization_profiles = 2
+
+    def __init__(self, session):
+        self.session, self.log = session, []
+
+    def create_execution_context(self):
+        return FakeTrtContext(self.session, self.log)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt"])
+def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend):
+    """OrtCudaEngine and TrtEngine (every buffer in HostMemory; ORT bound to it by address, TensorRT faked by a
+    context that runs ORT at the addresses and shapes it was given) against PortableEngine with the same widths
+    and capacities: prefill, decode, partial accepts, token trees, hidden states, a wide uncaptured prefill that
+    moves the committed cache to a larger capacity, and a rewind. Same graph and inputs: equal outputs."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEngine
+    from specrt.runtime.backends.onnxruntime_portable import PortableEngine
+    from specrt.runtime.backends.tensorrt import TrtEngine
+
+    path = tmp_path / "target-fp32.onnx"
+    _random_portable(path)
+    buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
+    ref = PortableEngine(path, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96, hidden_size=32, max_context=600,
+                         huge_pages=False, buckets=Buckets(buckets.widths, buckets.capacities))  # its own logits rows
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")
+    if backend == "tensorrt":
+        fake = FakeTrtEngine(session)
+        eng = TrtEngine(fake, HostMemory(), geometry, buckets, max_prompt=600, name="t", width_exact=True,
+                        graphs=False, graphs_note="test")
+    else:
+        eng = OrtCudaEngine(session, HostMemory(), geometry, buckets, name="t", device="cpu")
+        assert eng.description == "onnxruntime-cuda t, no CUDA graphs (device cpu)"
+    assert eng.max_pass_tokens == 64
+    rng = np.random.default_rng(1)
+    tree = np.where(np.array([[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 1, 0]]),
+                    -np.inf, 0.0).astype(np.float32)  # parents -1, 0, 0, 1, 2 (causality comes on top)
+    depth = np.array([0, 1, 1, 2, 2])
+
+    def both(call, *args, **kw):
+        out = [np.array(getattr(e, call)(*args, **kw)) for e in (ref, eng)]
+        np.testing.assert_array_equal(out[1], out[0])
+        if ref.with_hidden:
+            np.testing.assert_array_equal(eng.hidden, ref.hidden)
+        return out[0]
+
+    def each(call, *args):
+        for e in (ref, eng):
+            getattr(e, call)(*args)
+
+    each("reserve", 40)
+    both("forward", rng.integers(0, 96, 37), num_logits=3)
+    each("commit", 37)
+    for _ in range(3):
+        token = both("argmax", both("argmax", np.array([5])))
+        each("commit", 1)
+    both("forward", token, num_logits=1)
+    each("commit", 1)
+    both("forward", rng.integers(0, 96, 5), num_logits=5)
+    each("commit", 2)  # a partial accept: the rest is garbage the next pass overwrites
+    for _ in range(2):
+        both("forward", rng.integers(0, 96, 5), ref.length + depth, tree, num_logits=5)
+        each("commit", 3, np.array([0, 2, 4]))
+    each("enable_hidden")
+    both("argmax", rng.integers(0, 96, 3), num_logits=2)
+    each("commit", 3)
+    assert ref.capacity == eng.capacity == 256
+    both("forward", rng.integers(0, 96, 240), num_logits=4)  # wider than any bucket: past 256, relaid out
+    each("commit", 240)
+    assert ref.capacity == eng.capacity == 512 and ref.length == 292
+    both("forward", rng.integers(0, 96, 5), ref.length + depth, tree, num_logits=5)
+    each("commit", 2, np.array([0, 1]))
+    for i in range(2):
+        for k in range(2):
+            np.testing.assert_array_equal(eng.cache.read(i, k)[:, :, :ref.length], ref.cache[i][k][:, :, :ref.length])
+    each("rewind", 20)
+    both("forward", rng.integers(0, 96, 4), num_logits=4)
+    with pytest.raises(ValueError):
+        eng.forward(np.zeros(3, np.int64), num_logits=4)
+    if backend == "tensorrt":  # decode passes on the decode profile's context, the wide one on the prefill's
+        assert {(p, w) for p, w, _ in fake.log} == {(1, 64), (1, 1), (1, 8), (1, 4), (0, 240)}
+
+
+def test_tensorrt_buckets_follow_the_engine_profile():
+    from specrt.runtime.backends.tensorrt import trt_buckets
+
+    class Engine:
+        def __init__(self, static: int, high: int):
+            self.static, self.high = static, high
+
+        def get_tensor_shape(self, name):
+            return (-1, 2, self.static, 8)
+
+        def get_tensor_profile_shape(self, name, profile):
+            return [(1, 2, 256, 8), (1, 2, self.high, 8), (1, 2, self.high, 8)]
+
+    fixed = trt_buckets(Engine(664, 664), 600, 64, "e")
+    assert fixed.capacities == (664,) and fixed.widths[-1] == 64 and fixed.pad_logits
+    assert trt_buckets(Engine(-1, 664), 600, 64, "e").capacities == (256, 512, 664)
+    with pytest.raises(SpecrtError, match="holds 600 cache positions, fewer than max_context 600 "):
+        trt_buckets(Engine(600, 600), 600, 64, "e")
+
+
+def test_a_tensorrt_engine_of_another_version_or_gpu_is_refused(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from specrt.runtime.backends import tensorrt as backend
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.16.0.1"))
+    monkeypatch.setattr(backend, "require_device", lambda name: None)
+    monkeypatch.setattr(backend, "compute_capability", lambda device=0: "9.0")
+    (tmp_path / "t.engine").write_bytes(b"")
+    with pytest.raises(SpecrtError) as e:
+        backend.open_engine(tmp_path, _entry("tensorrt", "t.engine", build={"tensorrt": "10.15.1.29"}))
+    assert "built with TensorRT 10.15.1.29, this is 10.16.0.1" in _one_line(e) and "--backend tensorrt" in str(e.value)
+    with pytest.raises(SpecrtError) as e:
+        backend.open_engine(tmp_path, _entry("tensorrt", "t.engine",
+                                             build={"tensorrt": "10.16.0.1", "compute_capability": "8.9"}))
+    assert "built for compute capability 8.9, this GPU is 9.0" in _one_line(e)
+
+
+# --- the GPU check script -------------------------------------------------------------------------------------
+
+def test_the_gpu_check_says_there_is_no_gpu_here_and_passes():
+    if cuda_memory.device_count()[0]:
+        pytest.skip("a CUDA device is here: run tests/gpu/check.sh itself")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    r = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "check.sh"), "--json", os.devnull], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu check: no NVIDIA GPU here")
+
+
+def test_device_memory_round_trip_on_a_gpu():
+    if not cuda_memory.device_count()[0]:
+        pytest.skip("no CUDA device here (tests/gpu/check.sh runs the GPU checks where there is one)")
+    m = cuda_memory.CudaMemory()
+    try:
+        a = m.alloc(64)
+        host = np.arange(8, dtype=np.int64)
+        m.upload(a, host)
+        out = m.host((8,), np.int64)
+        m.download(out, a)
+        m.sync()
+        np.testing.assert_array_equal(out, host)
+    finally:
+        m.close()
