@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..interface import (HIDDEN_STATES, INPUT_IDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
                          TOTAL_SEQUENCE_LENGTH, TREE_MASK, decoder_signature, past_name, present_name)
+from ..onnx_files import read_initializers  # noqa: F401  (export's callers read weights through it)
 from .spec import DecoderSpec
 
 OPSET = 17
@@ -91,26 +92,6 @@ class _Graph:
             entry.key, entry.value = k, v
         self.inits.append(t)
         return name
-
-
-def read_initializers(onnx_path: Path, *names: str) -> list[np.ndarray]:
-    """Initializers of a saved model by name, each read from where it lives (inline or in its external data
-    file) without loading the rest; onnx's own external-data loader refuses the hard-linked files an engine
-    set shares with the build cache."""
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    tensors = {t.name: t for t in model.graph.initializer if t.name in names}
-    out = []
-    for name in names:
-        t = tensors[name]
-        if t.data_location != TensorProto.EXTERNAL:
-            out.append(numpy_helper.to_array(t))
-            continue
-        info = {e.key: e.value for e in t.external_data}
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        data = np.fromfile(Path(onnx_path).parent / info["location"], dtype,
-                           count=int(info["length"]) // dtype.itemsize, offset=int(info.get("offset", 0)))
-        out.append(data.reshape(list(t.dims)))
-    return out
 
 
 def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:

@@ -88,12 +88,24 @@ def doc_prompts(n: int, rng: np.random.Generator, templates: int = len(DOC_TEMPL
     return [DOC_TEMPLATES[i % templates].format(name=items[j][0], doc=items[j][1]) for i, j in enumerate(pick)]
 
 
-def code_texts(n: int, rng: np.random.Generator) -> list[str]:
+def _code_chunks() -> list[str]:
     mods = []
     for mod_name in DOC_MODULES:
         try:
             mods.append(inspect.getsource(importlib.import_module(mod_name)))
         except (ImportError, OSError, TypeError):
             continue
-    chunks = [src[i: i + 1200] for src in mods for i in range(0, len(src) - 1200, 1200)]
+    return [src[i: i + 1200] for src in mods for i in range(0, len(src) - 1200, 1200)]
+
+
+def code_texts(n: int, rng: np.random.Generator) -> list[str]:
+    chunks = _code_chunks()
     return [chunks[j] for j in rng.permutation(len(chunks))[:n]]
+
+
+def heldout_code_texts(n: int) -> list[str]:
+    """Stdlib source chunks no calibration ever reads: calibration takes code_texts' chunks from the front of
+    the seed-0 permutation, these come from its back."""
+    chunks = _code_chunks()
+    order = np.random.default_rng(0).permutation(len(chunks))
+    return [chunks[j] for j in order[::-1][:n]]

@@ -75,6 +75,7 @@ class EngineEntry:
     tokenizer_sha256: str | None = None  # the tokenizer it was exported with (target and draft)
     build_versions: dict | None = None  # the tools that built it (the set's "versions" are the export's)
     medusa: dict | None = None  # heads facts, tree, its sizing and the training report (role "medusa")
+    quality: dict | None = None  # quantized engines: top-1 and KL against the fp32 engine (pipeline/quality.py)
     memory: dict | None = None  # engine_memory(): weights, KV cache per position and at max_context, in bytes
     # from parity: one K-token pass equals K one-token passes (docs/pipeline-notes.md, "Width-exactness")
     width_exact: bool = field(init=False)

@@ -97,9 +97,10 @@ class PortableEngine:
                 self._io.bind_ortvalue_output(present_name(i, kind), value)
 
     def reserve(self, positions: int) -> None:
-        """Lay the cache out for `positions` positions plus the widest pad (never fewer than are committed)."""
-        need = min(max(positions, self.length), self.max_context) + self.buckets.widths[-1]
-        capacity = self.buckets.capacity(need)
+        """Lay the cache out for the committed positions plus the widest pad, whatever `positions` asks: the CPU
+        provider's Attention reads every slot of the layout, so the layout follows the context as it grows
+        (docs/design-notes.md, "Capacity on the CPU"). Free while the cache is empty."""
+        capacity = self.buckets.capacity(min(self.length, self.max_context) + self.buckets.widths[-1])
         if capacity != self.capacity:
             self._layout(capacity)
 
@@ -129,9 +130,8 @@ class PortableEngine:
         if not 1 <= num_logits <= min(n, self.max_pass_tokens):
             raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {num_logits} of {n}")
         width = self.buckets.width(n)
-        if self.length + width > self.capacity:  # past what the request reserved: grow (copies the cache once)
-            grown = min(2 * self.capacity, self.buckets.max_capacity)
-            self._layout(self.buckets.capacity(max(self.length + width, grown)))
+        if self.length + width > self.capacity:  # the next layout up (copies the committed positions once)
+            self._layout(self.buckets.capacity(self.length + width))
         p = self._inputs.plan(self.length, tokens, positions, tree_mask, num_logits, self.capacity)
         io, rows = self._io, len(p.logits_rows)
         io.bind_cpu_input(INPUT_IDS, p.tokens.reshape(1, p.width))

@@ -40,6 +40,8 @@ class EngineSetRequest:
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
     backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt (pipeline/portable.py)
+    calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
+    quality_floor: float = 0.85       # fp8/int8: the least top-1 agreement with fp32 on held-out text a build keeps
 
 
 def _say(msg: str) -> None:
@@ -82,9 +84,10 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     fp = fingerprint(src)
 
     if portable:
+        from ..build.quantize import FORMAT as QDQ_FORMAT
         from ..export.portable import FORMAT
 
-        recipes = [req.backend, FORMAT]
+        recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()
@@ -123,7 +126,8 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         engines = {}
         for role, rcache, rfacts, precs in roles:
             for p in precs:
-                engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend)
+                engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend,
+                                                                req.calibration_texts, req.quality_floor)
                                           if req.backend in PORTABLE_BACKENDS
                                           else build_engine(role, p, rcache, rfacts, tmp, log))
             if req.backend in PORTABLE_BACKENDS and "fp32" in precs:  # what exactness cannot promise at fp16

@@ -24,34 +24,40 @@ RUNNERS = ("onnxrt-cpu", "onnxrt-cpu-basic", "onnxrt-cuda", "tensorrt")
 VERIFY_WIDTH = 4
 
 
+def prefill_feed(entry, tokens: np.ndarray, capacity: int, cache: dict | None = None, length: int = 0,
+                 num_logits: int = 1) -> dict[str, np.ndarray]:
+    """The inputs of one pass as the runtime feeds them: tokens at [length, length + n) over a cache laid out for
+    `capacity` positions (cache: its arrays by input name; None = empty), padded to the protocol's width."""
+    from ..runtime.static_shapes import Buckets, PassInputs
+
+    tokens = np.asarray(tokens, np.int64)
+    width = VERIFY_WIDTH if len(tokens) <= VERIFY_WIDTH else len(tokens)
+    p = PassInputs(Buckets((width,), (capacity,))).plan(length, tokens, None, None, num_logits, capacity)
+    if cache is None:
+        dtype = np.dtype(PORTABLE_DTYPES[entry.precision])
+        cache = {past_name(i, k): np.zeros((1, entry.num_kv_heads, capacity, entry.head_dim), dtype)
+                 for i in range(entry.num_layers) for k in KV_KINDS}
+    return {INPUT_IDS: p.tokens[None].copy(), POSITION_IDS: p.positions[None].copy(),
+            ATTENTION_MASK: p.mask.reshape(1, 1, p.width, capacity).copy(),
+            WRITE_INDICES: np.array([length], np.int64), LOGITS_INDICES: p.logits_rows.copy(), **cache}
+
+
 def protocol_feeds(onnx_path: Path, entry, prompt: np.ndarray, capacity: int = 256) -> list[dict[str, np.ndarray]]:
     """Two passes as the runtime feeds them: prompt [n] over an empty cache laid out for `capacity` positions,
     then VERIFY_WIDTH tokens over the cache the first pass wrote (computed here on the CPU reference)."""
     import onnxruntime as ort
 
-    from ..runtime.static_shapes import Buckets, PassInputs
-
     n, W = len(prompt), VERIFY_WIDTH
     if n + W > capacity:
         raise SpecrtError(f"a parity prompt of {n} tokens does not fit a {capacity}-position layout; shorten it")
-    inputs = PassInputs(Buckets((W,), (capacity,)))
-    dtype = np.dtype(PORTABLE_DTYPES[entry.precision])
-    cache = {past_name(i, k): np.zeros((1, entry.num_kv_heads, capacity, entry.head_dim), dtype)
-             for i in range(entry.num_layers) for k in KV_KINDS}
-
-    def feed(tokens, length, num_logits):
-        p = inputs.plan(length, np.asarray(tokens, np.int64), None, None, num_logits, capacity)
-        return {INPUT_IDS: p.tokens[None].copy(), POSITION_IDS: p.positions[None].copy(),
-                ATTENTION_MASK: p.mask.reshape(1, 1, p.width, capacity).copy(),
-                WRITE_INDICES: np.array([length], np.int64), LOGITS_INDICES: p.logits_rows.copy(), **cache}
-
-    prefill = feed(prompt, 0, 1)
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    prefill = prefill_feed(entry, prompt, capacity)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3  # past and present are separate arrays here: TensorScatter's copy warning is moot
+    session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     outs = dict(zip(names, session.run(None, prefill)))
     cache = {past_name(i, k): outs[present_name(i, k)] for i in range(entry.num_layers) for k in KV_KINDS}
-    verify = feed(np.resize(prompt[-W:], W), n, W)
-    return [prefill, verify]
+    return [prefill, prefill_feed(entry, np.resize(prompt[-W:], W), capacity, cache, n, W)]
 
 
 def _runner(name: str, onnx_path: Path):

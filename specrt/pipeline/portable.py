@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 from ..errors import SpecrtError
-from ..interface import PORTABLE_DTYPES, portable_io_description
+from ..interface import PORTABLE_DTYPES, QDQ_PRECISIONS, portable_io_description
 from ..manifest import EngineEntry, engine_memory, file_sha256, tool_versions
 from . import checks
 from .buildcache import link
+from .quality import DEFAULT_FLOOR, QDQ_SESSION, build_quantized, measure_quality, require_quality
+from .runtime_link import provisional_entry
 
 PORTABLE_BACKENDS = ("onnxruntime-portable", "onnxruntime-cuda", "tensorrt")
 DEFAULT_PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "onnxruntime-portable": ("fp32", "fp16"),
@@ -35,7 +37,7 @@ def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
     bad = [p for p in precisions if p not in PORTABLE_DTYPES]
     if bad:
         raise SpecrtError(f"--backend {backend} builds precisions {', '.join(PORTABLE_DTYPES)}, not "
-                          f"{', '.join(bad)} (FP8/INT8 Q/DQ engines are not built yet); pass e.g. --precisions fp16")
+                          f"{', '.join(bad)}; pass e.g. --precisions fp16")
     if backend == "tensorrt":
         from ..build.tensorrt import require_tensorrt
 
@@ -49,20 +51,37 @@ def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
                               "on a machine with an NVIDIA GPU, or build --backend onnxruntime-portable for the CPU")
 
 
-def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str) -> EngineEntry:
-    """<role>-<p> of a portable set: the portable graph (cached per export and graph format), compiled for
-    TensorRT where asked, linked into tmp, checked -> its manifest entry."""
+def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str,
+                          calibration_texts: int = 32, quality_floor: float = DEFAULT_FLOOR) -> EngineEntry:
+    """<role>-<p> of a portable set: the portable graph (cached per export and graph format; fp8/int8: its Q/DQ
+    form, calibrated, its quality against fp32 measured), compiled for TensorRT where asked, linked into tmp,
+    checked -> its manifest entry."""
     from ..export.portable import FORMAT
 
-    graph = _portable_graph(role, p, cache, facts, log, cache / f"portable-v{FORMAT}")
-    files, build = [graph, Path(str(graph) + ".data")], {"portable_format": FORMAT}
+    bdir = cache / f"portable-v{FORMAT}"
+    graph = _portable_graph(role, "fp32" if p in QDQ_PRECISIONS else p, cache, facts, log, bdir)
+    build, session_config, quality = {"portable_format": FORMAT}, None, None
+    if p in QDQ_PRECISIONS:
+        from ..build.quantize import FORMAT as QDQ_FORMAT
+
+        fp32_graph, graph = graph, bdir / f"{role}-{p}-q{QDQ_FORMAT}-cal{calibration_texts}.onnx"
+        if not graph.is_file():
+            provisional = provisional_entry(fp32_graph, facts, backend="onnxruntime-portable")
+            build_quantized(fp32_graph, graph, p, cache, facts, provisional, log, calibration_texts)
+        build = {**build, **json.loads(graph.with_suffix(".json").read_text())}
+        session_config = dict(QDQ_SESSION)
+        log(f"measuring {role}-{p} against fp32 on held-out text")
+        quality = measure_quality(graph, fp32_graph, facts, "onnxruntime-portable", p, cache)
+        require_quality(f"{role}-{p}", quality, quality_floor)
+    files = [graph, Path(str(graph) + ".data")]
     if backend == "tensorrt":
         engine, trt_facts = _tensorrt_engine(graph, facts, log)
         files, build = [engine], {**build, **trt_facts}
     for f in files:
         link(f, tmp / f.name)
     log(f"checking {role}-{p} against PyTorch ({backend})")
-    parity = checks.check_engine(tmp / files[0].name, facts, cache / "golden.npz", backend=backend, precision=p)
+    parity = checks.check_engine(tmp / files[0].name, facts, cache / "golden.npz", session_config, backend=backend,
+                                 precision=p)
     if p == "fp32":  # fp32 weights and compute must match PyTorch; fp16 engines record their figures
         checks.require_parity(f"{role}-{p}", parity)
     s = facts["spec"]
@@ -73,8 +92,8 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         precision=p, num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
         head_dim=s["head_dim"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
         max_context=facts["max_context"], architecture=s["architecture"], inputs=inputs, outputs=outputs,
-        source_sha256=facts["source"]["sha256"], parity=parity, build=build,
-        tokenizer_sha256=file_sha256(cache / "tokenizer.json"),
+        source_sha256=facts["source"]["sha256"], parity=parity, build=build, session_config=session_config,
+        quality=quality, tokenizer_sha256=file_sha256(cache / "tokenizer.json"),
         build_versions=tool_versions(("specrt", "onnx", "onnxruntime", "tensorrt")))
     return entry.with_memory(engine_memory(entry, tmp))
 

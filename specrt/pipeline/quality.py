@@ -1,0 +1,96 @@
+"""Quantized portable engines (fp8, int8): calibrated on packaged texts, Q/DQ inserted by build/quantize.py, and
+their quality against the set's fp32 engine measured at build time on held-out text, teacher-forced: the share
+of positions whose top-1 token agrees and the mean KL(fp32 || quantized). A build whose top-1 agreement falls
+below the floor fails in one line naming the figure and the option.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecrtError
+from .runtime_link import open_built_engine
+
+QDQ_SESSION = {"session.disable_quant_qdq": "1"}  # ONNX Runtime runs the Q/DQ graph as written (fake-quant)
+HELDOUT_TEXTS, MAX_TOKENS = 16, 256
+DEFAULT_FLOOR = 0.85  # top-1 agreement with fp32 on held-out text
+
+
+def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
+    from ..runtime.tokenizer import TextCodec
+    from .engines import chat_template
+
+    codec = TextCodec(cache / "tokenizer.json", chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+    limit = min(MAX_TOKENS, facts["max_context"] - 64)
+    return [np.asarray(codec.encode(t)[:limit], np.int64) for t in texts if codec.encode(t)]
+
+
+def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, facts: dict, entry, log,
+                    calibration_texts: int, lm_head_fp32: bool = True) -> dict:
+    """out (+ .data): the Q/DQ graph of fp32_graph at `precision`, calibrated on `calibration_texts` packaged texts
+    (stdlib code and doc questions, never the bench's prompts) -> its build facts. Written whole or not at all."""
+    from ..build.gptq import calibration_texts as texts
+    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate_amax, insert_qdq
+    from ..interface import LOGITS
+    from .parity import prefill_feed
+
+    seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
+    log(f"calibrating {precision} activations on {len(seqs)} texts")
+    amax = calibrate_amax(fp32_graph, (prefill_feed(entry, s, 512) for s in seqs))
+    part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
+    try:
+        info = insert_qdq(fp32_graph, part / out.name, precision, amax, keep=(LOGITS,) if lm_head_fp32 else (),
+                          smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None)
+        shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
+        shutil.move(str(part / out.name), str(out))
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    info["calibration_texts"] = len(seqs)
+    out.with_suffix(".json").write_text(json.dumps(info))
+    return info
+
+
+def measure_quality(path: Path, fp32_path: Path, facts: dict, backend: str, precision: str, cache: Path) -> dict:
+    """Teacher-forced on held-out stdlib code: top-1 agreement and mean KL of the engine at path against fp32."""
+    from ..corpora import heldout_code_texts
+
+    seqs = _sequences(heldout_code_texts(HELDOUT_TEXTS), cache, facts)
+    ref = open_built_engine(fp32_path, facts, backend=backend, precision="fp32")
+    got = open_built_engine(path, facts, QDQ_SESSION, backend=backend, precision=precision)
+    agree, kl, n = 0, 0.0, 0
+    for seq in seqs:
+        a, b = _logits(ref, seq), _logits(got, seq)
+        agree += int((a.argmax(1) == b.argmax(1)).sum())
+        lp, lq = _log_softmax(a), _log_softmax(b)
+        kl += float((np.exp(lp) * (lp - lq)).sum())
+        n += len(seq)
+    return {"top1": round(agree / n, 4), "kl": round(kl / n, 5), "positions": n, "texts": len(seqs),
+            "against": "fp32", "text": "held-out stdlib source, teacher-forced"}
+
+
+def _logits(engine, seq: np.ndarray) -> np.ndarray:
+    """Logits of every position of seq, in passes of at most max_pass_tokens."""
+    engine.rewind(0)
+    out, step = [], engine.max_pass_tokens
+    for i in range(0, len(seq), step):
+        chunk = seq[i:i + step]
+        out.append(engine.forward(chunk, num_logits=len(chunk)).astype(np.float64))
+        engine.commit(len(chunk))
+    return np.concatenate(out)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def require_quality(name: str, quality: dict, floor: float) -> None:
+    if quality["top1"] < floor:
+        raise SpecrtError(f"{name} agrees with fp32 on {quality['top1']:.1%} of held-out tokens "
+                          f"(KL {quality['kl']:.3f}), below --quality-floor {floor:.2f}; lower the floor to keep it, "
+                          "or build another precision")
