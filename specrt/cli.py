@@ -423,6 +423,30 @@ def parity(
     _guard(run)
 
 
+@app.command(name="quant-report", cls=_Command)
+def quant_report(
+    engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder."),
+    out: Path = typer.Option(Path("quant-report"), "--out", help="Folder for report.md and quality.png."),
+):
+    """Accuracy of every precision of a set against its fp32 engine (measured at build): a table and a plot."""
+
+    def run():
+        from .bench.quant_report import rows, write
+        from .manifest import load_manifest
+
+        m = load_manifest(engines_dir)
+        if out.exists() and not out.is_dir():
+            raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
+        path = write(m, out)
+        for r in rows(m):
+            top1 = "-" if r["top1_vs_fp32"] is None else f"{r['top1_vs_fp32']:.1%}"
+            kl = "-" if r["kl_vs_fp32"] is None else f"{r['kl_vs_fp32']:.4f}"
+            typer.echo(f"{r['engine']:>16}  top-1 {top1:>6}  KL {kl:>7}  width-exact {r['width_exact']}")
+        typer.echo(f"wrote {path}")
+
+    _guard(run)
+
+
 def _screen_status(entry: dict) -> str:
     """An fp32 engine's logit screen (build/screen.py): in use here, or why not."""
     facts = entry.get("screen")

@@ -69,7 +69,7 @@ def test_the_manifest_records_parity_and_memory(portable_engines):
     assert fp16.memory["kv_bytes_per_position"] * 2 == fp32.memory["kv_bytes_per_position"] == \
         fp32.num_layers * 2 * fp32.num_kv_heads * fp32.head_dim * 4
     assert fp16.memory["weights_bytes"] < 0.6 * fp32.memory["weights_bytes"]
-    assert fp16.parity["top1_agreement_vs_fp32"] >= 0.9 and 0 < fp16.parity["max_abs_logit_diff_vs_fp32"] < 0.1
+    assert fp16.quality["top1"] >= 0.9 and 0 < fp16.quality["kl"] < 0.01 and fp32.quality is None  # fp16 rounds
 
 
 def test_a_k_token_pass_equals_k_one_token_passes(portable_engines):
@@ -290,3 +290,67 @@ def test_growing_near_the_largest_layout_and_a_wide_prefill_with_padded_logits(p
     e.commit(64)
     assert e.capacity == 320 and e.length == 214
     assert e.argmax(np.array([1, 2, 3]), num_logits=3).shape == (3,)
+
+
+# --- FP8 / INT8 Q/DQ engines ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_engines(tiny_dir, tiny_engines) -> Path:
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-qdq", ("fp32", "fp8", "int8"), 256,
+                                            tiny_engines.parent, backend="onnxruntime-portable",
+                                            calibration_texts=8, quality_floor=0.5), log=lambda m: None)
+
+
+def test_qdq_engines_record_their_quality_and_stay_in_the_operator_table(quantized_engines):
+    from collections import Counter
+
+    m = load_manifest(quantized_engines)
+    for p, qtype in (("fp8", onnx.TensorProto.FLOAT8E4M3FN), ("int8", onnx.TensorProto.INT8)):
+        e = m.engine("target", p)
+        assert 0.5 <= e.quality["top1"] <= 1 and e.quality["kl"] >= 0 and e.quality["positions"] > 100
+        assert e.session_config == {"session.disable_quant_qdq": "1"} and e.build["gemms_quantized"] > 0
+        model = onnx.load(str(m.root / e.file), load_external_data=False)
+        ops = Counter(n.op_type for n in model.graph.node)
+        assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > ops["QuantizeLinear"]
+        weights = {t.data_type for t in model.graph.initializer if t.name.endswith(".q")}
+        assert weights == {qtype}
+        assert tensorrt_violations(model) == [], p
+        assert e.build["lm_head_kept"] and (e.build["smoothquant_alpha"] is not None) == (p == "int8")
+
+
+def test_a_qdq_engine_decodes_and_its_speculation_matches_its_plain_output(quantized_engines):
+    from specrt.runtime.session import load
+
+    for p in ("fp8", "int8"):
+        plain, spec = load(quantized_engines, p, "off"), load(quantized_engines, p, "prompt-lookup")
+        a, b = plain.generate(PROMPTS[1], max_new_tokens=24), spec.generate(PROMPTS[1], max_new_tokens=24)
+        assert len(a.token_ids) > 0 and list(a.token_ids) == list(b.token_ids)
+
+
+def test_a_build_below_the_quality_floor_fails_in_one_line(tiny_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["engines", "--source", str(tiny_dir), "--out", str(tmp_path), "--backend",
+                                 "onnxruntime-portable", "--precisions", "fp32,int8", "--calibration-texts", "4",
+                                 "--quality-floor", "0.9999", "--max-context", "256"])
+    assert r.exit_code == 2, r.output
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "--quality-floor 1.00" in errors[0] and "held-out" in errors[0], r.output
+    assert [p.name for p in tmp_path.iterdir()] == [".cache"]
+
+
+def test_quant_report_tables_every_precision(quantized_engines, tmp_path):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["quant-report", str(quantized_engines), "--out", str(tmp_path / "q")])
+    assert r.exit_code == 0, r.output
+    report = (tmp_path / "q" / "report.md").read_text()
+    for p in ("fp32", "fp8", "int8"):
+        assert f"| target-{p} | onnxruntime-portable |" in report
+    assert (tmp_path / "q" / "quality.png").stat().st_size > 1000

@@ -92,27 +92,3 @@ def check_screen(path: Path, facts: dict, golden_path: Path, screen: dict, sessi
             "argmax_equal": agree, "argmax_equal_fp32_pass": bool((screened == exact.argmax(axis=1)).all()),
             "holds": bool(real.sum() * 2 >= n and ratio is not None and ratio <= 1.0 and agree)}
 
-
-def agreement_with_fp32(path: Path, fp32_path: Path, facts: dict, golden_path: Path, backend: str,
-                        precision: str) -> dict:
-    """A reduced-precision engine against the fp32 engine of its set, on the golden prompt and its greedy
-    continuation fed to both (teacher-forced): the share of positions where their top-1 tokens agree, the
-    max |Δlogit|, and the share of the fp32 greedy tokens the engine reproduces before it first diverges. What
-    `exact` cannot promise for an engine that is not width-exact (docs/pipeline-notes.md, "Width-exactness")."""
-    from ..export.exporter import first_divergence
-
-    g = np.load(golden_path)
-    ids = np.concatenate([g["input_ids"], g["greedy_tokens"]]).astype(np.int64)
-    rows = []
-    for p, prec in ((fp32_path, "fp32"), (path, precision)):
-        eng = open_built_engine(p, facts, backend=backend, precision=prec)
-        n = min(len(ids), eng.max_pass_tokens)
-        if len(ids) > n:
-            eng.forward(ids[: len(ids) - n])
-            eng.commit(len(ids) - n)
-        rows.append(eng.forward(ids[len(ids) - n:], num_logits=n).copy())
-    ref, got = rows
-    a, b = ref.argmax(axis=1), got.argmax(axis=1)
-    return {"top1_agreement_vs_fp32": round(float((a == b).mean()), 4),
-            "max_abs_logit_diff_vs_fp32": float(np.abs(ref - got).max()),
-            "greedy_agreement_vs_fp32": first_divergence(a, b) / len(a), "positions_vs_fp32": int(len(a))}

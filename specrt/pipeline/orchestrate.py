@@ -21,7 +21,7 @@ from ..errors import SpecrtError
 from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
 from .buildcache import one_build_at_a_time, swap_into_place
 from .engines import build_engine, chat_template
-from .portable import PORTABLE_BACKENDS, build_portable_engine, check_backend, with_fp32_agreement
+from .portable import PORTABLE_BACKENDS, build_portable_engine, check_backend
 from .tree_sizing import TREE_COSTS, build_medusa
 
 EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
@@ -130,11 +130,6 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
                                                                 req.calibration_texts, req.quality_floor)
                                           if req.backend in PORTABLE_BACKENDS
                                           else build_engine(role, p, rcache, rfacts, tmp, log))
-            if req.backend in PORTABLE_BACKENDS and "fp32" in precs:  # what exactness cannot promise at fp16
-                for p in precs:
-                    if p != "fp32":
-                        engines[f"{role}-{p}"] = with_fp32_agreement(engines[f"{role}-{p}"],
-                                                                     engines[f"{role}-fp32"], rcache, rfacts, tmp)
         if req.medusa_heads is not None:
             engines["medusa-fp32"] = build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
                                                   req.medusa_tree_nodes, engines, req.backend)

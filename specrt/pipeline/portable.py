@@ -59,17 +59,19 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
     from ..export.portable import FORMAT
 
     bdir = cache / f"portable-v{FORMAT}"
-    graph = _portable_graph(role, "fp32" if p in QDQ_PRECISIONS else p, cache, facts, log, bdir)
+    fp32_graph = _portable_graph(role, "fp32", cache, facts, log, bdir)
+    graph = fp32_graph if p in ("fp32", *QDQ_PRECISIONS) else _portable_graph(role, p, cache, facts, log, bdir)
     build, session_config, quality = {"portable_format": FORMAT}, None, None
     if p in QDQ_PRECISIONS:
         from ..build.quantize import FORMAT as QDQ_FORMAT
 
-        fp32_graph, graph = graph, bdir / f"{role}-{p}-q{QDQ_FORMAT}-cal{calibration_texts}.onnx"
+        graph = bdir / f"{role}-{p}-q{QDQ_FORMAT}-cal{calibration_texts}.onnx"
         if not graph.is_file():
             provisional = provisional_entry(fp32_graph, facts, backend="onnxruntime-portable")
             build_quantized(fp32_graph, graph, p, cache, facts, provisional, log, calibration_texts)
         build = {**build, **json.loads(graph.with_suffix(".json").read_text())}
         session_config = dict(QDQ_SESSION)
+    if p != "fp32":  # on the CPU, on the very graph a GPU backend compiles
         log(f"measuring {role}-{p} against fp32 on held-out text")
         quality = measure_quality(graph, fp32_graph, facts, "onnxruntime-portable", p, cache)
         require_quality(f"{role}-{p}", quality, quality_floor)
@@ -96,15 +98,6 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         quality=quality, tokenizer_sha256=file_sha256(cache / "tokenizer.json"),
         build_versions=tool_versions(("specrt", "onnx", "onnxruntime", "tensorrt")))
     return entry.with_memory(engine_memory(entry, tmp))
-
-
-def with_fp32_agreement(entry: EngineEntry, fp32: EngineEntry, cache: Path, facts: dict, tmp: Path) -> EngineEntry:
-    """entry with its agreement against the set's fp32 engine of the same role in its parity figures."""
-    from dataclasses import replace
-
-    agree = checks.agreement_with_fp32(tmp / entry.file, tmp / fp32.file, facts, cache / "golden.npz", entry.backend,
-                                       entry.precision)
-    return replace(entry, parity={**(entry.parity or {}), **agree}, raw=None)
 
 
 def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path) -> Path:

@@ -69,7 +69,7 @@ def measure_quality(path: Path, fp32_path: Path, facts: dict, backend: str, prec
         lp, lq = _log_softmax(a), _log_softmax(b)
         kl += float((np.exp(lp) * (lp - lq)).sum())
         n += len(seq)
-    return {"top1": round(agree / n, 4), "kl": round(kl / n, 5), "positions": n, "texts": len(seqs),
+    return {"top1": round(agree / n, 4), "kl": float(f"{kl / n:.4g}"), "positions": n, "texts": len(seqs),
             "against": "fp32", "text": "held-out stdlib source, teacher-forced"}
 
 
