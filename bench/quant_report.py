@@ -22,6 +22,8 @@ def rows(manifest: Manifest) -> list[dict]:
         out.append({"engine": e.name, "backend": e.backend, "precision": e.precision, "top1_vs_fp32": agree,
                     "kl_vs_fp32": q.get("kl", 0.0 if e.precision == "fp32" else None),
                     "width_exact": e.width_exact, "greedy_vs_torch": p.get("greedy_agreement_vs_torch"),
+                    "draft_tau": (q.get("drafting") or {}).get("tau"),
+                    "draft_acceptance": (q.get("drafting") or {}).get("acceptance_by_position"),
                     "weights_mib": (e.memory or {}).get("weights_bytes", 0) / 2**20})
     return out
 
@@ -34,12 +36,16 @@ def write(manifest: Manifest, out: Path) -> Path:
              "top-1 and KL: teacher-forced on held-out stdlib code against the set's fp32 engine. greedy vs torch: "
              "the share of PyTorch's 32 greedy tokens on the golden prompt reproduced "
              "before the first divergence.", "",
-             "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | weights MiB |",
-             "|---|---|---:|---:|---|---:|---:|"]
+             "draft tau: tokens per target pass when the draft drafts 4 tokens a round for the fp32 target "
+             "(greedy, held-out stdlib code), and its acceptance by position.", "",
+             "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | draft tau | "
+             "acceptance by position | weights MiB |",
+             "|---|---|---:|---:|---|---:|---:|---|---:|"]
     for r in table:
+        acc = " ".join(f"{a:.2f}" for a in r["draft_acceptance"]) if r["draft_acceptance"] else "–"
         lines.append(f"| {r['engine']} | {r['backend']} | {fmt(r['top1_vs_fp32'], '.1%')} | "
                      f"{fmt(r['kl_vs_fp32'], '.4f')} | {r['width_exact']} | {fmt(r['greedy_vs_torch'], '.0%')} | "
-                     f"{r['weights_mib']:.0f} |")
+                     f"{fmt(r['draft_tau'], '.3f')} | {acc} | {r['weights_mib']:.0f} |")
     out.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib
@@ -48,14 +54,19 @@ def write(manifest: Manifest, out: Path) -> Path:
         import matplotlib.pyplot as plt
 
         shown = [r for r in table if r["top1_vs_fp32"] is not None]
-        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+        drafts = [r for r in table if r["draft_tau"] is not None]
+        fig, axes = plt.subplots(1, 3 if drafts else 2, figsize=(13 if drafts else 9, 3.2))
+        a, b = axes[0], axes[1]
+        if drafts:
+            axes[2].bar([r["engine"] for r in drafts], [r["draft_tau"] for r in drafts])
+            axes[2].set_title("draft tau for the fp32 target (K=4)")
         names = [r["engine"] for r in shown]
         a.bar(names, [r["top1_vs_fp32"] for r in shown])
         a.set_ylim(0, 1)
         a.set_title("top-1 agreement with fp32")
         b.bar(names, [r["kl_vs_fp32"] or 0.0 for r in shown])
         b.set_title("KL(fp32 || engine)")
-        for ax in (a, b):
+        for ax in axes:
             ax.tick_params(axis="x", rotation=30)
         fig.tight_layout()
         fig.savefig(out / "quality.png", dpi=110)

@@ -441,7 +441,8 @@ def quant_report(
         for r in rows(m):
             top1 = "-" if r["top1_vs_fp32"] is None else f"{r['top1_vs_fp32']:.1%}"
             kl = "-" if r["kl_vs_fp32"] is None else f"{r['kl_vs_fp32']:.4f}"
-            typer.echo(f"{r['engine']:>16}  top-1 {top1:>6}  KL {kl:>7}  width-exact {r['width_exact']}")
+            tau = "" if r["draft_tau"] is None else f"  draft tau {r['draft_tau']:.3f}"
+            typer.echo(f"{r['engine']:>16}  top-1 {top1:>6}  KL {kl:>7}  width-exact {r['width_exact']}{tau}")
         typer.echo(f"wrote {path}")
 
     _guard(run)

@@ -295,12 +295,26 @@ def test_growing_near_the_largest_layout_and_a_wide_prefill_with_padded_logits(p
 # --- FP8 / INT8 Q/DQ engines ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quantized_engines(tiny_dir, tiny_engines) -> Path:
+def quantized_engines(tiny_dir, tiny_engines, tmp_path_factory) -> Path:
+    """fp32/fp8/int8 targets with fp32 and fp8 drafts (a noisy copy of the target)."""
+    from tiny import make_checkpoint
+
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
+    draft = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-noisy", "llama", seed=0, noise=0.3)
     return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-qdq", ("fp32", "fp8", "int8"), 256,
-                                            tiny_engines.parent, backend="onnxruntime-portable",
-                                            calibration_texts=8, quality_floor=0.5), log=lambda m: None)
+                                            tiny_engines.parent, str(draft), ("fp32", "fp8"),
+                                            backend="onnxruntime-portable", calibration_texts=8, quality_floor=0.5),
+                           log=lambda m: None)
+
+
+def test_drafts_record_their_acceptance_for_the_fp32_target(quantized_engines):
+    m = load_manifest(quantized_engines)
+    for p in ("fp32", "fp8"):
+        d = m.engine("draft", p).quality["drafting"]
+        assert d["against"] == "target-fp32" and 1.0 <= d["tau"] <= 1 + d["draft_tokens"]
+        assert len(d["acceptance_by_position"]) == d["draft_tokens"] and 0 < d["acceptance_by_position"][0] <= 1
+    assert m.engine("draft", "fp8").quality["top1"] > 0.5
 
 
 def test_qdq_engines_record_their_quality_and_stay_in_the_operator_table(quantized_engines):
@@ -351,6 +365,6 @@ def test_quant_report_tables_every_precision(quantized_engines, tmp_path):
     r = CliRunner().invoke(app, ["quant-report", str(quantized_engines), "--out", str(tmp_path / "q")])
     assert r.exit_code == 0, r.output
     report = (tmp_path / "q" / "report.md").read_text()
-    for p in ("fp32", "fp8", "int8"):
-        assert f"| target-{p} | onnxruntime-portable |" in report
+    for name in ("target-fp32", "target-fp8", "target-int8", "draft-fp32", "draft-fp8"):
+        assert f"| {name} | onnxruntime-portable |" in report
     assert (tmp_path / "q" / "quality.png").stat().st_size > 1000

@@ -141,12 +141,25 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
             chat_template=chat_template(cache), bos_token=facts["bos_token"], eos_token_ids=facts["eos_token_ids"],
             engines=engines)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if req.backend in PORTABLE_BACKENDS and "target-fp32" in engines:
+            _measure_drafts(tmp, manifest, log)
         swap_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"wrote {final}")
     return final
+
+
+def _measure_drafts(tmp: Path, manifest: dict, log) -> None:
+    """Every draft engine's tau and acceptance by position for the fp32 target, in its quality (quality.py)."""
+    from .quality import draft_acceptance
+
+    for name, e in manifest["engines"].items():
+        if e["role"] == "draft":
+            log(f"measuring {name}'s acceptance for target-fp32")
+            e["quality"] = {**(e.get("quality") or {}), "drafting": draft_acceptance(tmp, "target-fp32", name)}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 def _export_tools() -> str:

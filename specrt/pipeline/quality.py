@@ -94,3 +94,38 @@ def require_quality(name: str, quality: dict, floor: float) -> None:
         raise SpecrtError(f"{name} agrees with fp32 on {quality['top1']:.1%} of held-out tokens "
                           f"(KL {quality['kl']:.3f}), below --quality-floor {floor:.2f}; lower the floor to keep it, "
                           "or build another precision")
+
+
+DRAFT_PROMPTS, DRAFT_TOKENS, DRAFT_K = 6, 48, 4
+
+
+def draft_acceptance(root: Path, target: str, draft: str) -> dict:
+    """How well the draft engine `draft` of the set at root drafts for its fp32 target `target`: greedy, K =
+    DRAFT_K tokens a round, on held-out stdlib code (the first 96 tokens of each text as a raw prompt) ->
+    tau and acceptance by position, pooled over the prompts."""
+    from dataclasses import replace
+
+    from ..corpora import heldout_code_texts
+    from ..manifest import load_manifest
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.session import load
+    from ..runtime.speculative import SpeculativeConfig
+
+    m = load_manifest(root)
+    only = replace(m, engines={k: e for k, e in m.engines.items() if k in (target, draft)})
+    session = load(only, m.engines[target].precision, "draft", config=SpeculativeConfig(draft_tokens=DRAFT_K))
+    codec, room = session.generator.codec, min(96, m.engines[target].max_context // 2 - DRAFT_TOKENS)
+    rounds = produced = 0
+    kept, drafted = np.zeros(DRAFT_K), np.zeros(DRAFT_K)
+    for text in heldout_code_texts(DRAFT_PROMPTS):
+        prompt = codec.decode(codec.encode(text)[:room])
+        r = session.generator.generate(prompt, decode=session.decoder, max_new_tokens=DRAFT_TOKENS,
+                                       sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+        st = r.stats
+        rounds, produced = rounds + st.rounds, produced + len(r.token_ids)
+        n = len(st.drafted_by_position)
+        drafted[:n] += st.drafted_by_position
+        kept[:n] += np.round(np.asarray(st.acceptance_by_position) * st.drafted_by_position)
+    return {"tau": round(produced / rounds, 3) if rounds else None, "draft_tokens": DRAFT_K,
+            "acceptance_by_position": [round(float(a), 3) for a in kept / np.maximum(drafted, 1)],
+            "prompts": DRAFT_PROMPTS, "against": target}
