@@ -86,6 +86,9 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
                                  precision=p)
     if p == "fp32":  # fp32 weights and compute must match PyTorch; fp16 engines record their figures
         checks.require_parity(f"{role}-{p}", parity)
+    if p in QDQ_PRECISIONS:  # a float difference of 1e-6 can cross a rounding boundary and move a value a whole step
+        parity = {**parity, "width_exact": False, "width_note": "Q/DQ rounding amplifies float noise between pass "
+                  "widths (docs/design-notes.md, \"Q/DQ engines are not width-exact\")"}
     s = facts["spec"]
     sizes = {k: s[k] for k in ("num_kv_heads", "head_dim", "hidden_size", "vocab_size")}
     inputs, outputs = portable_io_description(sizes, PORTABLE_DTYPES[p])
