@@ -84,6 +84,26 @@ class Heads(Protocol):
     def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray: ...
 
 
+def check_pass(engine, n: int, num_logits: int) -> None:
+    """A pass of n tokens returning num_logits rows fits the engine's cache and its logits buffer (backends call
+    it first, before any work)."""
+    if engine.length + n > engine.max_context:
+        raise ContextFullError(
+            f"context full: {engine.length} + {n} tokens exceed max_context {engine.max_context}; "
+            "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
+    if not 1 <= num_logits <= min(n, engine.max_pass_tokens):
+        raise ValueError(f"a pass returns 1..min(n, {engine.max_pass_tokens}) logits, asked {num_logits} of {n}")
+
+
+def tree_moves(length: int, n: int, path) -> tuple[np.ndarray, np.ndarray] | None:
+    """commit(n, path)'s row moves: (source slots, destination slots) of the accepted nodes not already in
+    place, or None when none moves."""
+    src = length + np.asarray(path, np.int64)
+    dst = length + np.arange(n)
+    moved = src != dst
+    return (src[moved], dst[moved]) if moved.any() else None
+
+
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> Engine:
     """The decoder engine a manifest entry (specrt.manifest.EngineEntry) describes, under engine-set folder root."""
     from .backends import backend

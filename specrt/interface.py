@@ -59,27 +59,35 @@ def _dims(dims, sizes: dict) -> list:
     return [sizes.get(d, d) for d in dims]
 
 
+def _signature(num_layers: int, sizes: dict, ins, outs, cache_dims, cache_dtype: str) -> tuple[list, list]:
+    cache = _dims(cache_dims, sizes)
+    inputs = [(n, _dims(d, sizes), t) for n, d, t in ins]
+    outputs = [(n, _dims(d, sizes), t) for n, d, t in outs]
+    for i in range(num_layers):
+        for kind in KV_KINDS:
+            inputs.append((past_name(i, kind), cache, cache_dtype))
+            outputs.append((present_name(i, kind), cache, cache_dtype))
+    return inputs, outputs
+
+
 def decoder_signature(num_layers: int, sizes: dict) -> tuple[list, list]:
     """(inputs, outputs) of a decoder graph with `num_layers` layers, each a list of (name, dims, dtype) in
     graph order; sizes maps num_kv_heads, head_dim, hidden_size and vocab_size to the model's (the rest stay
     symbolic)."""
-    cache = _dims(CACHE_DIMS, sizes)
-    inputs = [(n, _dims(d, sizes), t) for n, d, t in DECODER_INPUTS]
-    outputs = [(n, _dims(d, sizes), t) for n, d, t in DECODER_OUTPUTS]
-    for i in range(num_layers):
-        for kind in KV_KINDS:
-            inputs.append((past_name(i, kind), cache, CACHE_DTYPE))
-            outputs.append((present_name(i, kind), cache, CACHE_DTYPE))
-    return inputs, outputs
+    return _signature(num_layers, sizes, DECODER_INPUTS, DECODER_OUTPUTS, CACHE_DIMS, CACHE_DTYPE)
 
 
 def decoder_io_description(sizes: dict) -> tuple[dict, dict]:
     """The decoder graph's inputs and outputs as a manifest entry records them: {name: [*dims, dtype]}, the
     cache once for every layer."""
+    return _description(sizes, DECODER_INPUTS, DECODER_OUTPUTS, CACHE_DIMS, CACHE_DTYPE)
+
+
+def _description(sizes: dict, ins, outs, cache_dims, cache_dtype: str) -> tuple[dict, dict]:
     every = "|".join(KV_KINDS)
-    inputs = {n: [*_dims(d, sizes), t] for n, d, t in DECODER_INPUTS}
-    inputs[past_name("{i}", every)] = [*_dims(CACHE_DIMS, sizes), CACHE_DTYPE]
-    outputs = {n: [*_dims(d, sizes), t] for n, d, t in DECODER_OUTPUTS}
+    inputs = {n: [*_dims(d, sizes), t] for n, d, t in ins}
+    inputs[past_name("{i}", every)] = [*_dims(cache_dims, sizes), cache_dtype]
+    outputs = {n: [*_dims(d, sizes), t] for n, d, t in outs}
     outputs[present_name("{i}", every)] = "shares the past buffer"
     return inputs, outputs
 
@@ -131,21 +139,9 @@ QDQ_PRECISIONS = ("fp8", "int8")
 
 def portable_signature(num_layers: int, sizes: dict, cache_dtype: str) -> tuple[list, list]:
     """(inputs, outputs) of a portable decoder graph, each a list of (name, dims, dtype) in graph order."""
-    cache = _dims(PORTABLE_CACHE_DIMS, sizes)
-    inputs = [(n, _dims(d, sizes), t) for n, d, t in PORTABLE_INPUTS]
-    outputs = [(n, _dims(d, sizes), t) for n, d, t in PORTABLE_OUTPUTS]
-    for i in range(num_layers):
-        for kind in KV_KINDS:
-            inputs.append((past_name(i, kind), cache, cache_dtype))
-            outputs.append((present_name(i, kind), cache, cache_dtype))
-    return inputs, outputs
+    return _signature(num_layers, sizes, PORTABLE_INPUTS, PORTABLE_OUTPUTS, PORTABLE_CACHE_DIMS, cache_dtype)
 
 
 def portable_io_description(sizes: dict, cache_dtype: str) -> tuple[dict, dict]:
     """The portable graph's inputs and outputs as a manifest entry records them."""
-    every = "|".join(KV_KINDS)
-    inputs = {n: [*_dims(d, sizes), t] for n, d, t in PORTABLE_INPUTS}
-    inputs[past_name("{i}", every)] = [*_dims(PORTABLE_CACHE_DIMS, sizes), cache_dtype]
-    outputs = {n: [*_dims(d, sizes), t] for n, d, t in PORTABLE_OUTPUTS}
-    outputs[present_name("{i}", every)] = "shares the past buffer"
-    return inputs, outputs
+    return _description(sizes, PORTABLE_INPUTS, PORTABLE_OUTPUTS, PORTABLE_CACHE_DIMS, cache_dtype)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import SpecrtError
 from ...interface import PORTABLE_DTYPES
-from ..engine import ContextFullError
+from ..engine import check_pass
 from ..static_shapes import Buckets, PassInputs
 from .cuda_memory import DeviceCache, Memory
 
@@ -137,12 +137,7 @@ class DeviceEngine:
 
     def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool) -> None:
         n = len(tokens)
-        if self.length + n > self.max_context:
-            raise ContextFullError(
-                f"context full: {self.length} + {n} tokens exceed max_context {self.max_context}; "
-                "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
-        if not 1 <= num_logits <= min(n, self.max_pass_tokens):
-            raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {num_logits} of {n}")
+        check_pass(self, n, num_logits)
         if n > self.max_prompt:
             raise SpecrtError(f"a pass of {n} tokens is wider than engine '{self.name}' takes ({self.max_prompt}); "
                               "shorten the prompt, or rebuild the engines with a larger --max-context")

@@ -18,7 +18,7 @@ from ...errors import SpecrtError, first_line
 from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES,
                           INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
                           TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
-from ..engine import ContextFullError, EngineOptions
+from ..engine import EngineOptions, check_pass, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 
 # The screen saves time on narrow passes and loses it on wide ones (docs/runtime-notes.md, "Logit screen row limit").
@@ -199,14 +199,9 @@ class OrtEngine:
         approx (screen engines): the logits of the 8-bit lm_head, not fp32; only self.greedy is exact then.
         """
         n = len(tokens)
-        if self.length + n > self.max_context:
-            raise ContextFullError(
-                f"context full: {self.length} + {n} tokens exceed max_context {self.max_context}; "
-                "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
+        check_pass(self, n, num_logits)
         if self.length + n > self.capacity:  # past what the request reserved: grow (copies the cache once)
             self.reserve(max(self.length + n, 2 * self.capacity))
-        if not 1 <= num_logits <= min(n, self.max_pass_tokens):
-            raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {num_logits} of {n}")
         if positions is None:
             positions = np.arange(self.length, self.length + n, dtype=np.int64)
         if tree_mask is not None:
@@ -255,12 +250,10 @@ class OrtEngine:
 
     def commit(self, n: int, path: np.ndarray | None = None) -> None:
         """Accept n of the tokens of the last pass. path [n]: their indices in that pass (trees)."""
-        if path is not None:
-            src = self.length + np.asarray(path, np.int64)
-            dst = self.length + np.arange(n)
-            moved = src != dst
-            if moved.any():
-                self.cache[:, :, :, :, dst[moved]] = self.cache[:, :, :, :, src[moved]]
+        moves = None if path is None else tree_moves(self.length, n, path)
+        if moves is not None:
+            src, dst = moves
+            self.cache[:, :, :, :, dst] = self.cache[:, :, :, :, src]
         self.length += n
 
     def rewind(self, length: int = 0) -> None:

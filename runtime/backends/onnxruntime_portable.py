@@ -17,7 +17,7 @@ import onnxruntime as ort
 from ...errors import SpecrtError
 from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
                           PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, present_name)
-from ..engine import ContextFullError, EngineOptions
+from ..engine import EngineOptions, check_pass, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 from ..static_shapes import Buckets, PassInputs, relayout
 from .onnxruntime_cpu import TAKING_TURNS, OrtHeads, open_session
@@ -123,12 +123,7 @@ class PortableEngine:
 
     def _run(self, tokens, positions, tree_mask, num_logits: int) -> None:
         n = len(tokens)
-        if self.length + n > self.max_context:
-            raise ContextFullError(
-                f"context full: {self.length} + {n} tokens exceed max_context {self.max_context}; "
-                "shorten the prompt or lower --max-new-tokens, or rebuild the engines with a larger --max-context")
-        if not 1 <= num_logits <= min(n, self.max_pass_tokens):
-            raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {num_logits} of {n}")
+        check_pass(self, n, num_logits)
         width = self.buckets.width(n)
         if self.length + width > self.capacity:  # the next layout up (copies the committed positions once)
             self._layout(self.buckets.capacity(self.length + width))
@@ -150,14 +145,12 @@ class PortableEngine:
 
     def commit(self, n: int, path: np.ndarray | None = None) -> None:
         """Accept n tokens of the last pass; path [n]: their indices in that pass (trees)."""
-        if path is not None:
-            src = self.length + np.asarray(path, np.int64)
-            dst = self.length + np.arange(n)
-            moved = src != dst
-            if moved.any():
-                for layer in self.cache:
-                    for view in layer:
-                        view[:, :, dst[moved]] = view[:, :, src[moved]]
+        moves = None if path is None else tree_moves(self.length, n, path)
+        if moves is not None:
+            src, dst = moves
+            for layer in self.cache:
+                for view in layer:
+                    view[:, :, dst] = view[:, :, src]
         self.length += n
 
     def rewind(self, length: int = 0) -> None:
