@@ -22,6 +22,7 @@ def rows(manifest: Manifest) -> list[dict]:
         out.append({"engine": e.name, "backend": e.backend, "precision": e.precision, "top1_vs_fp32": agree,
                     "kl_vs_fp32": q.get("kl", 0.0 if e.precision == "fp32" else None),
                     "width_exact": e.width_exact, "greedy_vs_torch": p.get("greedy_agreement_vs_torch"),
+                    "greedy_bench": q.get("greedy_bench"),
                     "draft_tau": (q.get("drafting") or {}).get("tau"),
                     "draft_acceptance": (q.get("drafting") or {}).get("acceptance_by_position"),
                     "weights_mib": (e.memory or {}).get("weights_bytes", 0) / 2**20})
@@ -36,16 +37,20 @@ def write(manifest: Manifest, out: Path) -> Path:
              "top-1 and KL: teacher-forced on held-out stdlib code against the set's fp32 engine. greedy vs torch: "
              "the share of PyTorch's 32 greedy tokens on the golden prompt reproduced "
              "before the first divergence.", "",
+             "greedy on bench: plain greedy decoding of the first bench prompt per category, 32 tokens, "
+             "identical to the fp32 engine's / prompts.", "",
              "draft tau: tokens per target pass when the draft drafts 4 tokens a round for the fp32 target "
              "(greedy, held-out stdlib code), and its acceptance by position.", "",
-             "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | draft tau | "
-             "acceptance by position | weights MiB |",
-             "|---|---|---:|---:|---|---:|---:|---|---:|"]
+             "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | greedy on bench | "
+             "draft tau | acceptance by position | weights MiB |",
+             "|---|---|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in table:
         acc = " ".join(f"{a:.2f}" for a in r["draft_acceptance"]) if r["draft_acceptance"] else "–"
+        g = r["greedy_bench"]
+        bench = f"{g['identical']}/{g['prompts']}" if g and g.get("prompts") else "–"
         lines.append(f"| {r['engine']} | {r['backend']} | {fmt(r['top1_vs_fp32'], '.1%')} | "
                      f"{fmt(r['kl_vs_fp32'], '.4f')} | {r['width_exact']} | {fmt(r['greedy_vs_torch'], '.0%')} | "
-                     f"{fmt(r['draft_tau'], '.3f')} | {acc} | {r['weights_mib']:.0f} |")
+                     f"{bench} | {fmt(r['draft_tau'], '.3f')} | {acc} | {r['weights_mib']:.0f} |")
     out.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib

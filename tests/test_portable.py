@@ -325,6 +325,8 @@ def test_qdq_engines_record_their_quality_and_stay_in_the_operator_table(quantiz
         e = m.engine("target", p)
         assert 0.5 <= e.quality["top1"] <= 1 and e.quality["kl"] >= 0 and e.quality["positions"] > 100
         assert e.session_config == {"session.disable_quant_qdq": "1"} and e.build["gemms_quantized"] > 0
+        g = e.quality["greedy_bench"]
+        assert g["prompts"] >= 1 and len(g["first_divergence"]) == g["prompts"] and 0 <= g["identical"] <= g["prompts"]
         model = onnx.load(str(m.root / e.file), load_external_data=False)
         ops = Counter(n.op_type for n in model.graph.node)
         assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > ops["QuantizeLinear"]

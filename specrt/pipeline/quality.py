@@ -70,7 +70,48 @@ def measure_quality(path: Path, fp32_path: Path, facts: dict, backend: str, prec
         kl += float((np.exp(lp) * (lp - lq)).sum())
         n += len(seq)
     return {"top1": round(agree / n, 4), "kl": float(f"{kl / n:.4g}"), "positions": n, "texts": len(seqs),
-            "against": "fp32", "text": "held-out stdlib source, teacher-forced"}
+            "against": "fp32", "text": "held-out stdlib source, teacher-forced",
+            "greedy_bench": _greedy_on_bench(ref, got, cache, facts)}
+
+
+BENCH_TOKENS = 32
+
+
+def _greedy_on_bench(ref, got, cache: Path, facts: dict) -> dict:
+    """Plain greedy decoding of the first bench prompt of each category, BENCH_TOKENS tokens, by both engines:
+    how many prompts give identical tokens, and where the others first diverge."""
+    from ..corpora import BENCH_PROMPTS
+    from ..runtime.tokenizer import Message, TextCodec
+    from .engines import chat_template
+
+    if not BENCH_PROMPTS.is_file():
+        return {"prompts": 0}
+    codec = TextCodec(cache / "tokenizer.json", chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+    firsts: dict[str, list] = {}
+    for line in BENCH_PROMPTS.read_text(encoding="utf-8").splitlines():
+        if line.startswith("{"):
+            case = json.loads(line)
+            firsts.setdefault(case["category"], case["messages"])
+    divergences = []
+    for messages in firsts.values():
+        ids = np.asarray(codec.encode(codec.render_chat([Message(m["role"], m["content"]) for m in messages])),
+                         np.int64)
+        if len(ids) + BENCH_TOKENS > facts["max_context"]:
+            continue
+        runs = []
+        for engine in (ref, got):
+            engine.rewind(0)
+            token, out = int(engine.argmax(ids)[0]), []
+            engine.commit(len(ids))
+            for _ in range(BENCH_TOKENS):
+                out.append(token)
+                token = int(engine.argmax(np.array([token]))[0])
+                engine.commit(1)
+            runs.append(out)
+        a, b = runs
+        divergences.append(next((i for i in range(BENCH_TOKENS) if a[i] != b[i]), BENCH_TOKENS))
+    return {"prompts": len(divergences), "tokens": BENCH_TOKENS,
+            "identical": sum(d == BENCH_TOKENS for d in divergences), "first_divergence": divergences}
 
 
 def _logits(engine, seq: np.ndarray) -> np.ndarray:
