@@ -23,6 +23,8 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes (or set "
                                                "SPECRT_API_KEY)."),
+    max_queue: int = typer.Option(16, "--max-queue",
+                                  help="Requests that may wait or run at once; the next gets 503 with Retry-After."),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health. One request runs at a time."""
@@ -31,6 +33,8 @@ def serve(
     def run():
         if not 0 < port < 65536:
             raise SpecrtError(f"--port must be in 1..65535, got {port}")
+        if max_queue < 1:
+            raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
         if api_key is not None and not api_key.strip():
             raise SpecrtError("--api-key is empty; pass a key or omit the flag")
         try:
@@ -44,6 +48,6 @@ def serve(
         from .server import serve as run_server
 
         session = load(engines_dir, precision, speculate, EngineOptions(threads=threads))
-        run_server(session, host, port, api_key)
+        run_server(session, host, port, api_key, max_queue)
 
     _guard(run)

@@ -12,6 +12,10 @@
    request still waiting in the queue when its client goes never runs.
 4. A user mistake answers OpenAI's error JSON with a 4xx (openai_api.ApiError), never a traceback; an
    unexpected failure is logged and answered 500 in the same shape, and the server keeps serving.
+5. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
+   streamed request waits for its first token (the queue, a long prefill), the SSE body sends a comment line
+   (": ping") every `ping_s` seconds, so clients with short read timeouts stay connected. Shutdown closes every
+   stream still open, so each stops at its next round boundary.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,9 +46,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _drive(stream: Stream, push) -> None:
+def _drive(stream: Stream, push, started) -> None:
     """On the worker thread: run the loop to the end, pushing ("delta", text) then ("done", result) or
-    ("error", exception)."""
+    ("error", exception); started() first, when the request leaves the queue."""
+    started()
     try:
         for delta in stream:
             push(("delta", delta))
@@ -69,8 +76,21 @@ class _Metrics:
                                 registry=m.registry)
         m.e2e = prom.Histogram("specrt_request_latency_seconds", "Whole generation", buckets=buckets,
                                registry=m.registry)
+        m.queue = prom.Histogram("specrt_request_queue_time_seconds", "Waiting for the engine", buckets=buckets,
+                                 registry=m.registry)
+        m.itl = prom.Histogram("specrt_inter_token_latency_seconds", "Between streamed text deltas",
+                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+                               registry=m.registry)
         m.requests = prom.Counter("specrt_requests", "Finished generations", ["finish_reason"], registry=m.registry)
         m.tokens = prom.Counter("specrt_generated_tokens", "New tokens", registry=m.registry)
+        # speculation, under vLLM's names (vllm:spec_decode_*) with our prefix
+        m.drafts = prom.Counter("specrt:spec_decode_num_drafts", "Rounds that drafted", registry=m.registry)
+        m.draft_tokens = prom.Counter("specrt:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                      registry=m.registry)
+        m.accepted = prom.Counter("specrt:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                  registry=m.registry)
+        m.accepted_pos = prom.Counter("specrt:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position", ["position"], registry=m.registry)
         return m
 
     def observe(self, st: Stats) -> None:
@@ -79,6 +99,15 @@ class _Metrics:
         self.e2e.observe(st.total_s)
         self.requests.labels(st.finish_reason).inc()
         self.tokens.inc(st.new_tokens)
+        drafted = list(st.drafted_by_position)
+        if drafted:
+            # kept counts from the rates: exact while a position was drafted in < 10^4 rounds (4-decimal rates)
+            kept = [round(a * d) for a, d in zip(st.acceptance_by_position, drafted)]
+            self.drafts.inc(drafted[0])
+            self.draft_tokens.inc(sum(drafted))
+            self.accepted.inc(sum(kept))
+            for i, k in enumerate(kept):
+                self.accepted_pos.labels(str(i)).inc(k)
 
     def render(self):
         return Response(self.prom.generate_latest(self.registry), media_type=self.prom.CONTENT_TYPE_LATEST)
@@ -88,11 +117,32 @@ class Server:
     """The state behind the app: the session, its one worker, the model id, the optional API key, and the
     stats of the last requests (`history`, newest last: for logs and tests)."""
 
-    def __init__(self, session: Session, model: str | None = None, api_key: str | None = None):
+    def __init__(self, session: Session, model: str | None = None, api_key: str | None = None, max_queue: int = 16,
+                 ping_s: float = 5.0):
         self.session, self.model, self.api_key = session, model or session.manifest.name, api_key
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrt-engine")
         self.history: deque[Stats] = deque(maxlen=64)
         self.metrics = _Metrics.create()
+        self.max_queue, self.ping_s = max_queue, ping_s
+        self.pending = 0            # requests waiting or running
+        self.open_streams: set[Stream] = set()
+        self._lock = threading.Lock()
+
+    def admit(self) -> None:
+        """Count a request in, or refuse it when max_queue are already waiting or running."""
+        with self._lock:
+            if self.pending >= self.max_queue:
+                raise Overloaded(self.pending)
+            self.pending += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    def close_all(self) -> None:
+        """Shutdown: every open stream stops at its next round boundary."""
+        for stream in list(self.open_streams):
+            stream.close()
 
     @property
     def max_context(self) -> int:
@@ -112,8 +162,21 @@ class Server:
 
     def submit(self, stream: Stream) -> asyncio.Queue:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        queued, last = time.perf_counter(), [None]
+        self.open_streams.add(stream)
+
+        def started():
+            if self.metrics is not None:
+                self.metrics.queue.observe(time.perf_counter() - queued)
 
         def push(item):
+            now = time.perf_counter()
+            if item[0] == "delta" and self.metrics is not None and last[0] is not None:
+                self.metrics.itl.observe(now - last[0])
+            last[0] = now
+            if item[0] != "delta":
+                self.open_streams.discard(stream)
+                self.release()
             if item[0] != "delta" and stream.result is not None:
                 self.history.append(stream.result.stats)
                 st = stream.result.stats
@@ -126,15 +189,23 @@ class Server:
             except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
                 pass
 
-        self.worker.submit(_drive, stream, push)
+        self.worker.submit(_drive, stream, push, started)
         return queue
 
-    async def events(self, shapes: Shapes, stream: Stream, include_usage: bool):
-        """The SSE body of a streamed request."""
-        queue, first = self.submit(stream), True
+    async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool):
+        """The SSE body of a streamed request (submitted already: the worker releases its place in the queue even
+        if this body never runs)."""
+        first = True
         try:
             while True:
-                kind, value = await queue.get()
+                if first:  # the queue or a long prefill: keep the connection alive
+                    try:
+                        kind, value = await asyncio.wait_for(queue.get(), self.ping_s)
+                    except asyncio.TimeoutError:
+                        yield ": ping\n\n"
+                        continue
+                else:
+                    kind, value = await queue.get()
                 if kind == "delta":
                     chunk = shapes.chunk(value, first)
                     if include_usage:
@@ -176,17 +247,26 @@ class Server:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
 
+class Overloaded(Exception):
+    """max_queue requests are already waiting or running."""
+
+
+RETRY_AFTER_S = 1
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-def create_app(session: Session, model: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(session: Session, model: str | None = None, api_key: str | None = None, max_queue: int = 16,
+               ping_s: float = 5.0) -> FastAPI:
     """The FastAPI app for one loaded session; `app.state.server` is its Server."""
-    server = Server(session, model, api_key)
+    server = Server(session, model, api_key, max_queue, ping_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
+        server.close_all()
         server.worker.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specrt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -195,6 +275,13 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, e: Overloaded):
+        body = error_body(f"the server is busy ({e.args[0]} requests waiting or running, the most it queues: "
+                          f"--max-queue {server.max_queue}); retry after {RETRY_AFTER_S} s", "server_error",
+                          code="server_overloaded")
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -243,9 +330,12 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
         auth(request)
         body = parse_body(await request.body())
         req, stream = server.open(body, chat)
+        server.admit()  # released when the worker finishes it (submit's push)
         shapes = Shapes(chat, server.model)
         if req.stream:
-            return StreamingResponse(server.events(shapes, stream, req.include_usage), media_type="text/event-stream",
+            queue = server.submit(stream)
+            return StreamingResponse(server.events(shapes, stream, queue, req.include_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await server.complete(shapes, stream)
 
@@ -260,11 +350,11 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
     return app
 
 
-def serve(session: Session, host: str, port: int, api_key: str | None = None) -> None:
+def serve(session: Session, host: str, port: int, api_key: str | None = None, max_queue: int = 16) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    app = create_app(session, api_key=api_key)
+    app = create_app(session, api_key=api_key, max_queue=max_queue)
     log.info("serving '%s' (%s, --speculate %s) at http://%s:%d/v1", app.state.server.model, session.precision,
              session.mode, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")

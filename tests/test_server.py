@@ -261,3 +261,37 @@ def test_disconnect_cancels_the_stream_and_frees_the_engine(live, session, refer
     with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
         r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
     assert r["choices"][0]["message"]["content"] == reference["chat"]
+
+
+def test_a_full_queue_answers_503_with_retry_after_then_serves_again(session, reference):
+    with TestClient(create_app(session, max_queue=2), raise_server_exceptions=False) as c:
+        server = c.app.state.server
+        server.pending = 2  # two requests waiting or running
+        r = c.post("/v1/chat/completions", json=chat_body())
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "server_overloaded" and "--max-queue 2" in r.json()["error"]["message"]
+        server.pending = 0
+        ok = c.post("/v1/chat/completions", json=chat_body())
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == reference["chat"]
+        streamed = c.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert streamed.status_code == 200 and server.pending == 0 and not server.open_streams
+
+
+def test_pings_while_waiting_for_the_first_token_and_spec_counters(tiny_engines, reference):
+    spec = load(tiny_engines, "fp32", "prompt-lookup")
+    with TestClient(create_app(spec, ping_s=0.02), raise_server_exceptions=False) as c:
+        gate = threading.Event()  # the engine is busy with something else for 0.3 s: the request waits in the queue
+        c.app.state.server.worker.submit(gate.wait)
+        threading.Timer(0.3, gate.set).start()
+        r = c.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert r.text.startswith(": ping\n\n: ping\n\n")
+        payloads = sse("\n\n".join(b for b in r.text.split("\n\n") if b and not b.startswith(":")))
+        text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads[:-1] if p["choices"])
+        assert text == reference["chat"]
+        metrics = c.get("/metrics").text
+        for name in ("specrt:spec_decode_num_drafts_total", "specrt:spec_decode_num_draft_tokens_total",
+                     "specrt:spec_decode_num_accepted_tokens_total", "specrt_request_queue_time_seconds_count 1.0",
+                     "specrt_inter_token_latency_seconds_count"):
+            assert name in metrics, name
+        drafts = [ln for ln in metrics.splitlines() if ln.startswith("specrt:spec_decode_num_draft_tokens_total")]
+        assert float(drafts[0].split()[-1]) > 0
