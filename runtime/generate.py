@@ -42,6 +42,9 @@ class Stats:
     lossy: bool = False  # True when a round used the lossy typical acceptance (--lossy-typical), whatever the engine
     logit_screen: bool = False  # greedy passes read the lm_head via the fp32 engine's screen (exact; build/screen.py)
     engine: str = ""  # the target engine and its backend (Engine.description)
+    # prompt tokens whose KV the target kept from the previous request (Generator.keep_cache); decoders keep that
+    # many positions of the cache and prefill the rest
+    cached_tokens: int = 0
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -93,18 +96,20 @@ class Stream:
 
 def plain_decode(engine: Engine, prompt: list[int], sampling: SamplingParams,
                  rng: np.random.Generator, stats: Stats) -> Iterator[list[int]]:
-    """Target-only decoding: one pass, one token."""
-    engine.rewind(0)
+    """Target-only decoding: one pass, one token. The cache keeps the first stats.cached_tokens positions of the
+    prompt (KV reuse: Generator.keep_cache; 0 otherwise); only the rest is prefilled."""
+    engine.rewind(stats.cached_tokens)
+    done = engine.length
     if sampling.greedy:  # argmax(): an engine with a logit screen reads its lm_head in 8 bits, exactly
-        token = int(engine.argmax(np.asarray(prompt, np.int64))[0])
-        engine.commit(len(prompt))
+        token = int(engine.argmax(np.asarray(prompt[done:], np.int64))[0])
+        engine.commit(len(prompt) - done)
         while True:
             stats.rounds += 1
             yield [token]
             token = int(engine.argmax(np.array([token], np.int64))[0])
             engine.commit(1)
-    logits = engine.forward(np.asarray(prompt, np.int64), num_logits=1)
-    engine.commit(len(prompt))
+    logits = engine.forward(np.asarray(prompt[done:], np.int64), num_logits=1)
+    engine.commit(len(prompt) - done)
     probs = np.empty((1, engine.vocab_size), np.float32)
     while True:
         token = sample(probs_from_logits(logits[-1:], sampling, out=probs)[0], rng)
@@ -122,6 +127,15 @@ class PlainDecoder:
     def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
                  stats: Stats) -> Iterator[list[int]]:
         return plain_decode(engine, prompt, sampling, rng, stats)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most limit."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _stop_prefix(text: str, stop) -> int:
@@ -143,6 +157,11 @@ class Generator:
         self.engine = open_engine(manifest.root, self.entry, options)
         self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                manifest.bos_token, manifest.eos_token_ids)
+        # KV reuse across requests (off by default: a benchmark repeating a prompt would time no prefill). On, a
+        # request keeps the target's cache for the longest prefix its prompt shares with the last request's
+        # prompt + output, and prefills only the rest; `_held` is what the cache holds, position by position.
+        self.keep_cache = False
+        self._held: list[int] = []
 
     @classmethod
     def load(cls, path: str | Path, precision: str = "fp32", options: EngineOptions = EngineOptions()) -> "Generator":
@@ -190,14 +209,19 @@ class Generator:
         budget = min(max_new_tokens, room)
         detok, out, text = Detokenizer(self.codec), [], ""
         reason = "length" if budget == max_new_tokens else "context"
-        engine.rewind(0)
+        keep = _common_prefix(self._held, ids, len(ids) - 1) if self.keep_cache else 0  # >= 1 token to prefill
+        engine.rewind(keep)
+        stats.cached_tokens = keep
+        self._held = []  # until this request ends, the cache holds a mix
         engine.reserve(len(ids) + budget + engine.max_pass_tokens)  # a speculative pass writes past the budget
         rounds = decode(engine, ids, sampling, sampling.generator(), stats)
         produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
+        fed = list(ids)  # the prompt + every emitted token: the committed cache holds a prefix of it
         sent, longest = 0, max(map(len, stop), default=0)  # stops: text[:sent] has been yielded
         try:
             for tokens in rounds:
                 produced += len(tokens)
+                fed.extend(int(t) for t in tokens)
                 if not out:
                     stats.ttft_s = time.perf_counter() - t0
                 done = False
@@ -240,3 +264,4 @@ class Generator:
             stats.tau = produced / stats.rounds if stats.rounds else 0.0  # a round that only emits EOS still counts 1
             final = text[:sent] if stop and reason == "cancelled" else detok.emitted if not stop else text
             stream.result = Result(text=final, token_ids=out, stats=stats)
+            self._held = fed[:engine.length] if self.keep_cache else []

@@ -42,7 +42,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
     explicit, lossy opt-in, which Stats.exact and Stats.lossy report)."""
     ctx = Context(prompt, engine.max_context + 1)
     ctx.target = engine
-    engine.rewind(0)
+    engine.rewind(stats.cached_tokens)  # KV reuse (Generator.keep_cache): the first pass feeds the rest
     proposer.start(ctx, sampling, rng)
     control.start()
     probs = None if sampling.greedy else np.empty((engine.max_pass_tokens, engine.vocab_size), np.float32)

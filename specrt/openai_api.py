@@ -233,7 +233,8 @@ class Shapes:
 
 def usage(st: Stats) -> dict:
     return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
-            "total_tokens": st.prompt_tokens + st.new_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": st.prompt_tokens + st.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
 
 
 def metrics(st: Stats) -> dict:

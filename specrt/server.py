@@ -12,7 +12,10 @@
    request still waiting in the queue when its client goes never runs.
 4. A user mistake answers OpenAI's error JSON with a 4xx (openai_api.ApiError), never a traceback; an
    unexpected failure is logged and answered 500 in the same shape, and the server keeps serving.
-5. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
+5. KV reuse: the target keeps the cache of the last request's prompt + answer, and a request sharing a prefix
+   with it (the next turn of a conversation, which resends the whole history) prefills only the rest; usage
+   reports those prompt tokens as `cached_tokens`. One sequence is kept (one engine, one cache).
+6. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
    streamed request waits for its first token (the queue, a long prefill), the SSE body sends a comment line
    (": ping") every `ping_s` seconds, so clients with short read timeouts stay connected. Shutdown closes every
    stream still open, so each stops at its next round boundary.
@@ -124,6 +127,7 @@ class Server:
         self.history: deque[Stats] = deque(maxlen=64)
         self.metrics = _Metrics.create()
         self.max_queue, self.ping_s = max_queue, ping_s
+        session.generator.keep_cache = True  # KV reuse across requests: the longest prefix shared with the last one
         self.pending = 0            # requests waiting or running
         self.open_streams: set[Stream] = set()
         self._lock = threading.Lock()

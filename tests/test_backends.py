@@ -179,3 +179,36 @@ def test_close_before_the_first_round(tiny_engines):
     s.close()
     assert s.result.stats.finish_reason == "cancelled" and s.result.token_ids == []
     assert session.generate(PROMPT, max_new_tokens=5).stats.finish_reason in ("length", "eos")
+
+
+# --- KV reuse across requests (Generator.keep_cache) ------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["off", "prompt-lookup", "lookup+medusa"])
+def test_kv_reuse_across_turns_gives_the_tokens_of_a_fresh_run(tiny_engines, mode):
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+    from specrt.runtime.tokenizer import Message
+
+    if mode == "lookup+medusa" and "medusa" not in load_manifest_roles(tiny_engines):
+        mode = "prompt-lookup"
+    reuse, fresh = load(tiny_engines, "fp32", mode), load(tiny_engines, "fp32", mode)
+    reuse.generator.keep_cache = True
+    greedy = SamplingParams(temperature=0.0)
+    history = [Message("system", "You are a terse assistant.")]
+    for turn, question in enumerate(["Tell me about rivers.", "And lakes?", "Which is deeper?"]):
+        history.append(Message("user", question))
+        a = reuse.generate(list(history), max_new_tokens=20, sampling=greedy)
+        b = fresh.generate(list(history), max_new_tokens=20, sampling=greedy)
+        assert list(a.token_ids) == list(b.token_ids) and b.stats.cached_tokens == 0
+        if turn:  # the history up to the last answer is in the cache
+            assert 0 < a.stats.cached_tokens < a.stats.prompt_tokens
+        history.append(Message("assistant", a.text))
+    other = reuse.generate("Something else entirely", max_new_tokens=5, sampling=greedy)
+    assert other.stats.cached_tokens < 5 and list(other.token_ids) == list(
+        fresh.generate("Something else entirely", max_new_tokens=5, sampling=greedy).token_ids)
+
+
+def load_manifest_roles(root):
+    from specrt.manifest import load_manifest
+
+    return load_manifest(root).roles

@@ -295,3 +295,15 @@ def test_pings_while_waiting_for_the_first_token_and_spec_counters(tiny_engines,
             assert name in metrics, name
         drafts = [ln for ln in metrics.splitlines() if ln.startswith("specrt:spec_decode_num_draft_tokens_total")]
         assert float(drafts[0].split()[-1]) > 0
+
+
+def test_the_next_turn_reports_cached_prompt_tokens(session):
+    with TestClient(create_app(session), raise_server_exceptions=False) as c:
+        first = c.post("/v1/chat/completions", json=chat_body()).json()
+        answer = first["choices"][0]["message"]["content"]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+        turn2 = chat_body(messages=[{"role": "user", "content": PROMPT}, {"role": "assistant", "content": answer},
+                                    {"role": "user", "content": "Shorter, please."}])
+        second = c.post("/v1/chat/completions", json=turn2).json()
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < second["usage"]["prompt_tokens"]
