@@ -48,13 +48,15 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
     probs = None if sampling.greedy else np.empty((engine.max_pass_tokens, engine.vocab_size), np.float32)
     drafted, accepted = np.zeros(engine.max_pass_tokens, np.int64), np.zeros(engine.max_pass_tokens, np.int64)
     stats.proposer = proposer.name
+    first = getattr(proposer, "reads_prompt", False)  # the first round is the target's alone (see Proposer)
     try:
         while True:
             # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
             t0 = time.perf_counter()
             bucket = proposer.bucket(ctx)
             room = engine.max_context - ctx.length  # draft nodes the cache still has places for
-            k = min(control.k(bucket), room)
+            k = 0 if first else min(control.k(bucket), room)
+            first = False
             draft = proposer.propose(ctx, k)
             if draft.tokens.size > room:  # a tree of depth <= k can hold more nodes than fit (at the context end)
                 draft = _first(draft, room)

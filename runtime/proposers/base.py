@@ -50,6 +50,9 @@ class Proposer(Protocol):
     # Drafts of different kinds are right at different rates (a 6-token prompt-lookup match is a
     # surer guess than a 1-token one): the controller keeps acceptance per bucket, 0..buckets - 1
     buckets: int
+    # True: it must read the prompt before it can draft (a draft model's own prefill); the loop then runs the
+    # first round on the target alone, so the first token waits for the target's prefill only. Absent = False.
+    reads_prompt: bool
 
     def bucket(self, ctx: Context) -> int:
         """The bucket of the draft the next propose(ctx, k) would make; called just before it."""

@@ -26,6 +26,7 @@ from .base import EMPTY, Context, OneBucket
 class DraftModel(OneBucket):
     name = "draft"
     adaptive = True
+    reads_prompt = True  # its prefill waits until the target's first token is out
 
     def __init__(self, engine: Engine, max_tokens: int = 8, sampled: bool | None = None):
         """sampled: None = sample when the request samples, greedy otherwise; True/False force it."""
