@@ -40,10 +40,10 @@ def conversation(engines: str, precision: str, speculate: str, reuse: bool, max_
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="engines/smollm2-135m")
-    ap.add_argument("--precision", default="fp32")
-    ap.add_argument("--speculate", default="off")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engines", default="engines/smollm2-135m", help="engine set folder")
+    ap.add_argument("--precision", default="fp32", help="target precision (fp32: tokens must be identical)")
+    ap.add_argument("--speculate", default="off", help="as for `specrt generate` (off, auto, draft, ...)")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each setting; each turn's TTFT is their median")
     a = ap.parse_args()
     runs = {False: [], True: []}
     for _ in range(a.reps):
