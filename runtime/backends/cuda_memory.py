@@ -24,6 +24,7 @@ import numpy as np
 
 from ...errors import SpecrtError
 from ...interface import KV_KINDS
+from ..engine import tree_moves
 
 INSTALL = ("`pip install cuda-bindings` (NVIDIA's CUDA Python bindings) on a machine with an NVIDIA GPU and driver, "
            "or build the engines with --backend onnxruntime-portable for the CPU")
@@ -290,8 +291,10 @@ class DeviceCache:
 
     def commit(self, length: int, path: np.ndarray) -> None:
         """Move the accepted nodes' entries: slot length + path[i] -> length + i, every layer and kind (queued)."""
-        src = length + np.asarray(path, np.int64)
-        dst = length + np.arange(len(src))
+        moves = tree_moves(length, len(path), path)
+        if moves is None:
+            return
+        src, dst = moves
         for layer in self.ptrs:
             for ptr in layer:
                 for c in commit_plan(ptr, self._scratch, self.heads, self.row, self.capacity, src, dst):

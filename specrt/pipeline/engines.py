@@ -80,12 +80,19 @@ def chat_template(cache: Path) -> str | None:
     return jinja.read_text() if jinja.is_file() else None
 
 
+def export_codec(cache: Path, facts: dict):
+    """The tokenizer of an export (runtime.tokenizer.TextCodec), with its chat template and special tokens."""
+    from ..runtime.tokenizer import TextCodec
+
+    return TextCodec(cache / "tokenizer.json", chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+
+
 def _calibration(cache: Path, facts: dict) -> list[list[int]]:
     """GPTQ's calibration: stdlib code as raw text, stdlib doc questions through the chat template."""
     from ..build.gptq import MAX_TOKENS, calibration_texts
-    from ..runtime.tokenizer import Message, TextCodec
+    from ..runtime.tokenizer import Message
 
-    codec = TextCodec(cache / "tokenizer.json", chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+    codec = export_codec(cache, facts)
     limit = min(MAX_TOKENS, facts["max_context"])
     seqs = [codec.encode(codec.render_chat([Message("user", text)]) if kind == "chat" else text)[:limit]
             for kind, text in calibration_texts()]

@@ -59,10 +59,13 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
     from ..export.portable import FORMAT
 
     bdir = cache / f"portable-v{FORMAT}"
-    fp32_graph = _portable_graph(role, "fp32", cache, facts, log, bdir)
-    graph = fp32_graph if p in ("fp32", *QDQ_PRECISIONS) else _portable_graph(role, p, cache, facts, log, bdir)
+    fp32_graph = _portable_graph(role, "fp32", cache, facts, log, bdir)  # every precision is measured against it
     build, session_config, quality = {"portable_format": FORMAT}, None, None
-    if p in QDQ_PRECISIONS:
+    if p == "fp32":
+        graph = fp32_graph
+    elif p not in QDQ_PRECISIONS:
+        graph = _portable_graph(role, p, cache, facts, log, bdir)
+    else:
         from ..build.quantize import FORMAT as QDQ_FORMAT
 
         graph = bdir / f"{role}-{p}-q{QDQ_FORMAT}-cal{calibration_texts}.onnx"

@@ -22,12 +22,12 @@ DEFAULT_FLOOR = 0.85  # top-1 agreement with fp32 on held-out text
 
 
 def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
-    from ..runtime.tokenizer import TextCodec
-    from .engines import chat_template
+    from .engines import export_codec
 
-    codec = TextCodec(cache / "tokenizer.json", chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+    codec = export_codec(cache, facts)
     limit = min(MAX_TOKENS, facts["max_context"] - 64)
-    return [np.asarray(codec.encode(t)[:limit], np.int64) for t in texts if codec.encode(t)]
+    encoded = (codec.encode(t)[:limit] for t in texts)
+    return [np.asarray(ids, np.int64) for ids in encoded if ids]
 
 
 def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, facts: dict, entry, log,
@@ -81,12 +81,13 @@ def _greedy_on_bench(ref, got, cache: Path, facts: dict) -> dict:
     """Plain greedy decoding of the first bench prompt of each category, BENCH_TOKENS tokens, by both engines:
     how many prompts give identical tokens, and where the others first diverge."""
     from ..corpora import BENCH_PROMPTS
-    from ..runtime.tokenizer import Message, TextCodec
-    from .engines import chat_template
+    from ..export.exporter import first_divergence
+    from ..runtime.tokenizer import Message
+    from .engines import export_codec
 
     if not BENCH_PROMPTS.is_file():
         return {"prompts": 0}
-    codec = TextCodec(cache / "tokenizer.json", chat_template(cache), facts["bos_token"], tuple(facts["eos_token_ids"]))
+    codec = export_codec(cache, facts)
     firsts: dict[str, list] = {}
     for line in BENCH_PROMPTS.read_text(encoding="utf-8").splitlines():
         if line.startswith("{"):
@@ -108,8 +109,7 @@ def _greedy_on_bench(ref, got, cache: Path, facts: dict) -> dict:
                 token = int(engine.argmax(np.array([token]))[0])
                 engine.commit(1)
             runs.append(out)
-        a, b = runs
-        divergences.append(next((i for i in range(BENCH_TOKENS) if a[i] != b[i]), BENCH_TOKENS))
+        divergences.append(first_divergence(np.array(runs[0]), np.array(runs[1])))
     return {"prompts": len(divergences), "tokens": BENCH_TOKENS,
             "identical": sum(d == BENCH_TOKENS for d in divergences), "first_divergence": divergences}
 
