@@ -73,6 +73,38 @@ class Engine(Protocol):
     def enable_hidden(self) -> None:
         """Opt in to `hidden` on every pass (Medusa/EAGLE heads read it)."""
 
+    def save_prefix(self, length: int) -> "KVSnapshot":
+        """A host copy of the first `length` committed positions of the cache (KV reuse across sequences)."""
+
+    def load_prefix(self, snapshot: "KVSnapshot") -> None:
+        """Put a save_prefix copy back: the cache then holds its positions and `length` is its length."""
+
+
+@dataclass
+class KVSnapshot:
+    """save_prefix's copy: per (layer, key|value), a host array of `length` positions (axis -2), in the layout of
+    the backend that saved it."""
+
+    length: int
+    arrays: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def snapshot_views(views, length: int) -> KVSnapshot:
+    """save_prefix over host cache views ([..., capacity, head_dim] each, positions on axis -2)."""
+    return KVSnapshot(length, [np.array(v[..., :length, :]) for v in views])
+
+
+def restore_views(views, snapshot: KVSnapshot) -> None:
+    """load_prefix's copy into host cache views laid out for at least snapshot.length positions."""
+    if len(views) != len(snapshot.arrays):
+        raise ValueError(f"a snapshot of {len(snapshot.arrays)} buffers does not fit an engine of {len(views)}")
+    for view, arr in zip(views, snapshot.arrays):
+        view[..., :snapshot.length, :] = arr
+
 
 class Heads(Protocol):
     """A Medusa heads engine: the hidden state of the last accepted position (+ the token it chose) ->

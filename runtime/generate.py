@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions, open_engine
+from .prefix_cache import Kept, PrefixStore, common_prefix
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tokenizer import Detokenizer, Message, TextCodec
 
@@ -45,6 +46,7 @@ class Stats:
     # prompt tokens whose KV the target kept from the previous request (Generator.keep_cache); decoders keep that
     # many positions of the cache and prefill the rest
     cached_tokens: int = 0
+    cancel_s: float = 0.0  # cancelled: from Stream.close() to the loop's end (the engine free again)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -73,6 +75,7 @@ class Stream:
 
     def __init__(self, it: Iterator[str]):
         self._it, self.result, self.cancelled = it, None, False
+        self.closed_at: float | None = None  # perf_counter() of the first close()
         self._lock = threading.Lock()   # held while the loop runs: close() then only raises the flag
 
     def __iter__(self):
@@ -83,6 +86,8 @@ class Stream:
             return next(self._it)
 
     def close(self) -> None:
+        if self.closed_at is None:
+            self.closed_at = time.perf_counter()
         self.cancelled = True
         if not self._lock.acquire(blocking=False):
             return             # another thread is inside the loop: it stops at the next round boundary
@@ -129,18 +134,14 @@ class PlainDecoder:
         return plain_decode(engine, prompt, sampling, rng, stats)
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of a and b, at most limit."""
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _stop_prefix(text: str, stop) -> int:
     """Length of the longest tail of text that is a proper prefix of a stop string (0 if none)."""
     return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+
+
+# A request that would overwrite at least this many tokens of the sequence in the engine saves it first (with a
+# prefix store): another conversation's turn, not the next turn of the same one (which rewrites a few at most).
+SAVE_MIN_LOST = 32
 
 
 class Generator:
@@ -162,6 +163,9 @@ class Generator:
         # prompt + output, and prefills only the rest; `_held` is what the cache holds, position by position.
         self.keep_cache = False
         self._held: list[int] = []
+        # Other sequences' caches, kept on the host while another one is in the engine (runtime/prefix_cache.py);
+        # None = only the sequence in the engine is reused.
+        self.prefix_store: PrefixStore | None = None
 
     @classmethod
     def load(cls, path: str | Path, precision: str = "fp32", options: EngineOptions = EngineOptions()) -> "Generator":
@@ -201,6 +205,33 @@ class Generator:
             pass
         return s.result
 
+    def _reuse(self, ids: list[int], decode) -> int:
+        """KV reuse: how many leading prompt tokens the target's cache already holds (>= 1 token is left to
+        prefill). With a prefix_store, a request that would overwrite much of the sequence in the engine saves it
+        there first (with the state of a proposer that keeps a cache), and a kept sequence sharing more of the
+        prompt than the engine's is loaded back into the engine."""
+        if not self.keep_cache:
+            return 0
+        limit = len(ids) - 1
+        live = common_prefix(self._held, ids, limit)
+        store = self.prefix_store
+        if store is None:
+            return live
+        key, kept_n = store.best(ids, limit)
+        kept = store.take(key) if key is not None and kept_n > live else None
+        holders = [p for p in (getattr(decode, "proposer", None),) if hasattr(p, "save_state")]
+        n = len(self._held)
+        if n - live >= SAVE_MIN_LOST:  # this request keeps `live` tokens of it at most
+            store.put(Kept(list(self._held), self.engine.save_prefix(n), {p.name: p.save_state(n) for p in holders}))
+        if kept is None:
+            return live
+        self.engine.load_prefix(kept.target)
+        for p in holders:
+            if p.name in kept.proposers:
+                p.load_state(kept.ids, kept.proposers[p.name])
+        self._held = kept.ids
+        return kept_n
+
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
         t0 = time.perf_counter()
         engine = self.engine
@@ -209,7 +240,7 @@ class Generator:
         budget = min(max_new_tokens, room)
         detok, out, text = Detokenizer(self.codec), [], ""
         reason = "length" if budget == max_new_tokens else "context"
-        keep = _common_prefix(self._held, ids, len(ids) - 1) if self.keep_cache else 0  # >= 1 token to prefill
+        keep = self._reuse(ids, decode)
         engine.rewind(keep)
         stats.cached_tokens = keep
         self._held = []  # until this request ends, the cache holds a mix
@@ -262,6 +293,8 @@ class Generator:
             stats.finish_reason = reason
             stats.tok_s = len(out) / stats.total_s if stats.total_s > 0 else 0.0  # prefill included
             stats.tau = produced / stats.rounds if stats.rounds else 0.0  # a round that only emits EOS still counts 1
+            if reason == "cancelled" and stream.closed_at is not None:
+                stats.cancel_s = max(0.0, time.perf_counter() - stream.closed_at)
             final = text[:sent] if stop and reason == "cancelled" else detok.emitted if not stop else text
             stream.result = Result(text=final, token_ids=out, stats=stats)
             self._held = fed[:engine.length] if self.keep_cache else []

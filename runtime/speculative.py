@@ -41,7 +41,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
     """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
     explicit, lossy opt-in, which Stats.exact and Stats.lossy report)."""
     ctx = Context(prompt, engine.max_context + 1)
-    ctx.target = engine
+    ctx.target, ctx.cached = engine, stats.cached_tokens
     engine.rewind(stats.cached_tokens)  # KV reuse (Generator.keep_cache): the first pass feeds the rest
     proposer.start(ctx, sampling, rng)
     control.start()

@@ -25,9 +25,14 @@ def serve(
                                                "SPECRT_API_KEY)."),
     max_queue: int = typer.Option(16, "--max-queue",
                                   help="Requests that may wait or run at once; the next gets 503 with Retry-After."),
+    cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
+                                  help="Host memory for the KV caches of other conversations, kept while one runs "
+                                       "(least recently used out; 0 = reuse only the last request's). Like "
+                                       "llama.cpp's server --cache-ram."),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
-    (streamed as server-sent events or not), /v1/models, /health. One request runs at a time."""
+    (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
+    request runs at a time; each conversation's KV cache is reused by its next turn."""
     from .cli import _guard
 
     def run():
@@ -35,6 +40,8 @@ def serve(
             raise SpecrtError(f"--port must be in 1..65535, got {port}")
         if max_queue < 1:
             raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
+        if cache_ram < 0:
+            raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
         if api_key is not None and not api_key.strip():
             raise SpecrtError("--api-key is empty; pass a key or omit the flag")
         try:
@@ -43,11 +50,16 @@ def serve(
         except ImportError as e:
             raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing); "
                               "pip install 'specrt[serve]'") from None
+        from .manifest import load_manifest
         from .runtime.engine import EngineOptions
         from .runtime.session import load
+        from .runtime.speculative import resolve_mode
         from .server import serve as run_server
 
-        session = load(engines_dir, precision, speculate, EngineOptions(threads=threads))
-        run_server(session, host, port, api_key, max_queue)
+        manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
+        manifest.engine("target", precision)
+        resolve_mode(speculate, manifest, precision)
+        run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads)), manifest.name, host,
+                   port, api_key, max_queue, cache_ram)
 
     _guard(run)

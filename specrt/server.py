@@ -14,8 +14,12 @@
    unexpected failure is logged and answered 500 in the same shape, and the server keeps serving.
 5. KV reuse: the target keeps the cache of the last request's prompt + answer, and a request sharing a prefix
    with it (the next turn of a conversation, which resends the whole history) prefills only the rest; usage
-   reports those prompt tokens as `cached_tokens`. One sequence is kept (one engine, one cache).
-6. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
+   reports those prompt tokens as `cached_tokens`. Other conversations' caches wait on the host within
+   `--cache-ram` MiB, least recently used out (runtime/prefix_cache.py), and go back into the engine for their
+   next turn.
+6. `serve` listens at once and loads the engines in a thread: /health answers 503 until they are ready, /v1 routes
+   503 with Retry-After; a failed load stops the server with a one-line error.
+7. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
    streamed request waits for its first token (the queue, a long prefill), the SSE body sends a comment line
    (": ping") every `ping_s` seconds, so clients with short read timeouts stay connected. Shutdown closes every
    stream still open, so each stops at its next round boundary.
@@ -40,9 +44,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .errors import SpecrtError, first_line
 from .openai_api import FINISH, ApiError, Shapes, check_model, error_body, parse, parse_body
 from .runtime.generate import Stats, Stream
+from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
 
 log = logging.getLogger("specrt.server")
+
+# host memory for sequences kept besides the engine's (KV reuse across conversations), as llama.cpp's --cache-ram
+DEFAULT_CACHE_RAM_MIB = 1024
 
 
 def _sse(obj) -> str:
@@ -84,6 +92,18 @@ class _Metrics:
         m.itl = prom.Histogram("specrt_inter_token_latency_seconds", "Between streamed text deltas",
                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
                                registry=m.registry)
+        m.cancel = prom.Histogram("specrt_cancel_latency_seconds", "From a client's disconnect to the engine free",
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+                                  registry=m.registry)
+        # KV reuse, under vLLM's names (vllm:prefix_cache_queries / _hits, in prompt tokens) with our prefix
+        m.prefix_queries = prom.Counter("specrt:prefix_cache_queries", "Prompt tokens looked up in the KV cache",
+                                        registry=m.registry)
+        m.prefix_hits = prom.Counter("specrt:prefix_cache_hits", "Prompt tokens found in the KV cache (not prefilled)",
+                                     registry=m.registry)
+        m.kept = prom.Gauge("specrt_prefix_cache_kept_sequences", "Sequences kept on the host besides the engine's",
+                            registry=m.registry)
+        m.kept_bytes = prom.Gauge("specrt_prefix_cache_kept_bytes", "Host bytes of the kept sequences (--cache-ram)",
+                                  registry=m.registry)
         m.requests = prom.Counter("specrt_requests", "Finished generations", ["finish_reason"], registry=m.registry)
         m.tokens = prom.Counter("specrt_generated_tokens", "New tokens", registry=m.registry)
         # speculation, under vLLM's names (vllm:spec_decode_*) with our prefix
@@ -96,10 +116,17 @@ class _Metrics:
                                       "Draft tokens accepted, by draft position", ["position"], registry=m.registry)
         return m
 
-    def observe(self, st: Stats) -> None:
+    def observe(self, st: Stats, store=None) -> None:
         if st.new_tokens:
             self.ttft.observe(st.ttft_s)
         self.e2e.observe(st.total_s)
+        if st.finish_reason == "cancelled" and st.cancel_s:
+            self.cancel.observe(st.cancel_s)
+        self.prefix_queries.inc(st.prompt_tokens)
+        self.prefix_hits.inc(st.cached_tokens)
+        if store is not None:
+            self.kept.set(len(store))
+            self.kept_bytes.set(store.nbytes)
         self.requests.labels(st.finish_reason).inc()
         self.tokens.inc(st.new_tokens)
         drafted = list(st.drafted_by_position)
@@ -117,20 +144,45 @@ class _Metrics:
 
 
 class Server:
-    """The state behind the app: the session, its one worker, the model id, the optional API key, and the
-    stats of the last requests (`history`, newest last: for logs and tests)."""
+    """The state behind the app: the session (None while it loads), its one worker, the model id, the optional API
+    key, and the stats of the last requests (`history`, newest last: for logs and tests)."""
 
-    def __init__(self, session: Session, model: str | None = None, api_key: str | None = None, max_queue: int = 16,
-                 ping_s: float = 5.0):
-        self.session, self.model, self.api_key = session, model or session.manifest.name, api_key
+    def __init__(self, session: Session | None, model: str | None = None, api_key: str | None = None,
+                 max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB):
+        self.session: Session | None = None
+        self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrt-engine")
         self.history: deque[Stats] = deque(maxlen=64)
         self.metrics = _Metrics.create()
         self.max_queue, self.ping_s = max_queue, ping_s
-        session.generator.keep_cache = True  # KV reuse across requests: the longest prefix shared with the last one
         self.pending = 0            # requests waiting or running
         self.open_streams: set[Stream] = set()
         self._lock = threading.Lock()
+        self.created = int(time.time())
+        self.load_error: BaseException | None = None
+        self.on_load_error = None   # called (from the loading thread) when a background load fails
+        if session is not None:
+            self.attach(session)
+
+    def attach(self, session: Session) -> None:
+        """Serve a loaded session: KV reuse across requests (the sequence in the engine, and others kept on the
+        host within --cache-ram)."""
+        session.generator.keep_cache = True
+        session.generator.prefix_store = PrefixStore(self.cache_ram_mib * MIB)
+        self.model = self.model or session.manifest.name
+        self.created = int(session.manifest.root.stat().st_mtime)
+        self.session = session      # last: from here on requests run
+
+    def load(self, loader) -> None:
+        """Load the session in the background (/health answers 503 until it is ready)."""
+        try:
+            self.attach(loader())
+            log.info("ready: '%s' (%s, --speculate %s)", self.model, self.session.precision, self.session.mode)
+        except Exception as e:  # noqa: BLE001 -- reported in one line; `serve` exits 2
+            self.load_error = e
+            log.error("loading failed: %s", first_line(e))
+            if self.on_load_error is not None:
+                self.on_load_error()
 
     def admit(self) -> None:
         """Count a request in, or refuse it when max_queue are already waiting or running."""
@@ -185,7 +237,7 @@ class Server:
                 self.history.append(stream.result.stats)
                 st = stream.result.stats
                 if self.metrics is not None:
-                    self.metrics.observe(st)
+                    self.metrics.observe(st, self.session.generator.prefix_store)
                 log.info("%d prompt + %d new tokens, ttft %.0f ms, %.1f tok/s, %s, tau %.2f", st.prompt_tokens,
                          st.new_tokens, st.ttft_s * 1000, st.tok_s, st.finish_reason, st.tau)
             try:
@@ -255,6 +307,10 @@ class Overloaded(Exception):
     """max_queue requests are already waiting or running."""
 
 
+class Loading(Exception):
+    """The session is still loading."""
+
+
 RETRY_AFTER_S = 1
 
 
@@ -262,13 +318,20 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-def create_app(session: Session, model: str | None = None, api_key: str | None = None, max_queue: int = 16,
-               ping_s: float = 5.0) -> FastAPI:
-    """The FastAPI app for one loaded session; `app.state.server` is its Server."""
-    server = Server(session, model, api_key, max_queue, ping_s)
+def create_app(session: Session | None = None, model: str | None = None, api_key: str | None = None,
+               max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
+               loader=None) -> FastAPI:
+    """The FastAPI app for one session; `app.state.server` is its Server. loader (instead of session): a callable
+    that loads the session, run in a thread when the app starts, so the port answers (/health 503, /v1 routes
+    503 with Retry-After) while the engines load; `model` names it meanwhile."""
+    if (session is None) == (loader is None):
+        raise ValueError("create_app takes a session or a loader")
+    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if loader is not None:
+            threading.Thread(target=server.load, args=(loader,), name="specrt-load", daemon=True).start()
         yield
         server.close_all()
         server.worker.shutdown(wait=False, cancel_futures=True)
@@ -285,6 +348,12 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
         body = error_body(f"the server is busy ({e.args[0]} requests waiting or running, the most it queues: "
                           f"--max-queue {server.max_queue}); retry after {RETRY_AFTER_S} s", "server_error",
                           code="server_overloaded")
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(Loading)
+    async def _loading(request: Request, e: Loading):
+        body = error_body(f"the model '{server.model}' is still loading; retry after {RETRY_AFTER_S} s "
+                          "(GET /health answers 200 once it is ready)", "server_error", code="model_loading")
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(StarletteHTTPException)
@@ -305,11 +374,12 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
 
     @app.get("/health")
     async def health():
+        if server.session is None:
+            return JSONResponse({"status": "error" if server.load_error else "loading"}, status_code=503)
         return {"status": "ok"}
 
     def model_card() -> dict:
-        return {"id": server.model, "object": "model", "created": int(session.manifest.root.stat().st_mtime),
-                "owned_by": "specrt"}
+        return {"id": server.model, "object": "model", "created": server.created, "owned_by": "specrt"}
 
     @app.get("/metrics")
     async def metrics():
@@ -332,6 +402,8 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
 
     async def generate(request: Request, chat: bool):
         auth(request)
+        if server.session is None:
+            raise Loading()
         body = parse_body(await request.body())
         req, stream = server.open(body, chat)
         server.admit()  # released when the worker finishes it (submit's push)
@@ -354,11 +426,18 @@ def create_app(session: Session, model: str | None = None, api_key: str | None =
     return app
 
 
-def serve(session: Session, host: str, port: int, api_key: str | None = None, max_queue: int = 16) -> None:
+def serve(loader, model: str, host: str, port: int, api_key: str | None = None, max_queue: int = 16,
+          cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB) -> None:
+    """Listen at once and load the session (loader()) in the background; a failed load stops the server with a
+    one-line SpecrtError."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    app = create_app(session, api_key=api_key, max_queue=max_queue)
-    log.info("serving '%s' (%s, --speculate %s) at http://%s:%d/v1", app.state.server.model, session.precision,
-             session.mode, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib)
+    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server = app.state.server
+    server.on_load_error = lambda: setattr(uv, "should_exit", True)
+    log.info("loading '%s'; serving at http://%s:%d/v1 (GET /health: 503 until ready)", model, host, port)
+    uv.run()
+    if server.load_error is not None:
+        raise SpecrtError(f"could not load the engines: {first_line(server.load_error)}")

@@ -205,3 +205,86 @@ def test_kv_reuse_across_turns_gives_the_tokens_of_a_fresh_run(tiny_engines, mod
     assert other.stats.cached_tokens < 5 and list(other.token_ids) == list(
         fresh.generate("Something else entirely", max_new_tokens=5, sampling=greedy).token_ids)
 
+
+
+# --- kept sequences: several conversations on one engine (Generator.prefix_store) --------------------------------
+
+def test_the_prefix_store_evicts_the_least_recently_used_within_its_budget():
+    from specrt.runtime.engine import KVSnapshot
+    from specrt.runtime.prefix_cache import Kept, PrefixStore
+
+    def kept(ids, nbytes):
+        return Kept(list(ids), KVSnapshot(len(ids), [np.zeros(nbytes, np.uint8)]))
+
+    store = PrefixStore(250)
+    assert store.put(kept([1, 2, 3], 100)) and store.put(kept([1, 5, 6], 100))
+    assert store.best([1, 5, 6, 7], 3) == (1, 3) and store.best([9], 1) == (None, 0)
+    assert store.best([1, 2, 3, 4], 2) == (0, 2)  # at most limit
+    assert store.put(kept([7, 8], 100))           # over budget: the oldest ([1, 2, 3]) goes
+    assert len(store) == 2 and store.evictions == 1 and store.nbytes == 200
+    assert store.best([1, 2, 3], 3)[1] == 1        # only [1, 5, 6] shares its first token now
+    assert not store.put(kept([4], 251)) and len(store) == 2  # alone over budget: not kept, nothing evicted
+    assert store.take(1).ids == [1, 5, 6] and len(store) == 1
+
+
+def test_save_and_load_prefix_put_a_sequence_back_on_the_cpu_backends(tiny_engines, reference_set):
+    for root in (tiny_engines, reference_set):
+        eng = load(root).engine
+        rng = np.random.default_rng(0)
+        eng.rewind(0)
+        eng.forward(rng.integers(0, 384, 40))
+        eng.commit(40)
+        snap = eng.save_prefix(40)
+        probe = rng.integers(0, 384, 3)
+        before = np.array(eng.forward(probe, num_logits=3))
+        eng.rewind(0)
+        eng.forward(rng.integers(0, 384, 60))   # another sequence overwrites the cache
+        eng.commit(60)
+        eng.load_prefix(snap)
+        assert eng.length == 40 and snap.nbytes > 0
+        np.testing.assert_array_equal(eng.forward(probe, num_logits=3), before)
+
+
+class _Fed:
+    """Counts the tokens a draft engine reads (its argmax passes)."""
+
+    def __init__(self, engine):
+        self.engine, self.count, self._argmax = engine, 0, engine.argmax
+        engine.argmax = self
+
+    def __call__(self, tokens, *args, **kw):
+        self.count += len(tokens)
+        return self._argmax(tokens, *args, **kw)
+
+
+@pytest.mark.parametrize("engines,mode", [("tiny_engines", "off"), ("tiny_engines", "prompt-lookup"),
+                                          ("reference_set", "draft")])
+def test_two_conversations_taking_turns_keep_their_caches_and_the_tokens_of_a_fresh_run(request, engines, mode):
+    """Two conversations alternate on one engine: each turn finds its own history in the store (the target's and
+    the draft model's caches), prefills only the new turn, and returns a fresh run's tokens."""
+    from specrt.runtime.prefix_cache import MIB, PrefixStore
+    from specrt.runtime.tokenizer import Message
+
+    root = request.getfixturevalue(engines)
+    reuse, fresh = load(root, "fp32", mode), load(root, "fp32", mode)
+    reuse.generator.keep_cache = True
+    store = reuse.generator.prefix_store = PrefixStore(64 * MIB)
+    fed = _Fed(reuse.decoder.proposer.engine) if mode == "draft" else None
+    fresh_fed = _Fed(fresh.decoder.proposer.engine) if mode == "draft" else None
+    greedy = SamplingParams(temperature=0.0)
+    talks = {"a": [Message("user", "Tell me about rivers.")], "b": [Message("user", "Write a poem on gears.")]}
+    last_prompt = {}
+    for turn in range(3):
+        for name, history in talks.items():
+            if fed is not None:
+                fed.count = fresh_fed.count = 0
+            a = reuse.generate(list(history), max_new_tokens=12, sampling=greedy)
+            b = fresh.generate(list(history), max_new_tokens=12, sampling=greedy)
+            assert list(a.token_ids) == list(b.token_ids), (turn, name)
+            if turn:  # all of the last turn's prompt at least, though the other conversation ran in between
+                assert last_prompt[name] <= a.stats.cached_tokens < a.stats.prompt_tokens
+                if fed is not None:
+                    assert fed.count <= fresh_fed.count - last_prompt[name] + 1
+            last_prompt[name] = a.stats.prompt_tokens
+            history += [Message("assistant", a.text), Message("user", f"More, part {turn}.")]
+    assert len(store) == 1 and store.evictions == 0  # the other conversation; this one is in the engine

@@ -355,6 +355,17 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     for i in range(2):
         for k in range(2):
             np.testing.assert_array_equal(eng.cache.read(i, k)[:, :, :ref.length], ref.cache[i][k][:, :, :ref.length])
+    # KV reuse across sequences: save, overwrite with another sequence, load back: the same next logits
+    snaps = [e.save_prefix(e.length) for e in (ref, eng)]
+    probe = rng.integers(0, 96, 3)
+    before = both("forward", probe, num_logits=3)
+    each("rewind", 0)
+    both("forward", rng.integers(0, 96, 50), num_logits=1)
+    each("commit", 50)
+    for e, snap in zip((ref, eng), snaps):
+        e.load_prefix(snap)
+    assert ref.length == eng.length == snaps[0].length == 294
+    np.testing.assert_array_equal(both("forward", probe, num_logits=3), before)
     each("rewind", 20)
     both("forward", rng.integers(0, 96, 4), num_logits=4)
     with pytest.raises(ValueError):

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -307,3 +308,137 @@ def test_the_next_turn_reports_cached_prompt_tokens(session):
         second = c.post("/v1/chat/completions", json=turn2).json()
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert 0 < cached < second["usage"]["prompt_tokens"]
+
+
+def _two_conversations(c, turns: int = 3) -> list[tuple[int, int]]:
+    """Conversations a and b take turns on one server; (prompt tokens of the turn before, cached tokens) of each
+    turn after the first."""
+    talks = {"a": [{"role": "user", "content": PROMPT}], "b": [{"role": "user", "content": "Write a poem on gears."}]}
+    last, seen = {}, []
+    for turn in range(turns):
+        for name, history in talks.items():
+            r = c.post("/v1/chat/completions", json=chat_body(messages=history)).json()
+            usage = r["usage"]
+            if turn:
+                seen.append((last[name], usage["prompt_tokens_details"]["cached_tokens"]))
+            last[name] = usage["prompt_tokens"]
+            history += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": f"More, part {turn}."}]
+    return seen
+
+
+def test_conversations_taking_turns_each_find_their_own_cache(tiny_engines):
+    """--cache-ram keeps the other conversation's cache on the host: each turn reuses all of its own last prompt;
+    with --cache-ram 0 only the sequence in the engine is reused, so a turn after the other conversation's finds
+    only the shared chat-template prefix. Prometheus shows the kept sequence and the cache hits."""
+    with TestClient(create_app(load(tiny_engines)), raise_server_exceptions=False) as c:
+        seen = _two_conversations(c)
+        assert seen and all(cached >= before for before, cached in seen)
+        metrics = c.get("/metrics").text
+        assert "specrt_prefix_cache_kept_sequences 1.0" in metrics
+        hits = [ln for ln in metrics.splitlines() if ln.startswith("specrt:prefix_cache_hits_total")]
+        assert float(hits[0].split()[-1]) >= sum(cached for _, cached in seen)
+    with TestClient(create_app(load(tiny_engines), cache_ram_mib=0), raise_server_exceptions=False) as c:
+        assert all(cached < 10 for _, cached in _two_conversations(c))
+
+
+def test_health_answers_503_while_the_engines_load_then_200(tiny_engines, reference):
+    gate = threading.Event()
+
+    def loader():
+        gate.wait(10)
+        return load(tiny_engines)
+
+    with TestClient(create_app(loader=loader, model="tiny"), raise_server_exceptions=False) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        r = c.post("/v1/chat/completions", json=chat_body())
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "model_loading"
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny"]
+        gate.set()
+        deadline = time.monotonic() + 20
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engines did not load"
+            time.sleep(0.02)
+        r = c.post("/v1/chat/completions", json=chat_body())
+        assert r.json()["choices"][0]["message"]["content"] == reference["chat"]
+
+
+def test_a_failed_load_reports_one_line_and_stops_the_server():
+    from specrt.errors import SpecrtError
+
+    stopped = threading.Event()
+
+    def loader():
+        raise SpecrtError("no engine set at 'nowhere'; build one with `specrt engines`")
+
+    app = create_app(loader=loader, model="tiny")
+    app.state.server.on_load_error = stopped.set
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert stopped.wait(10)
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "error"}
+        assert "no engine set" in str(app.state.server.load_error)
+
+
+def _live_objects(kind) -> int:
+    import gc
+
+    gc.collect()
+    return sum(isinstance(o, kind) for o in gc.get_objects())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
+
+
+def test_a_hundred_disconnects_leak_nothing_and_each_stops_within_a_round(live, session, reference):
+    """100 clients go away mid-stream: each generation stops at the next round boundary (cancel_s, from close()
+    to the loop's end, far below the 200-token run it would have been), no Stream, queue or byte stays behind, and
+    the next request's output equals a fresh run's."""
+    import asyncio
+
+    import httpx
+
+    from specrt.runtime.generate import Stream
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("reads /proc/self/status (Linux)")
+    url, server = live
+    body = chat_body(max_tokens=200, ignore_eos=True, stream=True)
+    session.decoder, inner = Slow(session.decoder, delay=0.01), session.decoder
+
+    def disconnect(http) -> None:
+        before = server.history[-1] if server.history else None
+        with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got == 2:
+                    break
+        deadline = time.monotonic() + 10
+        while not server.history or server.history[-1] is before or server.pending:
+            assert time.monotonic() < deadline, "the cancelled stream did not finish"
+            time.sleep(0.005)
+
+    try:
+        with httpx.Client(timeout=10, headers={"Authorization": "Bearer k"}) as http:
+            for _ in range(10):  # warm-up: allocators and caches reach their steady size
+                disconnect(http)
+            streams, queues, rss = _live_objects(Stream), _live_objects(asyncio.Queue), _rss_bytes()
+            for _ in range(100):
+                disconnect(http)
+            cancelled = [st for st in list(server.history)[-64:]]
+            assert all(st.finish_reason == "cancelled" and st.new_tokens < 100 for st in cancelled)
+            assert all(0 < st.cancel_s < 1.0 for st in cancelled)
+            assert _live_objects(Stream) <= streams and _live_objects(asyncio.Queue) <= queues
+            assert _rss_bytes() - rss < 32 << 20
+            assert server.pending == 0 and not server.open_streams
+    finally:
+        session.decoder = inner
+    with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
+        r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
+    assert r["choices"][0]["message"]["content"] == reference["chat"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import SpecrtError
 from ...interface import PORTABLE_DTYPES
-from ..engine import check_pass
+from ..engine import KVSnapshot, check_pass
 from ..static_shapes import Buckets, PassInputs
 from .cuda_memory import DeviceCache, Memory
 
@@ -170,6 +170,16 @@ class DeviceEngine:
 
     def rewind(self, length: int = 0) -> None:
         self.length = length
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        length = min(length, self.length)
+        return KVSnapshot(length, self.cache.save(length))
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        self.length = 0  # nothing to keep across the relayout
+        self.reserve(snapshot.length)
+        self.cache.load(snapshot.arrays)
+        self.length = snapshot.length
 
     def close(self) -> None:
         """Free the device memory now (otherwise at exit)."""

@@ -300,6 +300,23 @@ class DeviceCache:
                 for c in commit_plan(ptr, self._scratch, self.heads, self.row, self.capacity, src, dst):
                     self.memory.copy2d(c)
 
+    def save(self, length: int) -> list[np.ndarray]:
+        """The first `length` positions of every buffer, on the host ([1, kv_heads, length, head_dim] each; syncs)."""
+        return [self.read(i, j)[:, :, :length].copy() for i in range(len(self.ptrs)) for j in range(len(KV_KINDS))]
+
+    def load(self, arrays: list[np.ndarray]) -> None:
+        """Write save()'s arrays back at the current capacity, one upload per buffer (queued; past their length
+        each buffer gets zeros, which the mask hides)."""
+        if len(arrays) != len(self.ptrs) * len(KV_KINDS):
+            raise ValueError(f"a snapshot of {len(arrays)} buffers does not fit a cache of "
+                             f"{len(self.ptrs) * len(KV_KINDS)}")
+        host = np.zeros(self.shape(), self.dtype)
+        ptrs = [ptr for layer in self.ptrs for ptr in layer]
+        for ptr, arr in zip(ptrs, arrays):
+            host[:, :, :arr.shape[2]] = arr
+            self.memory.upload(ptr, host)
+            self.memory.sync()  # host is reused for the next buffer
+
     def read(self, layer: int, kind: int) -> np.ndarray:
         """The [1, kv_heads, capacity, head_dim] contents of one buffer, on the host (tests and checks; syncs)."""
         out = np.empty(self.shape(), self.dtype)

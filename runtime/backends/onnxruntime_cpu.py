@@ -18,7 +18,7 @@ from ...errors import SpecrtError, first_line
 from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES,
                           INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
                           TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
-from ..engine import EngineOptions, check_pass, tree_moves
+from ..engine import EngineOptions, KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 
 # The screen saves time on narrow passes and loses it on wide ones (docs/runtime-notes.md, "Logit screen row limit").
@@ -258,3 +258,15 @@ class OrtEngine:
 
     def rewind(self, length: int = 0) -> None:
         self.length = length
+
+    def _views(self) -> list[np.ndarray]:
+        return [self.cache[i, j] for i in range(self.cache.shape[0]) for j in range(len(KV_KINDS))]
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        return snapshot_views(self._views(), min(length, self.length))
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        self.length = 0  # nothing to keep across the relayout
+        self.reserve(snapshot.length)
+        restore_views(self._views(), snapshot)
+        self.length = snapshot.length

@@ -17,7 +17,7 @@ import onnxruntime as ort
 from ...errors import SpecrtError
 from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
                           PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, present_name)
-from ..engine import EngineOptions, check_pass, tree_moves
+from ..engine import EngineOptions, KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 from ..static_shapes import Buckets, PassInputs, relayout
 from .onnxruntime_cpu import TAKING_TURNS, OrtHeads, open_session
@@ -155,3 +155,14 @@ class PortableEngine:
 
     def rewind(self, length: int = 0) -> None:
         self.length = length
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        return snapshot_views([v for layer in self.cache for v in layer], min(length, self.length))
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        self.length = 0  # nothing to keep across the relayout
+        capacity = self.buckets.capacity(min(snapshot.length, self.max_context) + self.buckets.widths[-1])
+        if capacity != self.capacity:
+            self._layout(capacity)
+        restore_views([v for layer in self.cache for v in layer], snapshot)
+        self.length = snapshot.length

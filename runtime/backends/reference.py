@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import SpecrtError
-from ..engine import ContextFullError, EngineOptions
+from ..engine import ContextFullError, EngineOptions, KVSnapshot, restore_views, snapshot_views
 
 
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "ReferenceEngine":
@@ -128,6 +128,13 @@ class ReferenceEngine:
 
     def rewind(self, length: int = 0) -> None:
         self.length = length
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        return snapshot_views([kind for layer in self.cache for kind in layer], min(length, self.length))
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        restore_views([kind for layer in self.cache for kind in layer], snapshot)
+        self.length = snapshot.length
 
 
 class ReferenceHeads:

@@ -28,6 +28,7 @@ class Context:
         self.length = len(prompt)
         self.prompt_length = len(prompt)
         self.target = None  # the target engine, for proposers that read its hidden states (Medusa)
+        self.cached = 0     # prompt tokens the target kept from the last request (KV reuse; 0 when off)
 
     @property
     def ids(self) -> np.ndarray:

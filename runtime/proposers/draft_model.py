@@ -2,8 +2,9 @@
 
 KV cache invariant (the draft engine's own static cache): before `propose`, it holds a prefix of
 the context; `propose` first feeds the rest (usually one token: the target's last recovered or
-bonus token; two after a fully accepted draft, since the last drafted token was never fed; the
-whole prompt on the first round; everything since speculation was last switched off), then
+bonus token; two after a fully accepted draft, since the last drafted token was never fed; on the
+first round the prompt past the prefix it shares with the last request's context, which the cache
+keeps (KV reuse); everything since speculation was last switched off), then
 k - 1 drafted tokens, one pass each. `observe` rewinds it to the context plus the accepted draft
 tokens, so rejection costs nothing and a bonus token is caught up next round.
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import SpecrtError
-from ..engine import Engine
+from ..engine import Engine, KVSnapshot
+from ..prefix_cache import common_prefix
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..verify import Draft, VerifyResult
 from .base import EMPTY, Context, OneBucket
@@ -37,11 +39,30 @@ class DraftModel(OneBucket):
         self._q: np.ndarray | None = None     # [max_tokens, V], allocated on the first sampled request
         self._sample = False
         self._base = 0                        # context length when the last draft was proposed
+        self._held = np.zeros(0, np.int64)    # a sequence whose prefix the cache holds (see held())
+        self._ctx: Context | None = None      # or the last request's context, which holds it
         engine.forward(np.zeros(1, np.int64))  # ORT initialises lazily: pay it here, not in the first TTFT
         engine.rewind(0)
 
+    def held(self) -> np.ndarray:
+        """The tokens the draft's cache holds, position by position (a prefix of the last request's context)."""
+        ids = self._ctx.ids if self._ctx is not None else self._held
+        return ids[: self.engine.length]
+
+    def save_state(self, limit: int) -> KVSnapshot:
+        """The draft's cache for KV reuse (Generator.prefix_store): its first min(length, limit) positions."""
+        return self.engine.save_prefix(min(self.engine.length, limit))
+
+    def load_state(self, ids, snapshot: KVSnapshot) -> None:
+        """Put a save_state copy back; ids: the sequence it was saved from."""
+        self.engine.load_prefix(snapshot)
+        self._held, self._ctx = np.asarray(ids[: snapshot.length], np.int64), None
+
     def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
-        self.engine.rewind(0)
+        # KV reuse, where the target reuses too: keep what the cache shares with this prompt (>= 1 token left to
+        # feed, for the first logits); otherwise read it all, as a benchmark timing prefills expects
+        self.engine.rewind(common_prefix(self.held(), ctx.ids, ctx.length - 1) if ctx.cached else 0)
+        self._ctx = ctx  # its ids grow with the request: the cache holds a prefix of them
         self.engine.reserve(ctx.target.capacity if ctx.target is not None else self.engine.max_context)
         self.sampling, self.rng = sampling, rng
         self._sample = (not sampling.greedy) if self.sampled is None else self.sampled

@@ -1,0 +1,91 @@
+"""Sequences whose KV cache the server keeps besides the one in the engine, least recently used first out.
+
+One engine holds one sequence's cache (the `live` one: the last request's prompt + answer). A request that would
+overwrite much of it (another conversation's turn; Generator.SAVE_MIN_LOST tokens or more) saves it here first, and
+a kept sequence that shares a longer prefix with the request than the live one goes back into the engine, so the
+request prefills only the rest (Generator._reuse). Saved caches are host copies (Engine.save_prefix) of the target
+and of any proposer that keeps a cache of its own (a draft model), bounded by a byte budget, like llama.cpp's
+server `--cache-ram`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .engine import KVSnapshot
+
+MIB = 1 << 20
+
+
+def common_prefix(a, b, limit: int) -> int:
+    """Length of the longest common prefix of token sequences a and b, at most limit."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Kept:
+    """One saved sequence: its tokens (what the target's cache holds, position by position), the target's cache,
+    and the state of each proposer that keeps one (by name)."""
+
+    ids: list[int]
+    target: KVSnapshot
+    proposers: dict[str, object] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class PrefixStore:
+    """Kept sequences under a byte budget, least recently used evicted first. budget_bytes 0: keep none (only the
+    live sequence in the engine is reused)."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget = budget_bytes
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self._next = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in self._kept.values())
+
+    def best(self, ids, limit: int) -> tuple[int | None, int]:
+        """(key, length) of the kept sequence sharing the longest prefix with ids (at most limit); (None, 0) if
+        none shares any."""
+        key, best = None, 0
+        for k, kept in self._kept.items():
+            n = common_prefix(kept.ids, ids, limit)
+            if n > best:
+                key, best = k, n
+        return key, best
+
+    def take(self, key: int) -> Kept:
+        """Remove a kept sequence and return it (it goes back into the engine)."""
+        return self._kept.pop(key)
+
+    def put(self, kept: Kept) -> bool:
+        """Keep a sequence, evicting the least recently used ones to stay within the budget (and any kept one
+        that is a prefix of it); False (and nothing kept) when it alone exceeds the budget."""
+        kept.nbytes = kept.target.nbytes + sum(_nbytes(s) for s in kept.proposers.values())
+        if kept.nbytes > self.budget:
+            return False
+        for k in [k for k, old in self._kept.items() if common_prefix(old.ids, kept.ids, len(old.ids)) == len(old.ids)]:
+            del self._kept[k]  # this one holds all of it
+        while self._kept and self.nbytes + kept.nbytes > self.budget:
+            self._kept.popitem(last=False)
+            self.evictions += 1
+        self._kept[self._next] = kept
+        self._next += 1
+        return True
+
+
+def _nbytes(state) -> int:
+    return getattr(state, "nbytes", 0)
