@@ -26,6 +26,7 @@ from .control import AdaptiveK, Controller, FixedK, GatedK, Round
 from .engine import Engine, EngineOptions, open_engine, open_heads
 from .generate import PlainDecoder, Stats
 from .proposers import Context, DraftModel, PromptLookup, Proposer
+from .proposers.eagle import Eagle
 from .proposers.hybrid import LookupMedusa
 from .proposers.medusa import Medusa
 from .sampling import SamplingParams, probs_from_logits
@@ -33,7 +34,7 @@ from .tree import tree_layout
 from .verify import Draft, verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "auto")
+MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "eagle", "auto")
 
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
@@ -112,6 +113,10 @@ class SpeculativeConfig:
     lookup_max_tokens: int = 16
     draft_max_tokens: int = 8
     draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
+    eagle_tree: bool = True                 # EAGLE-2's dynamic tree (False: a chain, its length adaptive)
+    eagle_depth: int = 6                    # the deepest chain or tree
+    eagle_beam: int = 6                     # tree nodes expanded per level
+    eagle_nodes: int = 0                    # tree nodes verified per round (0 = from the target's pass costs)
 
 
 def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
@@ -148,9 +153,33 @@ def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, c
     return LookupMedusa(_prompt_lookup(manifest, precision, options, cfg), _medusa(manifest, precision, options, cfg))
 
 
+def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+    heads = [e for e in manifest.engines.values() if e.role == "eagle"]
+    if not heads:
+        raise SpecrtError(f"engine set '{manifest.root}' has no EAGLE head; rebuild it with "
+                          "`specrt engines --eagle-head heads/smollm2-135m-eagle.npz` or use --speculate medusa")
+    e = heads[0]
+    from .backends.onnxruntime_cpu import open_eagle  # the head runs on ONNX Runtime's CPU provider
+
+    nodes = cfg.eagle_nodes or eagle_tree_nodes(e.eagle.get("pass_seconds_by_width"))
+    return Eagle(open_eagle(manifest.root, e, options), cfg.draft_tokens or cfg.eagle_depth, tree=cfg.eagle_tree,
+                 beam=cfg.eagle_beam, nodes=nodes)
+
+
+def eagle_tree_nodes(cost, lo: int = 4, hi: int = 24) -> int:
+    """Tree nodes per round from the target's pass seconds by width: the widest pass that costs at most 1.5x a
+    one-token pass (so a round of mostly rejected nodes stays cheap), within [lo, hi]."""
+    if not cost:
+        return 12
+    widths, secs = zip(*cost)
+    one = float(np.interp(1, widths, secs))
+    fits = [w - 1 for w in range(2, hi + 2) if float(np.interp(w, widths, secs)) <= 1.5 * one]
+    return int(min(hi, max(lo, max(fits, default=lo))))
+
+
 # --speculate NAME -> proposer factory: the one place a method name picks code
 PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model,
-                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa}
+                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa, "eagle": _eagle}
 
 
 def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:

@@ -145,3 +145,21 @@ def portable_signature(num_layers: int, sizes: dict, cache_dtype: str) -> tuple[
 def portable_io_description(sizes: dict, cache_dtype: str) -> tuple[dict, dict]:
     """The portable graph's inputs and outputs as a manifest entry records them."""
     return _description(sizes, PORTABLE_INPUTS, PORTABLE_OUTPUTS, PORTABLE_CACHE_DIMS, cache_dtype)
+
+
+# --- EAGLE heads (export/eagle.py): one decoder layer over the target's features, its own KV cache -------------
+EAGLE_FEATURES = "features"            # [batch, seq, hidden] float32: the target's (or the head's own) feature
+EAGLE_TOKENS = "draft_tokens"          # [batch, seq, topk] int64: the best next tokens (target ids), best first
+EAGLE_LOGPROBS = "draft_logprobs"      # [batch, seq, topk] float32: their log-probabilities (draft vocabulary)
+EAGLE_INPUTS = (
+    (EAGLE_FEATURES, ("batch", "seq", "hidden_size"), "float32"),
+    (INPUT_IDS, ("batch", "seq"), "int64"),       # at position i: the token after it (x_{i+1})
+    (POSITION_IDS, ("batch", "seq"), "int64"),
+    (ATTENTION_MASK, ("batch", 1, "seq", "capacity"), "float32"),
+    (WRITE_INDICES, ("batch",), "int64"),
+)
+EAGLE_OUTPUTS = (
+    (HIDDEN_STATES, ("batch", "seq", "hidden_size"), "float32"),  # the predicted next features
+    (EAGLE_TOKENS, ("batch", "seq", "topk"), "int64"),
+    (EAGLE_LOGPROBS, ("batch", "seq", "topk"), "float32"),
+)

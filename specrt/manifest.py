@@ -75,6 +75,7 @@ class EngineEntry:
     tokenizer_sha256: str | None = None  # the tokenizer it was exported with (target and draft)
     build_versions: dict | None = None  # the tools that built it (the set's "versions" are the export's)
     medusa: dict | None = None  # heads facts, tree, its sizing and the training report (role "medusa")
+    eagle: dict | None = None  # EAGLE head facts: cache capacity, top-k, draft vocabulary, the target it was made for
     quality: dict | None = None  # quantized engines: top-1 and KL against the fp32 engine (pipeline/quality.py)
     memory: dict | None = None  # engine_memory(): weights, KV cache per position and at max_context, in bytes
     # from parity: one K-token pass equals K one-token passes (docs/pipeline-notes.md, "Width-exactness")
@@ -225,10 +226,17 @@ def load_manifest(root: Path) -> Manifest:
     if engines and not any(e.role == "target" for e in engines.values()):
         raise SpecrtError(f"engine set '{root}' has proposers but no target engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT`")
-    widths = {e.hidden_size for e in engines.values() if e.role in ("target", "medusa")}
+    widths = {e.hidden_size for e in engines.values() if e.role in ("target", "medusa", "eagle")}
     if len(widths) > 1:  # heads read the target's hidden state
-        raise SpecrtError(f"engine set '{root}': its Medusa heads and its target have different hidden sizes "
-                          f"{sorted(widths)}; rebuild it with heads trained for this target (`specrt train-medusa`)")
+        raise SpecrtError(f"engine set '{root}': its heads and its target have different hidden sizes "
+                          f"{sorted(widths)}; rebuild it with heads trained for this target (`specrt train-medusa`, "
+                          "`specrt train-eagle`)")
+    sources = {e.source_sha256 for e in engines.values() if e.role == "target"}
+    for e in engines.values():  # an EAGLE head reads one target's features: the very checkpoint it was trained on
+        made_for = (e.eagle or {}).get("target_source_sha256")
+        if e.role == "eagle" and made_for is not None and made_for not in sources:
+            raise SpecrtError(f"engine '{e.name}' is an EAGLE head for another target checkpoint than this set's; "
+                              "rebuild the set with heads trained for its target (`specrt train-eagle`)")
     for e in engines.values():  # target and draft entries record the tokenizer they were exported with
         if e.role in ("target", "draft") and "tokenizer_sha256" not in e.raw:
             raise SpecrtError(f"engine '{e.name}' does not record its tokenizer (tokenizer_sha256); {rebuild}")

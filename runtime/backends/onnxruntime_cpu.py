@@ -15,9 +15,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import SpecrtError, first_line
-from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES,
-                          INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
-                          TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
+from ...interface import (APPROX_INPUT, ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, GREEDY_OUTPUT,
+                          HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS,
+                          NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK, WRITE_INDICES,
+                          past_name, present_name)
 from ..engine import EngineOptions, KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 
@@ -269,4 +270,65 @@ class OrtEngine:
         self.length = 0  # nothing to keep across the relayout
         self.reserve(snapshot.length)
         restore_views(self._views(), snapshot)
+        self.length = snapshot.length
+
+
+def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtEagleHead":
+    """An EAGLE head engine (export/eagle.py's graph, standard ops): one thread, like the Medusa heads."""
+    e = entry.eagle or {}
+    return OrtEagleHead(Path(root) / entry.file, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
+                        head_dim=entry.head_dim, capacity=int(e["capacity"]), topk=int(e["topk"]), threads=1)
+
+
+class OrtEagleHead:
+    """The EAGLE head: one decoder layer with its own static cache ([1, kv_heads, capacity, head_dim], bound as
+    past and present). `run` writes its rows' K/V at slots [slot, slot + W) and returns the predicted next
+    features and the top-k next tokens of every row; the caller's mask says which slots each row sees, so real
+    positions, a chain's steps and a tree's levels are all one call."""
+
+    def __init__(self, onnx_path: Path, *, hidden: int, kv_heads: int, head_dim: int, capacity: int, topk: int,
+                 threads: int = 1):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        self.session = open_session(onnx_path, so)
+        self.hidden_size, self.capacity, self.topk = hidden, capacity, topk
+        self.cache = np.zeros((2, 1, kv_heads, capacity, head_dim), np.float32)
+        self.length = 0  # real positions the cache holds (slots [0, length))
+        self._io = self.session.io_binding()
+        for j, kind in enumerate(KV_KINDS):
+            buf = ort.OrtValue.ortvalue_from_numpy(self.cache[j])
+            self._io.bind_ortvalue_input(past_name(0, kind), buf)
+            self._io.bind_ortvalue_output(present_name(0, kind), buf)
+        # outputs land in buffers of `capacity` rows (the widest call: a whole prompt), bound by address per call
+        self._hidden = np.empty((capacity, hidden), np.float32)
+        self._tokens = np.empty((capacity, topk), np.int64)
+        self._logp = np.empty((capacity, topk), np.float32)
+
+    def run(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, slot: int,
+            mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """features [W, H], tokens [W] (the token after each row's position), positions [W], mask [W, capacity]
+        additive -> (next features [W, H], top-k tokens [W, k], their log-probabilities [W, k]), fresh arrays
+        (a tree keeps the rows of several calls)."""
+        W = len(tokens)
+        if slot + W > self.capacity:
+            raise ValueError(f"EAGLE head cache full: slots {slot}..{slot + W} of {self.capacity}")
+        io = self._io
+        io.bind_cpu_input(EAGLE_FEATURES, np.ascontiguousarray(features, np.float32).reshape(1, W, -1))
+        io.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(tokens, np.int64).reshape(1, W))
+        io.bind_cpu_input(POSITION_IDS, np.ascontiguousarray(positions, np.int64).reshape(1, W))
+        io.bind_cpu_input(ATTENTION_MASK, np.ascontiguousarray(mask, np.float32).reshape(1, 1, W, self.capacity))
+        io.bind_cpu_input(WRITE_INDICES, np.array([slot], np.int64))
+        io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [1, W, self.hidden_size], self._hidden.ctypes.data)
+        io.bind_output(EAGLE_TOKENS, "cpu", 0, np.int64, [1, W, self.topk], self._tokens.ctypes.data)
+        io.bind_output(EAGLE_LOGPROBS, "cpu", 0, np.float32, [1, W, self.topk], self._logp.ctypes.data)
+        self.session.run_with_iobinding(io)
+        return self._hidden[:W].copy(), self._tokens[:W].copy(), self._logp[:W].copy()
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        length = min(length, self.length)
+        return snapshot_views([self.cache[0], self.cache[1]], length)
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        restore_views([self.cache[0], self.cache[1]], snapshot)
         self.length = snapshot.length

@@ -11,10 +11,10 @@ runtime/ and is the only part of specrt that uses all three. Its modules, by rol
 
 from .buildcache import LEFTOVER_AGE_S, CacheEntry, cache_entries, prune_cache
 from .checks import check_engine, check_screen
-from .orchestrate import (EXPORT_FORMAT, MIN_CONTEXT, EngineSetRequest, check_destination, default_heads,
-                          make_engine_set, source_name)
+from .orchestrate import (EXPORT_FORMAT, MIN_CONTEXT, EngineSetRequest, check_destination, default_eagle,
+                          default_heads, make_engine_set, source_name)
 from .tree_sizing import MIN_WIDTH_SLOPE, PRIOR_WIDTH_SLOPE, TREE_COSTS, time_passes
 
 __all__ = ["CacheEntry", "EXPORT_FORMAT", "EngineSetRequest", "LEFTOVER_AGE_S", "MIN_CONTEXT", "MIN_WIDTH_SLOPE",
            "PRIOR_WIDTH_SLOPE", "TREE_COSTS", "cache_entries", "check_destination", "check_engine", "check_screen",
-           "default_heads", "make_engine_set", "prune_cache", "source_name", "time_passes"]
+           "default_eagle", "default_heads", "make_engine_set", "prune_cache", "source_name", "time_passes"]

@@ -39,6 +39,7 @@ class EngineSetRequest:
     draft_precisions: tuple[str, ...] = ("fp32",)
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
+    eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-fp32
     backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt (pipeline/portable.py)
     calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
     quality_floor: float = 0.85       # fp8/int8: the least top-1 agreement with fp32 on held-out text a build keeps
@@ -102,6 +103,12 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         from ..export.medusa import HEADS_ENGINE, TREE_TOLERANCE
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
+    if req.eagle_head is not None:
+        if not Path(req.eagle_head).is_file():
+            raise SpecrtError(f"EAGLE head file '{req.eagle_head}' not found; train it with `specrt train-eagle`")
+        from ..export.eagle import EAGLE_FORMAT
+
+        key += [file_sha256(Path(req.eagle_head)), EAGLE_FORMAT, TREE_COSTS]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     with one_build_at_a_time(Path(req.out_root), log):
         if _up_to_date(final, inputs_key):
@@ -133,6 +140,10 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         if req.medusa_heads is not None:
             engines["medusa-fp32"] = build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
                                                   req.medusa_tree_nodes, engines, req.backend)
+        if req.eagle_head is not None:
+            from .eagle import build_eagle
+
+            engines["eagle-fp32"] = build_eagle(Path(req.eagle_head), cache, facts, tmp, log, engines)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = manifest_dict(
@@ -189,6 +200,12 @@ def source_name(source: str) -> str:
 def default_heads(source: str) -> Path | None:
     """The committed heads for an embedded default (heads/<name>.npz beside the package), if any."""
     path = Path(__file__).resolve().parents[2] / "heads" / f"{source}.npz"
+    return path if path.is_file() else None
+
+
+def default_eagle(source: str) -> Path | None:
+    """The committed EAGLE head for an embedded default (heads/<name>-eagle.npz beside the package), if any."""
+    path = Path(__file__).resolve().parents[2] / "heads" / f"{source}-eagle.npz"
     return path if path.is_file() else None
 
 

@@ -1,0 +1,422 @@
+"""EAGLE heads (EAGLE-1/2): a one-layer draft model over the target's own features, trained on the CPU.
+
+At head position i the input is [f_i ; e(x_{i+1})]: the target's feature (final-norm hidden state) at i and the
+embedding of the token after it. fc maps it to the hidden size, one decoder layer (attention over the earlier
+positions, with its own KV cache at run time, then a SwiGLU MLP) predicts f_{i+1}, and the target's own lm_head
+rows (frozen, shared; a reduced vocabulary, as EAGLE-3's draft vocabulary) read the token after x_{i+1} from it.
+Drafting continues autoregressively on features: the next input is [predicted feature ; e(drafted token)].
+
+Training (teacher forcing; export/eagle_data.py gives every position's feature from one prefill) minimises EAGLE's
+loss: SmoothL1 between predicted and true features plus w_cls times the cross-entropy against the target's own
+distribution over the reduced vocabulary. `evaluate` replays chain drafting exactly as the runtime drafts (each
+step attends to the real positions before it and to its own earlier steps), on the target's greedy answers to the
+benchmark's prompts: per-position acceptance and the tokens per round a chain of each depth would give.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+EAGLE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rope_theta: float
+    rms_eps: float
+
+    @classmethod
+    def of(cls, config) -> "HeadShape":
+        """From a transformers config of the target."""
+        heads = config.num_attention_heads
+        return cls(config.hidden_size, heads, getattr(config, "num_key_value_heads", heads),
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
+                   float(getattr(config, "rope_theta", 10000.0)), float(config.rms_norm_eps))
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    vocab: int = 8192            # the reduced draft vocabulary: the most frequent target choices in the data
+    lr: float = 1e-3
+    batch_tokens: int = 4096     # positions per optimizer step (whole sequences)
+    max_epochs: int = 20
+    budget_s: float = 1200.0     # wall-clock training budget
+    w_cls: float = 0.1           # EAGLE's weight of the classification loss against the feature regression
+    noise: float = 0.2           # uniform noise on input features (EAGLE), as a fraction of their std
+    seed: int = 0
+    threads: int = 0
+    ckpt_seconds: float = 120.0
+
+
+def make_head(shape: HeadShape):
+    """The head as a torch module (imported lazily: export/ is the only torch user)."""
+    import torch
+    from torch import nn
+
+    S = shape
+    group = S.heads // S.kv_heads
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(S.hidden))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + S.rms_eps) * self.weight
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2 * S.hidden, S.hidden)
+            self.norm1, self.norm2 = RMSNorm(), RMSNorm()
+            self.q = nn.Linear(S.hidden, S.heads * S.head_dim, bias=False)
+            self.k = nn.Linear(S.hidden, S.kv_heads * S.head_dim, bias=False)
+            self.v = nn.Linear(S.hidden, S.kv_heads * S.head_dim, bias=False)
+            self.o = nn.Linear(S.heads * S.head_dim, S.hidden, bias=False)
+            self.gate = nn.Linear(S.hidden, S.intermediate, bias=False)
+            self.up = nn.Linear(S.hidden, S.intermediate, bias=False)
+            self.down = nn.Linear(S.intermediate, S.hidden, bias=False)
+            inv = 1.0 / (S.rope_theta ** (torch.arange(0, S.head_dim, 2, dtype=torch.float32) / S.head_dim))
+            self.register_buffer("inv_freq", inv, persistent=False)
+
+        def _rope(self, x, pos):  # x [B, h, T, D], pos [B, T]
+            ang = pos[:, None, :, None].float() * self.inv_freq
+            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+            half = S.head_dim // 2
+            rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+            return x * cos + rot * sin
+
+        def project(self, feat, emb, pos):
+            """-> residual x [B, T, H] and q [B, heads, T, D], k, v [B, heads, T, D] (kv heads repeated)."""
+            B, T, _ = feat.shape
+            x = self.fc(torch.cat([feat, emb], -1))
+            h = self.norm1(x)
+            q = self._rope(self.q(h).view(B, T, S.heads, S.head_dim).transpose(1, 2), pos)
+            k = self._rope(self.k(h).view(B, T, S.kv_heads, S.head_dim).transpose(1, 2), pos)
+            v = self.v(h).view(B, T, S.kv_heads, S.head_dim).transpose(1, 2)
+            return x, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+        def finish(self, x, att):  # att [B, heads, T, D]
+            B, T, _ = x.shape
+            x = x + self.o(att.transpose(1, 2).reshape(B, T, -1))
+            h = self.norm2(x)
+            return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+        def forward(self, feat, emb, pos):
+            """The causal pass over real inputs: predicted features [B, T, H], and (k, v) for rollouts."""
+            x, q, k, v = self.project(feat, emb, pos)
+            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.finish(x, att), (k, v)
+
+        def step(self, feat, emb, pos, real, own):
+            """One rollout step for every item m at once: item m attends to the real keys 0..m and to its own
+            earlier rollout keys (own: list of (k, v), each [B, heads, T, D]). Returns (predicted features,
+            this step's (k, v)); append the latter to own for the next step."""
+            x, q, k, v = self.project(feat, emb, pos)
+            K, V = real
+            T = q.shape[2]
+            scale = 1.0 / math.sqrt(S.head_dim)
+            scores = (q @ K.transpose(-1, -2)) * scale
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            mine = [(q * kk).sum(-1, keepdim=True) * scale for kk, _ in own + [(k, v)]]
+            p = torch.softmax(torch.cat([scores] + mine, -1), -1)
+            att = p[..., :T] @ V
+            for i, (_, vv) in enumerate(own + [(k, v)]):
+                att = att + p[..., T + i: T + i + 1] * vv
+            return self.finish(x, att), (k, v)
+
+    return Head()
+
+
+def pick_vocab(labels: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent target choices, sorted by token id (the draft vocabulary)."""
+    counts = np.bincount(labels[labels >= 0], minlength=vocab_size)
+    if size <= 0 or size >= vocab_size:
+        return np.arange(vocab_size, dtype=np.int64)
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int64)
+
+
+def _batches(starts: np.ndarray, batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
+    """Sequence indices grouped into batches of about batch_tokens positions (similar lengths together)."""
+    lengths = np.diff(starts)
+    order = np.argsort(lengths + rng.random(len(lengths)) * 8)
+    batches, cur, longest = [], [], 0
+    for s in order:
+        longest = max(longest, int(lengths[s]))
+        if cur and longest * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], int(lengths[s])
+        cur.append(int(s))
+    if cur:
+        batches.append(cur)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _pad(data: dict, seqs: list[int]):
+    """Right-padded torch tensors of a batch: tokens [B, T], features [B, T, H] float32, mask [B, T] bool."""
+    import torch
+
+    st = data["starts"]
+    T = max(int(st[s + 1] - st[s]) for s in seqs)
+    B, H = len(seqs), data["features"].shape[1]
+    tok = np.zeros((B, T), np.int64)
+    feat = np.zeros((B, T, H), np.float32)
+    mask = np.zeros((B, T), bool)
+    for b, s in enumerate(seqs):
+        a, e = int(st[s]), int(st[s + 1])
+        tok[b, : e - a], feat[b, : e - a], mask[b, : e - a] = data["tokens"][a:e], data["features"][a:e], True
+    return torch.from_numpy(tok), torch.from_numpy(feat), torch.from_numpy(mask)
+
+
+def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, out: Path,
+          cfg: EagleTrainConfig = EagleTrainConfig(), heldout: dict | None = None, log=print) -> dict:
+    """Train a head on a training set (eagle_data.load_set); embed [V, H] and lm_head [V, H] are the target's.
+    Resumes from out's checkpoint (out.with_suffix('.ckpt')) when its config matches. Returns the report."""
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    vocab = pick_vocab(data["labels"], lm_head.shape[0], cfg.vocab)
+    W = torch.from_numpy(np.ascontiguousarray(lm_head[vocab], np.float32))            # [Vd, H], frozen
+    E = torch.from_numpy(np.ascontiguousarray(embed, np.float32))                     # [V, H], frozen
+    head = make_head(shape)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    feat_std = float(data["features"][:: max(1, len(data["features"]) // 20000)].astype(np.float32).std())
+    ckpt = out.with_suffix(".ckpt")
+    state = {"step": 0, "epoch": 0, "elapsed": 0.0, "losses": []}
+    if ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["cfg"] == asdict(cfg) and saved["shape"] == asdict(shape):
+            head.load_state_dict(saved["head"])
+            opt.load_state_dict(saved["opt"])
+            state = saved["state"]
+            log(f"resumed at step {state['step']} (epoch {state['epoch']})")
+    per_epoch = len(_batches(data["starts"], cfg.batch_tokens, np.random.default_rng(0)))
+    total = per_epoch * cfg.max_epochs
+    t0, last_ckpt = time.time() - state["elapsed"], time.time()
+    done = False
+    while state["epoch"] < cfg.max_epochs and not done:
+        batches = _batches(data["starts"], cfg.batch_tokens, np.random.default_rng(cfg.seed + state["epoch"]))
+        for bi in range(state["step"] % per_epoch, len(batches)):
+            tok, feat, mask = _pad(data, batches[bi])
+            warm, left = min(1.0, (state["step"] + 1) / 50), min(1.0, state["step"] / total)
+            lr = cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * left))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x_in = feat[:, :-1] + (torch.rand_like(feat[:, :-1]) - 0.5) * (cfg.noise * feat_std)
+            pos = torch.arange(tok.shape[1] - 1).expand(tok.shape[0], -1)
+            pred, _ = head(x_in, E[tok[:, 1:]], pos)
+            m = mask[:, 1:]
+            target = feat[:, 1:]
+            reg = torch.nn.functional.smooth_l1_loss(pred[m], target[m])
+            with torch.no_grad():
+                p_t = torch.softmax(target[m] @ W.T, -1)
+            cls = -(p_t * torch.log_softmax(pred[m] @ W.T, -1)).sum(-1).mean()
+            loss = reg + cfg.w_cls * cls
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            opt.step()
+            state["step"] += 1
+            state["losses"].append([round(reg.item(), 5), round(cls.item(), 4)])
+            if state["step"] % 50 == 0:
+                r = np.mean(state["losses"][-50:], axis=0)
+                log(f"epoch {state['epoch'] + 1} step {state['step']}/{total}: reg {r[0]:.4f} cls {r[1]:.3f} "
+                    f"lr {lr:.2e}, {time.time() - t0:.0f}s")
+            if time.time() - last_ckpt > cfg.ckpt_seconds:
+                _checkpoint(ckpt, head, opt, state, cfg, shape, t0)
+                last_ckpt = time.time()
+            if time.time() - t0 > cfg.budget_s:
+                done = True
+                break
+        else:
+            state["epoch"] += 1
+    _checkpoint(ckpt, head, opt, state, cfg, shape, t0)
+    report = {"format": EAGLE_FORMAT, "config": asdict(cfg), "shape": asdict(shape), "steps": state["step"],
+              "epochs": state["epoch"] + (0 if not done else state["step"] % per_epoch / per_epoch),
+              "train_s": round(time.time() - t0, 1), "positions": int(len(data["tokens"]))}
+    if heldout is not None:
+        report["heldout"] = evaluate(head, heldout, embed, lm_head, vocab)
+    save_head(out, head, vocab, report)
+    return report
+
+
+def _checkpoint(path: Path, head, opt, state: dict, cfg, shape, t0) -> None:
+    import torch
+
+    state["elapsed"] = time.time() - t0
+    tmp = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state, "cfg": asdict(cfg),
+                "shape": asdict(shape)}, tmp)
+    tmp.rename(path)
+
+
+def evaluate(head, data: dict, embed: np.ndarray, lm_head: np.ndarray, vocab: np.ndarray, depth: int = 6,
+             answers_only: bool = True) -> dict:
+    """Chain drafting replayed on the target's own greedy answers (an eval set from eagle_data.build_eval_set):
+    at every answer position, draft `depth` tokens as the runtime would and count how many the target keeps.
+    Returns, overall and per kind: acceptance by position (P(token k right | all before right)), the tokens per
+    round of a chain of each depth (1 + expected accepted), and the first token's top-1 accuracy."""
+    import torch
+
+    W = torch.from_numpy(np.ascontiguousarray(lm_head[vocab], np.float32))
+    E = torch.from_numpy(np.ascontiguousarray(embed, np.float32))
+    vocab_t = torch.from_numpy(vocab)
+    st, kinds = data["starts"], data["kind"]
+    runs: dict[str, list[np.ndarray]] = {}
+    with torch.no_grad():
+        for s in range(len(st) - 1):
+            tok, feat, _ = _pad(data, [s])
+            T = tok.shape[1]
+            if T < 3:
+                continue
+            pos = torch.arange(T - 1)[None]
+            pred, real = head(feat[:, :-1], E[tok[:, 1:]], pos)  # item m: context x_0..x_{m+1}, guesses x_{m+2}
+            guesses, own = [], []
+            for k in range(depth):
+                d = vocab_t[(pred @ W.T).argmax(-1)]           # [1, T - 1] drafted token k + 1 of every item
+                guesses.append(d[0].numpy())
+                if k + 1 < depth:
+                    pred, kv = head.step(pred, E[d], pos + k + 1, real, own)
+                    own.append(kv)
+            x = tok[0].numpy()
+            first = max(int(data["prompt"][s]) - 1, 0) if answers_only else 0
+            m = np.arange(first, T - 2)  # items whose first guess has a true token to meet
+            right = np.zeros((len(m), depth), bool)
+            for k in range(depth):
+                idx = m + 2 + k
+                ok = idx < T
+                right[ok, k] = guesses[k][m[ok]] == x[idx[ok]]
+            runs.setdefault(str(kinds[s]), []).append(np.cumprod(right, axis=1).astype(bool))
+    out = {}
+    for kind, parts in sorted(runs.items()) + [("all", [p for ps in runs.values() for p in ps])]:
+        r = np.concatenate(parts)
+        kept = r.sum(0)
+        reached = np.concatenate([[len(r)], kept[:-1]])
+        out[kind] = {"positions": int(len(r)), "first_top1": round(float(kept[0] / max(len(r), 1)), 4),
+                     "acceptance_by_position": [round(float(a / max(b, 1)), 4) for a, b in zip(kept, reached)],
+                     "tau_by_depth": [round(1 + float(r[:, :d].sum(1).mean()), 4) for d in range(1, depth + 1)]}
+    return out
+
+
+def save_head(path: Path, head, vocab: np.ndarray, report: dict) -> None:
+    """The committed form: float16 weights, the draft vocabulary and the report (JSON)."""
+    sd = {k: v.detach().numpy().astype(np.float16) for k, v in head.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, vocab=vocab.astype(np.int32), report=json.dumps(report), **{f"w.{k}": v for k, v in sd.items()})
+    tmp.rename(path)
+
+
+def load_head(path: Path):
+    """-> (torch head, vocab, report) from save_head's file."""
+    import torch
+
+    with np.load(path) as f:
+        report = json.loads(str(f["report"]))
+        head = make_head(HeadShape(**report["shape"]))
+        head.load_state_dict({k[2:]: torch.from_numpy(f[k].astype(np.float32)) for k in f.files if k.startswith("w.")})
+        return head.eval(), f["vocab"].astype(np.int64), report
+
+
+def head_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
+    """save_head's file as numpy: (weights by state_dict name, float32; vocab; report)."""
+    with np.load(path) as f:
+        weights = {k[2:]: f[k].astype(np.float32) for k in f.files if k.startswith("w.")}
+        return weights, f["vocab"].astype(np.int64), json.loads(str(f["report"]))
+
+
+def export_eagle_onnx(head_file: Path, embed: np.ndarray, lm_head: np.ndarray, out: Path, max_context: int,
+                      topk: int = 8) -> dict:
+    """A trained head (save_head's file) as an engine in the portable style (standard ONNX, opset 24, fp32):
+
+      features [1, W, H], input_ids [1, W] (the token after each position), position_ids [1, W],
+      attention_mask [1, 1, W, C] additive, write_indices [1]; past/present.0.key|value [1, kv, C, D] (one buffer)
+        -> hidden_states [1, W, H] (the predicted next features), draft_tokens / draft_logprobs [1, W, topk]
+
+    C = max_context + 64 (a chain or tree of draft steps past the context). fc's token half is folded into a
+    [V, H] float16 table (embed @ W_e: one row gathered per position); the readout is the target's lm_head rows of
+    the draft vocabulary, log-softmaxed over them."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ..interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_INPUTS, EAGLE_LOGPROBS, EAGLE_OUTPUTS,
+                             EAGLE_TOKENS, HIDDEN_STATES, INPUT_IDS, POSITION_IDS, WRITE_INDICES, past_name,
+                             present_name)
+    from .graph import _Graph
+    from .portable import IR_VERSION, OPSET
+
+    w, vocab, report = head_arrays(head_file)
+    S = HeadShape(**report["shape"])
+    H, n, kv, D = S.hidden, S.heads, S.kv_heads, S.head_dim
+    if embed.shape[1] != H or lm_head.shape[1] != H or vocab.max() >= lm_head.shape[0]:
+        raise ValueError(f"the EAGLE head (hidden {H}) does not fit this target (embed {embed.shape}, lm_head "
+                         f"{lm_head.shape}); retrain it with `specrt train-eagle`")
+    C = max_context + 64
+    g = _Graph(Path(str(out) + ".data"))
+    f32 = lambda name, a: g.const(name, np.ascontiguousarray(a, np.float32))  # noqa: E731
+    i64 = lambda name, v: g.const(name, np.array(v, np.int64))  # noqa: E731
+    fc = w["fc.weight"]  # [H, 2H]: features first, then the token embedding
+    tok = g.op("Cast", [g.op("Gather", [g.const("token_table", (embed.astype(np.float32) @ fc[:, H:].T)
+                                                .astype(np.float16)), INPUT_IDS], axis=0)], to=TensorProto.FLOAT)
+    x = g.op("Add", [g.op("Add", [g.op("MatMul", [EAGLE_FEATURES, f32("fc_f_t", fc[:, :H].T)]), tok]),
+                     f32("fc_b", w["fc.bias"])])
+    eps, two, axes = f32("eps", np.array(S.rms_eps)), f32("two", np.array(2.0)), i64("axes", [-1])
+
+    def rmsnorm(v: str, weight: str) -> str:
+        var = g.op("ReduceMean", [g.op("Pow", [v, two]), axes], keepdims=1)
+        return g.op("Mul", [g.op("Div", [v, g.op("Sqrt", [g.op("Add", [var, eps])])]), f32(weight, w[weight])])
+
+    qkv_t = np.concatenate([w["q.weight"], w["k.weight"], w["v.weight"]], 0).T
+    qkv = g.op("MatMul", [rmsnorm(x, "norm1.weight"), f32("qkv_t", qkv_t)])
+    qkv4 = g.op("Transpose", [g.op("Reshape", [qkv, i64("shape_qkv", [0, 0, n + 2 * kv, D])])], perm=[0, 2, 1, 3])
+    qk, v4 = g.op("Split", [qkv4, i64("split_qk_v", [n + kv, kv])], n_out=2, axis=1)
+    inv = 1.0 / (S.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    ang = np.arange(C, dtype=np.float64)[:, None] * inv
+    rot = g.op("RotaryEmbedding", [qk, f32("cos", np.cos(ang)), f32("sin", np.sin(ang)), POSITION_IDS])
+    q4, k4 = g.op("Split", [rot, i64("split_q_k", [n, kv])], n_out=2, axis=1)
+    g.op("TensorScatter", [past_name(0, "key"), k4, WRITE_INDICES], axis=-2, name=present_name(0, "key"))
+    g.op("TensorScatter", [past_name(0, "value"), v4, WRITE_INDICES], axis=-2, name=present_name(0, "value"))
+    att = g.op("Attention", [q4, present_name(0, "key"), present_name(0, "value"), ATTENTION_MASK])
+    att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), i64("shape_out", [0, 0, n * D])])
+    x = g.op("Add", [x, g.op("MatMul", [att, f32("o_t", w["o.weight"].T)])])
+    gu_t = np.concatenate([w["gate.weight"], w["up.weight"]], 0).T
+    gate, up = g.op("Split", [g.op("MatMul", [rmsnorm(x, "norm2.weight"), f32("gate_up_t", gu_t)]),
+                              i64("split_gu", [S.intermediate] * 2)], n_out=2, axis=2)
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    g.op("Add", [x, g.op("MatMul", [act, f32("down_t", w["down.weight"].T)])], name=HIDDEN_STATES)
+    logp = g.op("LogSoftmax", [g.op("MatMul", [HIDDEN_STATES, f32("readout_t", lm_head[vocab].T)])], axis=-1)
+    g.op("TopK", [logp, i64("k", [topk])], n_out=2, axis=-1, name="topk")
+    g.nodes[-1].output[:] = [EAGLE_LOGPROBS, "topk_idx"]
+    g.op("Gather", [g.const("vocab", vocab), "topk_idx"], axis=0, name=EAGLE_TOKENS)
+
+    dims = {"hidden_size": H, "capacity": C, "topk": topk, "batch": 1}
+    types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
+    inputs = [helper.make_tensor_value_info(name, types[t], [dims.get(d, d) for d in shape])
+              for name, shape, t in EAGLE_INPUTS]
+    outputs = [helper.make_tensor_value_info(name, types[t], [dims.get(d, d) for d in shape])
+               for name, shape, t in EAGLE_OUTPUTS]
+    cache = [1, kv, C, D]
+    for kind in ("key", "value"):
+        inputs.append(helper.make_tensor_value_info(past_name(0, kind), TensorProto.FLOAT, cache))
+        outputs.append(helper.make_tensor_value_info(present_name(0, kind), TensorProto.FLOAT, cache))
+    g.close()
+    graph = helper.make_graph(g.nodes, "specrt_eagle_head", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, producer_name="specrt", opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    onnx.save_model(model, str(out))
+    return {"hidden_size": H, "num_kv_heads": kv, "head_dim": D, "capacity": C, "topk": topk,
+            "draft_vocab": int(len(vocab)), "eagle_format": EAGLE_FORMAT, "report": report}
+

@@ -1,0 +1,213 @@
+"""EAGLE: draft from the target's own features with a one-layer head (export/eagle.py), as a chain or a dynamic
+tree (EAGLE-2).
+
+The head's cache holds one entry per target position i < head.length, made from [f_i ; e(x_{i+1})]: the target's
+feature (final-norm hidden state) at i and the token after it. The verification pass already computes the
+features of every token it feeds, so `observe` keeps those of the committed positions for free; `propose` first
+feeds the positions the head has not read yet (usually 1 + the accepted draft tokens), whose last row predicts
+the feature at the pending token, and so the token after it: draft token 1. Then it drafts on predicted features:
+the next row is [predicted feature ; e(drafted token)], written past the real entries (overwritten next round).
+
+  chain: one row per step, k steps (k from the adaptive controller).
+  tree (EAGLE-2): each step expands the `beam` nodes with the highest cumulative log-probability, every one with
+    its top-k children, in one head call (a row per expanded node, each seeing its ancestors' slots); after
+    `depth` steps the `nodes` best nodes overall (a node's ancestors always score at least as high, so they form
+    a tree) go to one target pass. The tree's size follows the target's measured pass costs (set_pass_costs).
+
+Drafts are deterministic (q = None), so `verify` keeps the output exactly the target's, greedy or sampled. The
+first round (the prompt is pending, no features yet) drafts nothing: the first token waits for the target alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..prefix_cache import common_prefix
+from ..verify import Draft, VerifyResult
+from .base import EMPTY, Context, OneBucket
+
+NEG = np.float32(-np.inf)
+
+
+class Eagle(OneBucket):
+    name = "eagle"
+    reads_prompt = True
+
+    def __init__(self, head, max_tokens: int = 6, tree: bool = False, beam: int = 6, nodes: int = 16,
+                 max_context: int | None = None):
+        """head: an EAGLE head engine (runtime/backends/onnxruntime_cpu.OrtEagleHead); max_tokens: the deepest
+        chain or tree; tree: EAGLE-2's dynamic tree of at most `nodes` nodes, `beam` expanded per level."""
+        self.head, self.max_tokens, self.tree = head, max_tokens, tree
+        self.adaptive = not tree  # a chain follows AdaptiveK; the tree sizes itself (GatedK switches it)
+        self.beam, self.nodes = min(beam, head.topk), nodes
+        cap = head.capacity - (max_tokens * self.beam + 2)
+        self.max_context = cap if max_context is None else min(max_context, cap)
+        self._feat = np.zeros((head.capacity, head.hidden_size), np.float32)  # features by target position
+        self._known = 0          # features of positions [0, _known) are in _feat
+        self._held = np.zeros(0, np.int64)  # the tokens whose positions the head's cache holds (a prefix)
+        self._ctx: Context | None = None
+        self.target = None
+        self._rows = None        # pass rows of the last draft's nodes, to map result.path back
+        self._base = 0
+
+    # --- KV reuse across requests (Generator.prefix_store) ----------------------------------------------------
+    def held(self) -> np.ndarray:
+        ids = self._ctx.ids if self._ctx is not None else self._held
+        return ids[: self.head.length]
+
+    def save_state(self, limit: int):
+        n = min(self.head.length, limit)
+        return _State(self.head.save_prefix(n), self._feat[:n].copy())
+
+    def load_state(self, ids, state: "_State") -> None:
+        self.head.load_prefix(state.cache)
+        n = state.cache.length
+        self._feat[:n] = state.feat
+        self._known = n
+        self._held, self._ctx = np.asarray(ids[:n], np.int64), None
+
+    # --- the proposer contract ---------------------------------------------------------------------------------
+    def start(self, ctx: Context, sampling=None, rng=None) -> None:
+        self.target = ctx.target
+        if self.target is None:
+            raise ValueError("EAGLE reads the target's features; run it through the speculative loop")
+        self.target.enable_hidden()
+        # the head keeps the entries this prompt shares with its cache, if the target kept them too (KV reuse)
+        keep = min(common_prefix(self.held(), ctx.ids, ctx.cached), ctx.cached) if ctx.cached else 0
+        self.head.length = keep
+        self._known = keep
+        self._ctx = ctx
+        self._rows = None
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        t = self.target
+        self._base, self._rows = t.length, None
+        pending = ctx.length - t.length
+        if k <= 0 or pending != 1 or self._known < t.length or t.length < 1 or ctx.length >= self.max_context:
+            return EMPTY  # features missing (the prompt's round, or speculation was off): plain this round
+        h = self.head
+        if h.length > t.length:  # the head read past what the target kept (a rewind): forget it
+            h.length = t.length
+        # 1. the real entries the head has not read: positions [h.length, t.length), each with the token after it
+        lo, hi = h.length, t.length
+        ids = ctx.ids
+        mask = self._mask(hi - lo, lo)
+        feat, top, logp = h.run(self._feat[lo:hi], ids[lo + 1: hi + 1], np.arange(lo, hi), lo, mask)
+        h.length = hi
+        f, top, logp = feat[-1:], top[-1:], logp[-1:]  # row of position t.length - 1: guesses after the pending token
+        return self._tree(f, top, logp, k) if self.tree else self._chain(f, top, k)
+
+    def _chain(self, f, top, k: int) -> Draft:
+        h, base = self.head, self.target.length
+        tokens = np.empty(k, np.int64)
+        tokens[0] = top[0, 0]
+        for i in range(1, k):  # row i sits at position base + i - 1, slot base + i - 1: it sees [0, slot]
+            slot = base + i - 1
+            mask = np.full((1, h.capacity), NEG, np.float32)
+            mask[0, : slot + 1] = 0
+            f, top, _ = h.run(f, tokens[i - 1: i], np.array([slot]), slot, mask)
+            tokens[i] = top[0, 0]
+        return Draft(tokens)
+
+    def _tree(self, f, top, logp, k: int) -> Draft:
+        """EAGLE-2: grow by cumulative log-probability, then keep the best nodes."""
+        h, base, K = self.head, self.target.length, int(self.head.topk)
+        tokens, parents, score, slot_of = [], [], [], []  # per node; slot_of: head slot of its expansion (or -1)
+        for j in range(K):
+            tokens.append(int(top[0, j]))
+            parents.append(-1)
+            score.append(float(logp[0, j]))
+            slot_of.append(-1)
+        frontier = list(range(K))     # nodes whose children the last step produced
+        feats = {}                   # node -> its predicted-feature input row (the parent's prediction)
+        for j in range(K):
+            feats[j] = f[0]
+        slot = base
+        depth = 1
+        while depth < k:
+            grow = sorted(frontier, key=lambda i: -score[i])[: self.beam]
+            if not grow:
+                break
+            W = len(grow)
+            mask = np.full((W, h.capacity), NEG, np.float32)
+            mask[:, :base] = 0
+            for r, i in enumerate(grow):  # each row sees the real entries, its ancestors' slots and its own
+                slot_of[i] = slot + r
+                a = i
+                while a >= 0:
+                    if slot_of[a] >= 0:
+                        mask[r, slot_of[a]] = 0
+                    a = parents[a]
+            rows_f = np.stack([feats[i] for i in grow])
+            pos = np.full(W, base + depth - 1, np.int64)
+            out_f, out_top, out_logp = h.run(rows_f, np.array([tokens[i] for i in grow]), pos, slot, mask)
+            slot += W
+            frontier = []
+            for r, i in enumerate(grow):
+                for j in range(K):
+                    n = len(tokens)
+                    tokens.append(int(out_top[r, j]))
+                    parents.append(i)
+                    score.append(score[i] + float(out_logp[r, j]))
+                    slot_of.append(-1)
+                    feats[n] = out_f[r]
+                    frontier.append(n)
+            depth += 1
+        keep = sorted(range(len(tokens)), key=lambda i: -score[i])[: self.nodes]
+        keep = _closed(keep, parents)
+        order = sorted(keep, key=lambda i: (_depth(i, parents), -score[i]))  # parents before children
+        index = {i: n for n, i in enumerate(order)}
+        return Draft(np.array([tokens[i] for i in order], np.int64),
+                     np.array([index[parents[i]] if parents[i] >= 0 else -1 for i in order], np.int64))
+
+    def observe(self, result: VerifyResult) -> None:
+        """Keep the features of the positions the target committed: the pending token's, then the accepted
+        nodes' (pass rows 1 + path)."""
+        t = self.target
+        n = t.length - self._base
+        if n <= 0:
+            return
+        P = n - result.num_accepted
+        rows = np.arange(P) if result.num_accepted == 0 else np.concatenate([np.arange(P), P + result.path])
+        hidden = t.hidden
+        if hidden.shape[0] < rows.max() + 1 or self._known < self._base:
+            self._known = min(self._known, self._base)
+            return
+        self._feat[self._base: t.length] = hidden[rows]
+        self._known = t.length
+
+    def _mask(self, W: int, lo: int) -> np.ndarray:
+        """Causal rows for W real entries written at slot lo: row r sees slots [0, lo + r]."""
+        mask = np.full((W, self.head.capacity), NEG, np.float32)
+        for r in range(W):
+            mask[r, : lo + r + 1] = 0
+        return mask
+
+
+class _State:
+    """save_state's copy: the head's cache and the features of its positions."""
+
+    def __init__(self, cache, feat):
+        self.cache, self.feat = cache, feat
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes + self.feat.nbytes
+
+
+def _closed(keep: list[int], parents: list[int]) -> list[int]:
+    """keep plus every ancestor of its nodes (ties in score could leave one out)."""
+    out = set(keep)
+    for i in keep:
+        a = parents[i]
+        while a >= 0 and a not in out:
+            out.add(a)
+            a = parents[a]
+    return list(out)
+
+
+def _depth(i: int, parents: list[int]) -> int:
+    d = 0
+    while i >= 0:
+        i, d = parents[i], d + 1
+    return d

@@ -1,0 +1,182 @@
+"""EAGLE heads: the rollout that replays chain drafting equals running the head on the extended sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specrt.export.eagle import HeadShape, head_arrays, make_head  # noqa: E402
+
+SHAPE = HeadShape(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, rope_theta=10000.0, rms_eps=1e-5)
+
+
+def test_rollout_steps_equal_the_causal_pass_over_the_drafted_sequence():
+    """Item m of a rollout step attends to the real positions 0..m and its own earlier steps: exactly the causal
+    pass over [real inputs 0..m, rollout inputs], which is what the runtime's head with a KV cache computes."""
+    torch.manual_seed(0)
+    head = make_head(SHAPE).eval()
+    T = 7
+    feat, emb = torch.randn(1, T, 32), torch.randn(1, T, 32)
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        pred, real = head(feat, emb, pos)
+        steps, own, x = [], [], pred
+        for k in range(2):
+            e = torch.randn(1, T, 32)  # the drafted tokens' embeddings
+            x_next, kv = head.step(x, e, pos + k + 1, real, own)
+            own.append(kv)
+            steps.append((x, e, x_next))
+            x = x_next
+        for m in range(T):
+            f_ext = torch.cat([feat[:, : m + 1], steps[0][0][:, m:m + 1], steps[1][0][:, m:m + 1]], 1)
+            e_ext = torch.cat([emb[:, : m + 1], steps[0][1][:, m:m + 1], steps[1][1][:, m:m + 1]], 1)
+            full, _ = head(f_ext, e_ext, torch.arange(m + 3)[None])
+            np.testing.assert_allclose(full[0, m + 1].numpy(), steps[0][2][0, m].numpy(), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(full[0, m + 2].numpy(), steps[1][2][0, m].numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_onnx_head_equals_the_torch_head(tmp_path):
+    """export_eagle_onnx's graph on ONNX Runtime's CPU provider: a prefill of real positions then one drafted step
+    written after them in the cache, against the torch head's causal pass over the same inputs."""
+    import onnxruntime as ort
+
+    from specrt.export.eagle import export_eagle_onnx, save_head
+    from specrt.interface import ATTENTION_MASK, EAGLE_FEATURES, INPUT_IDS, POSITION_IDS, WRITE_INDICES
+
+    torch.manual_seed(1)
+    head = make_head(SHAPE).eval()
+    V, H = 50, 32
+    rng = np.random.default_rng(0)
+    embed, lm_head = rng.standard_normal((V, H)).astype(np.float32), rng.standard_normal((V, H)).astype(np.float32)
+    vocab = np.arange(0, V, 2)
+    save_head(tmp_path / "head.npz", head, vocab, {"shape": SHAPE.__dict__})
+    head = make_head(SHAPE).eval()  # the float16-rounded weights the file holds
+    head.load_state_dict({k: torch.from_numpy(v) for k, v in head_arrays(tmp_path / "head.npz")[0].items()})
+    info = export_eagle_onnx(tmp_path / "head.npz", embed, lm_head, tmp_path / "eagle.onnx", max_context=32, topk=4)
+    C = info["capacity"]
+    sess = ort.InferenceSession(str(tmp_path / "eagle.onnx"), providers=["CPUExecutionProvider"])
+    cache = {n: np.zeros((1, 2, C, 8), np.float32) for n in ("past_key_values.0.key", "past_key_values.0.value")}
+
+    def run(feat, ids, start):
+        W = len(ids)
+        mask = np.full((1, 1, W, C), -np.inf, np.float32)
+        for r in range(W):
+            mask[0, 0, r, : start + r + 1] = 0
+        feeds = {EAGLE_FEATURES: feat[None], INPUT_IDS: ids[None], POSITION_IDS: np.arange(start, start + W)[None],
+                 ATTENTION_MASK: mask, WRITE_INDICES: np.array([start]), **cache}
+        outs = sess.run(None, feeds)
+        names = [o.name for o in sess.get_outputs()]
+        got = dict(zip(names, outs))
+        cache["past_key_values.0.key"], cache["past_key_values.0.value"] = got["present.0.key"], got["present.0.value"]
+        return got
+
+    feat, ids = rng.standard_normal((6, H)).astype(np.float32), rng.integers(0, V, 6)
+    first = run(feat[:5], ids[:5], 0)
+    second = run(feat[5:], ids[5:], 5)
+    with torch.no_grad():
+        E = torch.from_numpy(embed)
+        ref, _ = head(torch.from_numpy(feat)[None], E[torch.from_numpy(ids)][None], torch.arange(6)[None])
+        logp = torch.log_softmax(ref[0] @ torch.from_numpy(lm_head[vocab]).T, -1)
+    hidden = np.concatenate([first["hidden_states"][0], second["hidden_states"][0]])
+    np.testing.assert_allclose(hidden, ref[0].numpy(), rtol=2e-3, atol=2e-3)  # the token table is float16
+    tokens = np.concatenate([first["draft_tokens"][0], second["draft_tokens"][0]])
+    np.testing.assert_array_equal(tokens[:, 0], vocab[logp.argmax(-1).numpy()])
+    np.testing.assert_allclose(np.concatenate([first["draft_logprobs"][0], second["draft_logprobs"][0]])[:, 0],
+                               logp.max(-1).values.numpy(), rtol=1e-2, atol=1e-2)
+
+
+# --- the engine set and the proposer --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eagle_engines(tiny_dir, tiny_engines, tmp_path_factory):
+    """The tiny Llama's set with a random EAGLE head, built through the pipeline (`--eagle-head`)."""
+    from transformers import AutoConfig
+
+    from specrt.export.eagle import save_head
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    config = AutoConfig.from_pretrained(str(tiny_dir))
+    shape = HeadShape.of(config)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("eagle") / "tiny-eagle.npz"
+    save_head(path, make_head(shape), np.arange(config.vocab_size), {"shape": shape.__dict__})
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-eagle", ("fp32",), 256, tiny_engines.parent,
+                                            eagle_head=path), log=lambda m: None)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_random_head_keeps_the_output_exactly_the_targets(eagle_engines, tree):
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+    from specrt.runtime.speculative import SpeculativeConfig
+
+    plain = load(eagle_engines)
+    spec = load(eagle_engines, "fp32", "eagle", config=SpeculativeConfig(eagle_tree=tree))
+    assert spec.decoder.proposer.name == "eagle" and spec.decoder.proposer.tree is tree
+    for prompt in ("Tell me about rivers.", "def add(a, b):"):
+        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)):
+            a = spec.generate(prompt, max_new_tokens=40, sampling=sampling)
+            b = plain.generate(prompt, max_new_tokens=40, sampling=sampling)
+            if sampling.greedy:
+                assert list(a.token_ids) == list(b.token_ids)
+            assert a.stats.proposer == "eagle" and a.stats.rounds <= a.stats.new_tokens
+
+
+class OracleHead:
+    """A head that knows the answer: a row at position p guesses oracle[p + 2] first (the token two past it, as a
+    real head's row does), then other tokens; its features are noise. It drives the proposer through long accepted
+    chains and tree paths, which a random head never reaches."""
+
+    def __init__(self, oracle: list[int], capacity: int = 320, hidden: int = 64, topk: int = 4, vocab: int = 384):
+        self.oracle, self.capacity, self.hidden_size, self.topk, self.vocab = oracle, capacity, hidden, topk, vocab
+        self.length, self.calls = 0, []
+
+    def run(self, features, tokens, positions, slot, mask):
+        W = len(tokens)
+        self.calls.append((features.copy(), np.array(tokens), np.array(positions), slot))
+        top = np.empty((W, self.topk), np.int64)
+        for r, p in enumerate(positions):
+            best = self.oracle[p + 2] if p + 2 < len(self.oracle) else 0
+            top[r] = [best] + [(best + 1 + j) % self.vocab for j in range(self.topk - 1)]
+        logp = np.log(np.array([0.7] + [0.3 / (self.topk - 1)] * (self.topk - 1), np.float32))
+        return np.random.default_rng(W).standard_normal((W, self.hidden_size)).astype(np.float32), top, \
+            np.tile(logp, (W, 1))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_an_oracle_head_is_accepted_and_the_head_reads_the_targets_own_features(tiny_engines, tree):
+    """With every first guess right, rounds keep whole chains or tree paths; the output is still the target's, and
+    every real entry the head read carried the target's feature at that position (what a fresh prefill of the
+    whole sequence computes) and the token after it."""
+    from specrt.runtime.control import GatedK
+    from specrt.runtime.proposers.eagle import Eagle
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+    from specrt.runtime.speculative import SpeculativeDecoder
+
+    session = load(tiny_engines)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = "Tell me about rivers."
+    ref = session.generate(prompt, max_new_tokens=48, sampling=greedy)
+    ids = session.generator.prompt_ids(prompt) + list(ref.token_ids)
+    head = OracleHead(ids)
+    proposer = Eagle(head, max_tokens=4, tree=tree, beam=3, nodes=8)
+    out = session.generator.generate(prompt, max_new_tokens=48, sampling=greedy,
+                                     decode=SpeculativeDecoder(proposer, GatedK(4)))
+    assert list(out.token_ids) == list(ref.token_ids)
+    assert out.stats.tau > 3.0, out.stats.tau
+    engine = session.engine
+    engine.rewind(0)
+    engine.enable_hidden()
+    engine.forward(np.asarray(ids, np.int64))
+    truth = engine.hidden.copy()
+    real = [(f, t, p) for f, t, p, slot in head.calls if slot == p[0] and len(p) and p[0] < len(ids) - 2]
+    seen = 0
+    for feats, toks, pos in real:
+        for f, t, p in zip(feats, toks, pos):
+            if p < len(truth) and np.allclose(f, truth[p], atol=1e-3):
+                assert t == ids[p + 1]
+                seen += 1
+    assert seen >= len(ids) - 8  # every position but the last few was read with its own feature
