@@ -82,3 +82,118 @@ def bench(
         typer.echo(f"wrote {out / 'report.md'}")
 
     _guard(run)
+
+
+def bench_serve(
+    engines_dir: Optional[Path] = typer.Option(None, "--engines", "-e",
+                                               help="Engine set: bench-serve launches `specrt serve` on it (a free "
+                                                    "loopback port) and, before that, runs the in-process baseline."),
+    url: list[str] = typer.Option([], "--url", metavar="URL",
+                                  help="A running OpenAI-compatible server to drive too, as URL or NAME=URL, e.g. "
+                                       "--url vllm=http://127.0.0.1:8000 (repeatable)."),
+    llamacpp: bool = typer.Option(False, "--llamacpp",
+                                  help="Also launch llama-cpp-python's server on the GGUF the --engines set was "
+                                       "built from, and drive it with the same load (needs "
+                                       "llama-cpp-python with its server extra)."),
+    in_process: bool = typer.Option(True, "--in-process/--no-in-process",
+                                    help="With --engines: first run the single-stream prompts in this process "
+                                         "(load(...).stream(...)), the baseline of the server-overhead figures."),
+    concurrency: str = typer.Option("1,2,4,8", "--concurrency",
+                                    help="Comma-separated concurrencies: C clients in a closed loop, each sending "
+                                         "the next prompt when its answer has ended."),
+    num_prompts: int = typer.Option(12, "--num-prompts",
+                                    help="Prompts of the set, taken one category after another (12 = 2 of each)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts",
+                                           help="JSONL prompt set (bench/prompts.py); default: the shipped set."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="max_tokens of every prompt-set request."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
+                                    help="Send ignore_eos (ours and vLLM honour it: every answer is exactly "
+                                         "--max-tokens long; llama-cpp-python ignores it)."),
+    min_tokens: bool = typer.Option(False, "--min-tokens",
+                                    help="Also send min_tokens = --max-tokens: llama-cpp-python's way through EOS "
+                                         "(a Python logits processor on every token: equal lengths, but it slows "
+                                         "that server by ~0.5 ms a token on 2 cores)."),
+    conversations: int = typer.Option(2, "--conversations",
+                                      help="Multi-turn conversations (a ~320-token system prompt, 5 user turns, "
+                                           "the whole history resent each turn); 0 = none."),
+    turn_max_tokens: int = typer.Option(48, "--turn-max-tokens", help="max_tokens of each multi-turn answer."),
+    speculate: str = typer.Option("auto", "--speculate", help="For the launched `specrt serve` and the baseline."),
+    precision: str = typer.Option("fp32", "--precision", help="For the launched `specrt serve` and the baseline."),
+    threads: int = typer.Option(0, "--threads",
+                                help="CPU threads of every server launched here and of the baseline (0 = all "
+                                     "cores)."),
+    serve_args: str = typer.Option("", "--serve-args",
+                                   help="More options for the launched `specrt serve`, e.g. --serve-args "
+                                        "'--cache-ram 0'."),
+    llamacpp_args: str = typer.Option("", "--llamacpp-args",
+                                      help="More options for the launched llama-cpp-python server, e.g. "
+                                           "--llamacpp-args '--n_batch 256'."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer key for the --url servers."),
+    health_timeout: float = typer.Option(10.0, "--health-timeout",
+                                         help="Seconds a --url server has to answer GET /health (or /v1/models)."),
+    start_timeout: float = typer.Option(300.0, "--start-timeout",
+                                        help="Seconds a launched server has to load and answer /health."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take."),
+    out: Path = typer.Option(Path("bench-out/serve"), "--out",
+                             help="Folder for results.json, report.md, latency.png, multiturn.png and the "
+                                  "launched servers' logs."),
+):
+    """Load-test OpenAI-compatible servers: TTFT, TPOT, inter-token latency p50/p90/p99, end-to-end, tok/s and
+    cached tokens, on the prompt set at each --concurrency and on multi-turn conversations.
+
+    Servers run one at a time: the --url ones, then `specrt serve` on --engines, then (with --llamacpp)
+    llama-cpp-python's server on the same GGUF. Every request is streamed (SSE), greedy.
+
+    Example: specrt bench-serve --engines engines/smollm2-135m --llamacpp
+    """
+    import shlex
+    import sys
+
+    from ..cli import _guard
+
+    def run():
+        from ..errors import SpecrtError
+        from .prompts import DEFAULT_PROMPTS
+        from .serve_load import ServeBenchConfig, parse_concurrency, run as run_load
+        from .serve_report import multiturn_table, prompt_table, write
+
+        if out.exists() and not out.is_dir():
+            raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
+        for flag, v in (("--health-timeout", health_timeout), ("--start-timeout", start_timeout),
+                        ("--request-timeout", request_timeout)):
+            if not v > 0:
+                raise SpecrtError(f"{flag} must be > 0 seconds, got {v}")
+        def _split(flag: str, text: str) -> tuple[str, ...]:
+            try:
+                return tuple(shlex.split(text))
+            except ValueError as e:
+                raise SpecrtError(f"{flag} '{text}' cannot be split into options ({e}); quote it like "
+                                  f"{flag} '--cache-ram 0'") from None
+
+        cfg = ServeBenchConfig(engines=engines_dir, urls=tuple(url), llamacpp=llamacpp, in_process=in_process,
+                               prompts=prompts or DEFAULT_PROMPTS, num_prompts=num_prompts,
+                               concurrency=parse_concurrency(concurrency), max_tokens=max_tokens,
+                               conversations=conversations, turn_max_tokens=turn_max_tokens, ignore_eos=ignore_eos,
+                               min_tokens=min_tokens, speculate=speculate, precision=precision, threads=threads,
+                               api_key=api_key, health_timeout_s=health_timeout, start_timeout_s=start_timeout,
+                               request_timeout_s=request_timeout, serve_args=_split("--serve-args", serve_args),
+                               llamacpp_args=_split("--llamacpp-args", llamacpp_args))
+        res = run_load(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
+        argv = sys.argv[1:][1:] if sys.argv[1:2] == ["bench-serve"] else sys.argv[1:]
+        write(res, out, "specrt bench-serve " + shlex.join(argv))
+        typer.echo("\n".join(prompt_table(res)))
+        if res["summary"]["multiturn"]:
+            typer.echo("\n" + "\n".join(multiturn_table(res)))
+        o = res["summary"]["overhead"]
+        if o:
+            typer.echo(f"\nserver / in-process: tok/s {o['tok_s_ratio']:.3f}x, TTFT p50 "
+                       f"{o['ttft_diff_ms']:+.1f} ms; identical answers {o['identical_texts']}/{o['prompts']}")
+        for r in res["summary"]["versus"]:
+            typer.echo(f"C={r['concurrency']}: TTFT p50 {r['ttft_p50_ms'][0]:.1f} vs {r['ttft_p50_ms'][1]:.1f} ms, "
+                       f"ITL p99 {r['itl_p99_ms'][0]:.2f} vs {r['itl_p99_ms'][1]:.2f} ms ({r['ours']} vs "
+                       f"{r['peer']})")
+        for n in res["notes"]:
+            typer.secho(n, err=True, fg=typer.colors.YELLOW)
+        typer.echo(f"wrote {out / 'report.md'}")
+
+    _guard(run)

@@ -18,13 +18,19 @@ TURNS = ("Turn on the kitchen lights.", "Now dim them to half.", "What's the tem
          "Set the thermostat to 21 degrees.", "Lock the front door and say good night.")
 
 
+def system_prompt() -> str:
+    """The ~340-token system prompt (SmolLM2's tokenizer): an assistant's first line, then fixed filler text
+    (the source of textwrap.dedent). Also the system prompt of `specrt bench-serve`'s multi-turn load."""
+    return "You are a voice assistant for a home-automation system. " + textwrap.dedent(
+        inspect.getsource(textwrap.dedent))[:1400]
+
+
 def conversation(engines: str, precision: str, speculate: str, reuse: bool, max_new_tokens: int = 48):
     from ..runtime.sampling import SamplingParams
     from ..runtime.session import load
     from ..runtime.tokenizer import Message
 
-    system = "You are a voice assistant for a home-automation system. " + textwrap.dedent(
-        inspect.getsource(textwrap.dedent))[:1400]
+    system = system_prompt()
     session = load(engines, precision, speculate)
     session.generator.keep_cache = reuse
     history, ttft, tokens, cached = [Message("system", system)], [], [], []

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions, open_engine
-from .prefix_cache import Kept, PrefixStore, common_prefix
+from .prefix_cache import SAVE_MIN_LOST, Kept, PrefixStore, common_prefix
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tokenizer import Detokenizer, Message, TextCodec
 
@@ -139,9 +139,9 @@ def _stop_prefix(text: str, stop) -> int:
     return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
-# A request that would overwrite at least this many tokens of the sequence in the engine saves it first (with a
-# prefix store): another conversation's turn, not the next turn of the same one (which rewrites a few at most).
-SAVE_MIN_LOST = 32
+def _state_holders(decode) -> list:
+    """The decoder's proposer, if it keeps a cache of its own (a draft model, an EAGLE head)."""
+    return [p for p in (getattr(decode, "proposer", None),) if hasattr(p, "save_state")]
 
 
 class Generator:
@@ -166,6 +166,7 @@ class Generator:
         # Other sequences' caches, kept on the host while another one is in the engine (runtime/prefix_cache.py);
         # None = only the sequence in the engine is reused.
         self.prefix_store: PrefixStore | None = None
+        self._last_decode = None
 
     @classmethod
     def load(cls, path: str | Path, precision: str = "fp32", options: EngineOptions = EngineOptions()) -> "Generator":
@@ -207,9 +208,9 @@ class Generator:
 
     def _reuse(self, ids: list[int], decode) -> int:
         """KV reuse: how many leading prompt tokens the target's cache already holds (>= 1 token is left to
-        prefill). With a prefix_store, a request that would overwrite much of the sequence in the engine saves it
-        there first (with the state of a proposer that keeps a cache), and a kept sequence sharing more of the
-        prompt than the engine's is loaded back into the engine."""
+        prefill). With a prefix_store, a kept sequence sharing more of the prompt than the engine's is loaded back
+        into the engine, and the engine's, if this request would overwrite much of it and it is not kept already
+        (stash), is saved there first."""
         if not self.keep_cache:
             return 0
         limit = len(ids) - 1
@@ -219,18 +220,30 @@ class Generator:
             return live
         key, kept_n = store.best(ids, limit)
         kept = store.take(key) if key is not None and kept_n > live else None
-        holders = [p for p in (getattr(decode, "proposer", None),) if hasattr(p, "save_state")]
-        n = len(self._held)
-        if n - live >= SAVE_MIN_LOST:  # this request keeps `live` tokens of it at most
-            store.put(Kept(list(self._held), self.engine.save_prefix(n), {p.name: p.save_state(n) for p in holders}))
+        if len(self._held) - live >= SAVE_MIN_LOST:  # this request keeps `live` tokens of it at most
+            self._save_live(decode)
         if kept is None:
             return live
         self.engine.load_prefix(kept.target)
-        for p in holders:
+        for p in _state_holders(decode):
             if p.name in kept.proposers:
                 p.load_state(kept.ids, kept.proposers[p.name])
         self._held = kept.ids
         return kept_n
+
+    def stash(self) -> None:
+        """Copy the sequence in the engine into prefix_store now (if it is not there already), so the next request
+        that overwrites it finds it kept without waiting for the copy: the server calls this once a request's last
+        chunk is out, off the next request's time to first token."""
+        if self.keep_cache and self.prefix_store is not None:
+            self._save_live(self._last_decode)
+
+    def _save_live(self, decode) -> None:
+        n = len(self._held)
+        if not n or self.prefix_store.holds(self._held):
+            return
+        self.prefix_store.put(Kept(list(self._held), self.engine.save_prefix(n),
+                                   {p.name: p.save_state(n) for p in _state_holders(decode)}))
 
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
         t0 = time.perf_counter()
@@ -241,6 +254,7 @@ class Generator:
         detok, out, text = Detokenizer(self.codec), [], ""
         reason = "length" if budget == max_new_tokens else "context"
         keep = self._reuse(ids, decode)
+        self._last_decode = decode
         engine.rewind(keep)
         stats.cached_tokens = keep
         self._held = []  # until this request ends, the cache holds a mix

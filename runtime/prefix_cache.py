@@ -1,7 +1,7 @@
 """Sequences whose KV cache the server keeps besides the one in the engine, least recently used first out.
 
 One engine holds one sequence's cache (the `live` one: the last request's prompt + answer). A request that would
-overwrite much of it (another conversation's turn; Generator.SAVE_MIN_LOST tokens or more) saves it here first, and
+overwrite much of it (another conversation's turn; SAVE_MIN_LOST tokens or more) saves it here first, and
 a kept sequence that shares a longer prefix with the request than the live one goes back into the engine, so the
 request prefills only the rest (Generator._reuse). Saved caches are host copies (Engine.save_prefix) of the target
 and of any proposer that keeps a cache of its own (a draft model), bounded by a byte budget, like llama.cpp's
@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from .engine import KVSnapshot
 
 MIB = 1 << 20
+# A request that would overwrite at least this many tokens of the sequence in the engine saves it first: another
+# conversation's turn, not the next turn of the same one (which rewrites a few at most, where the answer's text
+# tokenizes differently). Likewise a kept sequence all but this many of whose tokens a newer one holds is dropped.
+SAVE_MIN_LOST = 32
 
 
 def common_prefix(a, b, limit: int) -> int:
@@ -67,18 +71,24 @@ class PrefixStore:
                 key, best = k, n
         return key, best
 
+    def holds(self, ids) -> bool:
+        """A kept sequence is exactly ids."""
+        return any(len(k.ids) == len(ids) and common_prefix(k.ids, ids, len(ids)) == len(ids)
+                   for k in self._kept.values())
+
     def take(self, key: int) -> Kept:
         """Remove a kept sequence and return it (it goes back into the engine)."""
         return self._kept.pop(key)
 
     def put(self, kept: Kept) -> bool:
-        """Keep a sequence, evicting the least recently used ones to stay within the budget (and any kept one
-        that is a prefix of it); False (and nothing kept) when it alone exceeds the budget."""
+        """Keep a sequence, evicting the least recently used ones to stay within the budget (and any kept one it
+        holds all but SAVE_MIN_LOST tokens of); False (and nothing kept) when it alone exceeds the budget."""
         kept.nbytes = kept.target.nbytes + sum(_nbytes(s) for s in kept.proposers.values())
         if kept.nbytes > self.budget:
             return False
-        for k in [k for k, old in self._kept.items() if common_prefix(old.ids, kept.ids, len(old.ids)) == len(old.ids)]:
-            del self._kept[k]  # this one holds all of it
+        for k in [k for k, old in self._kept.items()
+                  if common_prefix(old.ids, kept.ids, len(old.ids)) > len(old.ids) - SAVE_MIN_LOST]:
+            del self._kept[k]  # this one holds (nearly) all of it: an earlier turn of the same conversation
         while self._kept and self.nbytes + kept.nbytes > self.budget:
             self._kept.popitem(last=False)
             self.evictions += 1

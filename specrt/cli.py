@@ -112,6 +112,9 @@ def engines(
     medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes",
                                           help="Medusa tree size (0 = chosen from head accuracies and measured "
                                                "pass costs)."),
+    eagle_head: Optional[str] = typer.Option(None, "--eagle-head",
+                                             help="EAGLE head file (specrt train-eagle). Default: the committed "
+                                                  "heads/<source>-eagle.npz when there is one; 'none' = no head."),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
 
@@ -138,14 +141,15 @@ def engines(
             cache = out / ".cache" / "presets"
             src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
             set_name = name or pre.name
-        from .pipeline import default_heads, source_name
+        from .pipeline import default_eagle, default_heads, source_name
 
         set_name = set_name or source_name(src) + SET_SUFFIX[backend]
 
         heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
                  else default_heads(src))
+        eagle = (None if eagle_head == "none" else Path(eagle_head) if eagle_head else default_eagle(src))
         path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
-                                                medusa_tree_nodes, backend, calibration_texts, quality_floor))
+                                                medusa_tree_nodes, eagle, backend, calibration_texts, quality_floor))
         typer.echo(str(path))
 
     _guard(run)
@@ -337,6 +341,68 @@ def train_medusa(
     _guard(run)
 
 
+@app.command("train-eagle", cls=_Command)
+def train_eagle(
+    source: str = typer.Option("smollm2-135m", "--source", "-s", help="Target: embedded name, HF directory or .gguf."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Head file to write. Default: heads/<source>-eagle.npz."),
+    work: Path = typer.Option(Path("engines/.cache/eagle"), "--work",
+                              help="Data cache (target features) and the resumable checkpoint."),
+    vocab: int = typer.Option(8192, "--vocab", help="Draft vocabulary: the most frequent target choices (0 = all)."),
+    budget_minutes: float = typer.Option(20.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
+    epochs: int = typer.Option(20, "--epochs", help="Stop earlier after this many epochs."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (cosine decay)."),
+    w_cls: float = typer.Option(0.1, "--w-cls", help="Weight of the token loss against the feature loss (EAGLE: 0.1)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Target answer length per training prompt."),
+    threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
+):
+    """Train an EAGLE head on the target's own features (target frozen; resumable). Data: one teacher-forced pass
+    per sequence over packaged text and the target's greedy answers to chat prompts (cached under --work); the
+    report replays chain drafting on the benchmark's prompts, never trained on."""
+
+    def run():
+        import shutil
+
+        import torch
+
+        from .corpora import BENCH_PROMPTS
+        from .export.eagle import EagleTrainConfig, HeadShape, train
+        from .export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
+        from .export.sources import fingerprint, load, resolve
+        from .pipeline import source_name
+
+        for flag, v in (("--epochs", epochs), ("--threads", threads), ("--max-new-tokens", max_new_tokens),
+                        ("--budget-minutes", budget_minutes), ("--lr", lr)):
+            if not v > 0:  # before the data (minutes): 0 epochs or budget would write an untrained head
+                raise SpecrtError(f"{flag} must be > 0, got {v}")
+        if vocab < 0 or w_cls < 0:
+            raise SpecrtError("--vocab and --w-cls must be >= 0")
+        torch.set_num_threads(threads)
+        src = resolve(source)
+        say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731
+        heldout = load_set(build_eval_set(src, work, BENCH_PROMPTS, log=say))
+        data = load_set(build_train_set(src, work, EagleDataConfig(max_new_tokens=max_new_tokens), log=say))
+        model, _ = load(src)
+        embed = model.model.embed_tokens.weight.detach().numpy()
+        lm_head = model.lm_head.weight.detach().numpy()
+        cfg = EagleTrainConfig(vocab=vocab, lr=lr, max_epochs=epochs, budget_s=budget_minutes * 60, w_cls=w_cls,
+                               threads=threads)
+        dest = out or Path("heads") / f"{source_name(source)}-eagle.npz"
+        work.mkdir(parents=True, exist_ok=True)
+        run_file = work / f"head-v{vocab}-lr{lr}-w{w_cls}.npz"
+        report = train(data, embed, lm_head, HeadShape.of(model.config), run_file, cfg, heldout=heldout, log=say,
+                       extra={"target_source_sha256": fingerprint(src)})
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if run_file.resolve() != dest.resolve():
+            shutil.copy2(run_file, dest)
+        for kind, r in report["heldout"].items():
+            say(f"{kind:>12}: first token {r['first_top1']:.1%}, acceptance by position "
+                f"{', '.join(f'{a:.2f}' for a in r['acceptance_by_position'])}; chain tau by depth "
+                f"{', '.join(f'{t:.2f}' for t in r['tau_by_depth'])}")
+        typer.echo(str(dest))
+
+    _guard(run)
+
+
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -463,6 +529,10 @@ def _screen_status(entry: dict) -> str:
 from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
 
 app.command(name="bench", cls=_Command)(_bench)
+
+from .bench.command import bench_serve as _bench_serve  # noqa: E402  (typer-only import, like `bench`)
+
+app.command(name="bench-serve", cls=_Command)(_bench_serve)
 
 from .serve_command import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
 

@@ -57,9 +57,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _drive(stream: Stream, push, started) -> None:
+def _drive(stream: Stream, push, started, after=None) -> None:
     """On the worker thread: run the loop to the end, pushing ("delta", text) then ("done", result) or
-    ("error", exception); started() first, when the request leaves the queue."""
+    ("error", exception); started() first, when the request leaves the queue; after() once the result is out
+    (the KV cache's copy for reuse: off this request's and the next one's critical path)."""
     started()
     try:
         for delta in stream:
@@ -68,6 +69,12 @@ def _drive(stream: Stream, push, started) -> None:
     except Exception as e:  # noqa: BLE001 -- reported to the client and the log; the worker lives on
         log.exception("generation failed")
         push(("error", e))
+        return
+    if after is not None:
+        try:
+            after()
+        except Exception:  # noqa: BLE001 -- only reuse is lost
+            log.exception("keeping the KV cache for reuse failed")
 
 
 class _Metrics:
@@ -245,7 +252,7 @@ class Server:
             except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
                 pass
 
-        self.worker.submit(_drive, stream, push, started)
+        self.worker.submit(_drive, stream, push, started, self.session.generator.stash)
         return queue
 
     async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool):

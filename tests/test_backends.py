@@ -211,20 +211,25 @@ def test_kv_reuse_across_turns_gives_the_tokens_of_a_fresh_run(tiny_engines, mod
 
 def test_the_prefix_store_evicts_the_least_recently_used_within_its_budget():
     from specrt.runtime.engine import KVSnapshot
-    from specrt.runtime.prefix_cache import Kept, PrefixStore
+    from specrt.runtime.prefix_cache import SAVE_MIN_LOST, Kept, PrefixStore
+
+    def seq(first, n=2 * SAVE_MIN_LOST):  # long enough that no two of these count as one conversation's turns
+        return [first] + list(range(1000 * first, 1000 * first + n))
 
     def kept(ids, nbytes):
         return Kept(list(ids), KVSnapshot(len(ids), [np.zeros(nbytes, np.uint8)]))
 
+    a, b, c = seq(1), seq(2), seq(3)
     store = PrefixStore(250)
-    assert store.put(kept([1, 2, 3], 100)) and store.put(kept([1, 5, 6], 100))
-    assert store.best([1, 5, 6, 7], 3) == (1, 3) and store.best([9], 1) == (None, 0)
-    assert store.best([1, 2, 3, 4], 2) == (0, 2)  # at most limit
-    assert store.put(kept([7, 8], 100))           # over budget: the oldest ([1, 2, 3]) goes
-    assert len(store) == 2 and store.evictions == 1 and store.nbytes == 200
-    assert store.best([1, 2, 3], 3)[1] == 1        # only [1, 5, 6] shares its first token now
+    assert store.put(kept(a, 100)) and store.put(kept(b, 100))
+    assert store.best(b + [7], len(b)) == (1, len(b)) and store.best([9], 1) == (None, 0)
+    assert store.best(a + [4], 5) == (0, 5)  # at most limit
+    assert store.holds(a) and not store.holds(a[:-1])
+    assert store.put(kept(c, 100))           # over budget: the oldest (a) goes
+    assert len(store) == 2 and store.evictions == 1 and store.nbytes == 200 and not store.holds(a)
     assert not store.put(kept([4], 251)) and len(store) == 2  # alone over budget: not kept, nothing evicted
-    assert store.take(1).ids == [1, 5, 6] and len(store) == 1
+    assert store.put(kept(b + [5, 6], 100)) and len(store) == 2 and not store.holds(b)  # b's next turn replaces it
+    assert store.take(store.best(c, len(c))[0]).ids == c and len(store) == 1
 
 
 def test_save_and_load_prefix_put_a_sequence_back_on_the_cpu_backends(tiny_engines, reference_set):
@@ -246,14 +251,16 @@ def test_save_and_load_prefix_put_a_sequence_back_on_the_cpu_backends(tiny_engin
 
 
 class _Fed:
-    """Counts the tokens a draft engine reads (its argmax passes)."""
+    """The tokens a draft engine reads in its first pass of a request (the prompt past what its cache kept); the
+    later passes' sizes follow the adaptive draft length, which follows measured times."""
 
     def __init__(self, engine):
-        self.engine, self.count, self._argmax = engine, 0, engine.argmax
+        self.engine, self.count, self._argmax = engine, None, engine.argmax
         engine.argmax = self
 
     def __call__(self, tokens, *args, **kw):
-        self.count += len(tokens)
+        if self.count is None:
+            self.count = len(tokens)
         return self._argmax(tokens, *args, **kw)
 
 
@@ -277,7 +284,7 @@ def test_two_conversations_taking_turns_keep_their_caches_and_the_tokens_of_a_fr
     for turn in range(3):
         for name, history in talks.items():
             if fed is not None:
-                fed.count = fresh_fed.count = 0
+                fed.count = fresh_fed.count = None
             a = reuse.generate(list(history), max_new_tokens=12, sampling=greedy)
             b = fresh.generate(list(history), max_new_tokens=12, sampling=greedy)
             assert list(a.token_ids) == list(b.token_ids), (turn, name)
