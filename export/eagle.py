@@ -180,9 +180,11 @@ def _pad(data: dict, seqs: list[int]):
 
 
 def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, out: Path,
-          cfg: EagleTrainConfig = EagleTrainConfig(), heldout: dict | None = None, log=print) -> dict:
+          cfg: EagleTrainConfig = EagleTrainConfig(), heldout: dict | None = None, log=print,
+          extra: dict | None = None) -> dict:
     """Train a head on a training set (eagle_data.load_set); embed [V, H] and lm_head [V, H] are the target's.
-    Resumes from out's checkpoint (out.with_suffix('.ckpt')) when its config matches. Returns the report."""
+    Resumes from out's checkpoint (out.with_suffix('.ckpt')) when its config matches. Returns the report (with
+    `extra`'s entries, e.g. the target's source hash)."""
     import torch
 
     if cfg.threads:
@@ -246,7 +248,7 @@ def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, 
     _checkpoint(ckpt, head, opt, state, cfg, shape, t0)
     report = {"format": EAGLE_FORMAT, "config": asdict(cfg), "shape": asdict(shape), "steps": state["step"],
               "epochs": state["epoch"] + (0 if not done else state["step"] % per_epoch / per_epoch),
-              "train_s": round(time.time() - t0, 1), "positions": int(len(data["tokens"]))}
+              "train_s": round(time.time() - t0, 1), "positions": int(len(data["tokens"])), **(extra or {})}
     if heldout is not None:
         report["heldout"] = evaluate(head, heldout, embed, lm_head, vocab)
     save_head(out, head, vocab, report)
