@@ -5,7 +5,7 @@ SPECRT := $(VENV)/bin/specrt
 ENGINES ?= engines/smollm2-135m
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: venv engines demo test bench heads clean
+.PHONY: venv engines demo test bench heads eagle clean
 
 venv: $(VENV)/.installed
 
@@ -33,6 +33,11 @@ demo: engines
 # them up). Self-distillation data is cached under engines/.cache/medusa; training is bounded and resumes.
 heads: venv
 	$(SPECRT) train-medusa --source smollm2-135m --out heads/smollm2-135m.npz --parts 2 --budget-minutes 18
+
+# The EAGLE head for the embedded default (committed as heads/smollm2-135m-eagle.npz; `make engines` picks it up).
+# Target features are cached under engines/.cache/eagle (~20 minutes the first time); training is bounded, resumes.
+eagle: venv
+	$(SPECRT) train-eagle --source smollm2-135m --out heads/smollm2-135m-eagle.npz --budget-minutes 16
 
 test: venv
 	$(PY) -m ruff check .

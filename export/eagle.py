@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-EAGLE_FORMAT = 1
+EAGLE_FORMAT = 3  # the engine graph: int8 weights, a cache layout that follows the context
+# options a checkpoint resumes across: a larger --budget-minutes continues a run where it stopped
+RESUMABLE = ("budget_s", "ckpt_seconds", "threads")
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,8 @@ def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, 
     state = {"step": 0, "epoch": 0, "elapsed": 0.0, "losses": []}
     if ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False)
-        if saved["cfg"] == asdict(cfg) and saved["shape"] == asdict(shape):
+        same = lambda c: {k: v for k, v in c.items() if k not in RESUMABLE}  # noqa: E731
+        if same(saved["cfg"]) == same(asdict(cfg)) and saved["shape"] == asdict(shape):
             head.load_state_dict(saved["head"])
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
@@ -348,7 +351,8 @@ def export_eagle_onnx(head_file: Path, embed: np.ndarray, lm_head: np.ndarray, o
       attention_mask [1, 1, W, C] additive, write_indices [1]; past/present.0.key|value [1, kv, C, D] (one buffer)
         -> hidden_states [1, W, H] (the predicted next features), draft_tokens / draft_logprobs [1, W, topk]
 
-    C = max_context + 64 (a chain or tree of draft steps past the context). fc's token half is folded into a
+    C (symbolic; at most max_context + 64: a chain or tree of draft steps past the context) is the cache layout's
+    length, which the runtime keeps near the context (attention reads every slot). fc's token half is folded into a
     [V, H] float16 table (embed @ W_e: one row gathered per position); the readout is the target's lm_head rows of
     the draft vocabulary, log-softmaxed over them."""
     import onnx
@@ -404,13 +408,13 @@ def export_eagle_onnx(head_file: Path, embed: np.ndarray, lm_head: np.ndarray, o
     g.nodes[-1].output[:] = [EAGLE_LOGPROBS, "topk_idx"]
     g.op("Gather", [g.const("vocab", vocab), "topk_idx"], axis=0, name=EAGLE_TOKENS)
 
-    dims = {"hidden_size": H, "capacity": C, "topk": topk, "batch": 1}
+    dims = {"hidden_size": H, "topk": topk, "batch": 1}  # capacity stays symbolic: the layout follows the context
     types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
     inputs = [helper.make_tensor_value_info(name, types[t], [dims.get(d, d) for d in shape])
               for name, shape, t in EAGLE_INPUTS]
     outputs = [helper.make_tensor_value_info(name, types[t], [dims.get(d, d) for d in shape])
                for name, shape, t in EAGLE_OUTPUTS]
-    cache = [1, kv, C, D]
+    cache = [1, kv, "capacity", D]
     for kind in ("key", "value"):
         inputs.append(helper.make_tensor_value_info(past_name(0, kind), TensorProto.FLOAT, cache))
         outputs.append(helper.make_tensor_value_info(present_name(0, kind), TensorProto.FLOAT, cache))

@@ -240,7 +240,7 @@ class Generator:
 
     def _save_live(self, decode) -> None:
         n = len(self._held)
-        if not n or self.prefix_store.holds(self._held):
+        if not n or not self.prefix_store.budget or self.prefix_store.holds(self._held):
             return
         self.prefix_store.put(Kept(list(self._held), self.engine.save_prefix(n),
                                    {p.name: p.save_state(n) for p in _state_holders(decode)}))

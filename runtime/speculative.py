@@ -116,7 +116,7 @@ class SpeculativeConfig:
     eagle_tree: bool = True                 # EAGLE-2's dynamic tree (False: a chain, its length adaptive)
     eagle_depth: int = 6                    # the deepest chain or tree
     eagle_beam: int = 6                     # tree nodes expanded per level
-    eagle_nodes: int = 0                    # tree nodes verified per round (0 = from the target's pass costs)
+    eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
 
 
 def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
@@ -140,12 +140,17 @@ def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 
+def _heads_entry(manifest: Manifest, role: str, what: str, fix: str):
+    """The set's entry of a heads role, or the one-line error naming how to get one."""
+    found = [e for e in manifest.engines.values() if e.role == role]
+    if not found:
+        raise SpecrtError(f"engine set '{manifest.root}' has no {what}; rebuild it with {fix}")
+    return found[0]
+
+
 def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
-    heads = [e for e in manifest.engines.values() if e.role == "medusa"]
-    if not heads:
-        raise SpecrtError(f"engine set '{manifest.root}' has no Medusa heads; rebuild it with "
-                          "`specrt engines --medusa-heads heads/smollm2-135m.npz` or use --speculate prompt-lookup")
-    e = heads[0]
+    e = _heads_entry(manifest, "medusa", "Medusa heads", "`specrt engines --medusa-heads heads/smollm2-135m.npz` "
+                     "or use --speculate prompt-lookup")
     return Medusa(open_heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
 
 
@@ -154,27 +159,16 @@ def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, c
 
 
 def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
-    heads = [e for e in manifest.engines.values() if e.role == "eagle"]
-    if not heads:
-        raise SpecrtError(f"engine set '{manifest.root}' has no EAGLE head; rebuild it with "
-                          "`specrt engines --eagle-head heads/smollm2-135m-eagle.npz` or use --speculate medusa")
-    e = heads[0]
+    e = _heads_entry(manifest, "eagle", "EAGLE head", "`specrt engines --eagle-head heads/smollm2-135m-eagle.npz` "
+                     "or use --speculate medusa")
     from .backends.onnxruntime_cpu import open_eagle  # the head runs on ONNX Runtime's CPU provider
 
-    nodes = cfg.eagle_nodes or eagle_tree_nodes(e.eagle.get("pass_seconds_by_width"))
+    cost = None if cfg.eagle_nodes else e.eagle.get("pass_seconds_by_width")  # a fixed size, or per round
     return Eagle(open_eagle(manifest.root, e, options), cfg.draft_tokens or cfg.eagle_depth, tree=cfg.eagle_tree,
-                 beam=cfg.eagle_beam, nodes=nodes)
+                 beam=cfg.eagle_beam, nodes=cfg.eagle_nodes or EAGLE_MAX_NODES, pass_cost=cost)
 
 
-def eagle_tree_nodes(cost, lo: int = 4, hi: int = 24) -> int:
-    """Tree nodes per round from the target's pass seconds by width: the widest pass that costs at most 1.5x a
-    one-token pass (so a round of mostly rejected nodes stays cheap), within [lo, hi]."""
-    if not cost:
-        return 12
-    widths, secs = zip(*cost)
-    one = float(np.interp(1, widths, secs))
-    fits = [w - 1 for w in range(2, hi + 2) if float(np.interp(w, widths, secs)) <= 1.5 * one]
-    return int(min(hi, max(lo, max(fits, default=lo))))
+EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
 
 
 # --speculate NAME -> proposer factory: the one place a method name picks code

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_user_error
 
 from specrt.runtime.engine import EngineOptions
 from specrt.bench.prompts import CATEGORIES, DEFAULT_PROMPTS, load_prompts, select
@@ -31,15 +32,6 @@ def write_prompts(path: Path, per_category: int = 1, max_new_tokens: int = 6) ->
 def specrt(*args):
     return subprocess.run([sys.executable, "-m", "specrt.cli", "bench", *map(str, args)], capture_output=True,
                           text=True, env=ENV, timeout=600)
-
-
-def assert_user_error(r, *words):
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error: ") for x in lines) == 1, r.stderr
-    for w in words:
-        assert w.lower() in lines[-1].lower(), lines[-1]
 
 
 def test_default_prompt_set_loads():

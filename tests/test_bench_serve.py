@@ -9,11 +9,10 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from helpers import assert_user_error, loopback
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -44,22 +43,8 @@ def write_prompts(path: Path, n: int = 4) -> Path:
 @pytest.fixture(scope="module")
 def live(tiny_engines):
     """Our server (the tiny set, --speculate auto) by uvicorn on a free loopback port in a background thread."""
-    import uvicorn
-
-    app = create_app(load(tiny_engines, "fp32", "auto"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with loopback(create_app(load(tiny_engines, "fp32", "auto"))) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -220,15 +205,6 @@ def test_parsers():
 def bench_serve(*args):
     return subprocess.run([sys.executable, "-m", "specrt.cli", "bench-serve", *map(str, args)], capture_output=True,
                           text=True, env=ENV, timeout=300)
-
-
-def assert_user_error(r, *words):
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error: ") for x in lines) == 1, r.stderr
-    for w in words:
-        assert w.lower() in lines[-1].lower(), lines[-1]
 
 
 def test_cli_bad_input(live, tiny_engines, tmp_path):

@@ -131,7 +131,10 @@ class OracleHead:
 
     def __init__(self, oracle: list[int], capacity: int = 320, hidden: int = 64, topk: int = 4, vocab: int = 384):
         self.oracle, self.capacity, self.hidden_size, self.topk, self.vocab = oracle, capacity, hidden, topk, vocab
-        self.length, self.calls = 0, []
+        self.max_capacity, self.length, self.calls = capacity, 0, []
+
+    def reserve(self, slots, keep=None):
+        assert slots <= self.capacity
 
     def run(self, features, tokens, positions, slot, mask):
         W = len(tokens)
@@ -180,3 +183,33 @@ def test_an_oracle_head_is_accepted_and_the_head_reads_the_targets_own_features(
                 assert t == ids[p + 1]
                 seen += 1
     assert seen >= len(ids) - 8  # every position but the last few was read with its own feature
+
+
+def test_train_eagle_bad_input_is_one_line_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    for args, says in ((["--epochs", "0"], "--epochs must be > 0"), (["--budget-minutes", "0"], "--budget-minutes"),
+                       (["--vocab", "-1"], "--vocab and --w-cls must be >= 0")):
+        r = CliRunner().invoke(app, ["train-eagle", "--work", str(tmp_path), *args])
+        assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_an_eagle_head_for_another_target_is_refused_at_load(eagle_engines, tmp_path):
+    import json
+    import shutil
+
+    from specrt.errors import SpecrtError
+    from specrt.manifest import load_manifest
+
+    root = tmp_path / "set"
+    shutil.copytree(eagle_engines, root)
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["engines"]["eagle-int8"]["eagle"]["target_source_sha256"] == m["engines"]["target-fp32"]["source_sha256"]
+    m["engines"]["eagle-int8"]["eagle"]["target_source_sha256"] = "0" * 64
+    (root / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecrtError, match="EAGLE head for another target"):
+        load_manifest(root)

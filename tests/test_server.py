@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import loopback
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -196,22 +196,9 @@ class Slow:
 @pytest.fixture(scope="module")
 def live(session):
     """uvicorn on a free loopback port in a background thread."""
-    import uvicorn
-
     app = create_app(session, api_key="k")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app.state.server
-    server.should_exit = True
-    thread.join(10)
+    with loopback(app) as (url, _):
+        yield url, app.state.server
 
 
 def test_openai_client(live, reference):
@@ -235,6 +222,23 @@ def test_openai_client(live, reference):
         openai.OpenAI(base_url=live[0] + "/v1", api_key="bad", max_retries=0).models.list()
 
 
+def hang_up(http, url: str, server, body: dict, chunks: int):
+    """Stream a request, read `chunks` data lines, disconnect; wait until the server has finished it -> its Stats."""
+    before = server.history[-1] if server.history else None
+    with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == chunks:
+                break
+    deadline = time.monotonic() + 10
+    while not server.history or server.history[-1] is before or server.pending:
+        assert time.monotonic() < deadline, "the cancelled stream did not finish"
+        time.sleep(0.005)
+    return server.history[-1]
+
+
 def test_disconnect_cancels_the_stream_and_frees_the_engine(live, session, reference):
     import httpx
 
@@ -242,20 +246,8 @@ def test_disconnect_cancels_the_stream_and_frees_the_engine(live, session, refer
     body = chat_body(max_tokens=200, ignore_eos=True, stream=True)
     session.decoder, inner = Slow(session.decoder), session.decoder
     try:
-        before = len(server.history)
         with httpx.Client(timeout=10, headers={"Authorization": "Bearer k"}) as http:
-            with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                got = 0
-                for line in r.iter_lines():
-                    got += line.startswith("data: ")
-                    if got == 3:
-                        break
-        deadline = time.monotonic() + 10
-        while len(server.history) == before:
-            assert time.monotonic() < deadline, "the cancelled stream did not finish"
-            time.sleep(0.02)
-        st = server.history[-1]
+            st = hang_up(http, url, server, body, 3)
         assert st.finish_reason == "cancelled" and 3 <= st.new_tokens < 100
     finally:
         session.decoder = inner
@@ -410,27 +402,13 @@ def test_a_hundred_disconnects_leak_nothing_and_each_stops_within_a_round(live, 
     body = chat_body(max_tokens=200, ignore_eos=True, stream=True)
     session.decoder, inner = Slow(session.decoder, delay=0.01), session.decoder
 
-    def disconnect(http) -> None:
-        before = server.history[-1] if server.history else None
-        with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            for line in r.iter_lines():
-                got += line.startswith("data: ")
-                if got == 2:
-                    break
-        deadline = time.monotonic() + 10
-        while not server.history or server.history[-1] is before or server.pending:
-            assert time.monotonic() < deadline, "the cancelled stream did not finish"
-            time.sleep(0.005)
-
     try:
         with httpx.Client(timeout=10, headers={"Authorization": "Bearer k"}) as http:
             for _ in range(10):  # warm-up: allocators and caches reach their steady size
-                disconnect(http)
+                hang_up(http, url, server, body, 2)
             streams, queues, rss = _live_objects(Stream), _live_objects(asyncio.Queue), _rss_bytes()
             for _ in range(100):
-                disconnect(http)
+                hang_up(http, url, server, body, 2)
             cancelled = [st for st in list(server.history)[-64:]]
             assert all(st.finish_reason == "cancelled" and st.new_tokens < 100 for st in cancelled)
             assert all(0 < st.cancel_s < 1.0 for st in cancelled)

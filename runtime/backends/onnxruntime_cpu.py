@@ -281,10 +281,14 @@ def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()) -> "
 
 
 class OrtEagleHead:
-    """The EAGLE head: one decoder layer with its own static cache ([1, kv_heads, capacity, head_dim], bound as
-    past and present). `run` writes its rows' K/V at slots [slot, slot + W) and returns the predicted next
-    features and the top-k next tokens of every row; the caller's mask says which slots each row sees, so real
-    positions, a chain's steps and a tree's levels are all one call."""
+    """The EAGLE head: one decoder layer with its own cache, one buffer per key|value of `max_capacity` positions,
+    laid out for `capacity` of them ([1, kv_heads, capacity, head_dim] views, bound as past and present): the
+    layout follows the context in steps of CAPACITY_STEP (reserve), because attention reads every slot of it.
+    `run` writes its rows' K/V at slots [slot, slot + W) and returns the predicted next features and the top-k next
+    tokens of every row; the caller's mask says which slots each row sees, so real positions, a chain's steps and
+    a tree's levels are all one call."""
+
+    CAPACITY_STEP = 256
 
     def __init__(self, onnx_path: Path, *, hidden: int, kv_heads: int, head_dim: int, capacity: int, topk: int,
                  threads: int = 1):
@@ -292,18 +296,37 @@ class OrtEagleHead:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         self.session = open_session(onnx_path, so)
-        self.hidden_size, self.capacity, self.topk = hidden, capacity, topk
-        self.cache = np.zeros((2, 1, kv_heads, capacity, head_dim), np.float32)
+        self.hidden_size, self.max_capacity, self.topk = hidden, capacity, topk
+        self._heads, self._head_dim = kv_heads, head_dim
+        self._buffers = [np.zeros(kv_heads * capacity * head_dim, np.float32) for _ in KV_KINDS]
+        self.cache: list[np.ndarray] = []
+        self.capacity = 0
         self.length = 0  # real positions the cache holds (slots [0, length))
         self._io = self.session.io_binding()
-        for j, kind in enumerate(KV_KINDS):
-            buf = ort.OrtValue.ortvalue_from_numpy(self.cache[j])
-            self._io.bind_ortvalue_input(past_name(0, kind), buf)
-            self._io.bind_ortvalue_output(present_name(0, kind), buf)
+        self._layout(self.CAPACITY_STEP, 0)
         # outputs land in buffers of `capacity` rows (the widest call: a whole prompt), bound by address per call
         self._hidden = np.empty((capacity, hidden), np.float32)
         self._tokens = np.empty((capacity, topk), np.int64)
         self._logp = np.empty((capacity, topk), np.float32)
+
+    def _layout(self, capacity: int, keep: int) -> None:
+        from ..static_shapes import relayout
+
+        self.cache = [relayout(buf, self._heads, self._head_dim, self.capacity, capacity, keep)
+                      for buf in self._buffers]
+        self.capacity = capacity
+        for kind, view in zip(KV_KINDS, self.cache):
+            value = ort.OrtValue.ortvalue_from_numpy(view)
+            self._io.bind_ortvalue_input(past_name(0, kind), value)
+            self._io.bind_ortvalue_output(present_name(0, kind), value)
+
+    def reserve(self, slots: int, keep: int | None = None) -> None:
+        """Lay the cache out for at least `slots` slots (keeping the first `keep`, default the real positions):
+        call it before building a round's masks, which are `capacity` wide."""
+        step = self.CAPACITY_STEP
+        capacity = min(self.max_capacity, -(-max(slots, 1) // step) * step)
+        if capacity != self.capacity:
+            self._layout(capacity, min(self.length if keep is None else keep, capacity, self.capacity))
 
     def run(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, slot: int,
             mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -311,8 +334,9 @@ class OrtEagleHead:
         additive -> (next features [W, H], top-k tokens [W, k], their log-probabilities [W, k]), fresh arrays
         (a tree keeps the rows of several calls)."""
         W = len(tokens)
-        if slot + W > self.capacity:
-            raise ValueError(f"EAGLE head cache full: slots {slot}..{slot + W} of {self.capacity}")
+        if slot + W > self.capacity or mask.shape[-1] != self.capacity:
+            raise ValueError(f"EAGLE head: slots {slot}..{slot + W} with a mask of {mask.shape[-1]} do not fit its "
+                             f"layout of {self.capacity} (reserve first)")
         io = self._io
         io.bind_cpu_input(EAGLE_FEATURES, np.ascontiguousarray(features, np.float32).reshape(1, W, -1))
         io.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(tokens, np.int64).reshape(1, W))
@@ -326,9 +350,10 @@ class OrtEagleHead:
         return self._hidden[:W].copy(), self._tokens[:W].copy(), self._logp[:W].copy()
 
     def save_prefix(self, length: int) -> KVSnapshot:
-        length = min(length, self.length)
-        return snapshot_views([self.cache[0], self.cache[1]], length)
+        return snapshot_views(self.cache, min(length, self.length))
 
     def load_prefix(self, snapshot: KVSnapshot) -> None:
-        restore_views([self.cache[0], self.cache[1]], snapshot)
+        self.length = 0
+        self.reserve(snapshot.length + 1, keep=0)
+        restore_views(self.cache, snapshot)
         self.length = snapshot.length

@@ -12,13 +12,16 @@ the next row is [predicted feature ; e(drafted token)], written past the real en
   tree (EAGLE-2): each step expands the `beam` nodes with the highest cumulative log-probability, every one with
     its top-k children, in one head call (a row per expanded node, each seeing its ancestors' slots); after
     `depth` steps the `nodes` best nodes overall (a node's ancestors always score at least as high, so they form
-    a tree) go to one target pass. The tree's size follows the target's measured pass costs (set_pass_costs).
+    a tree) go to one target pass: as many as maximise expected tokens per second at the target's measured pass
+    costs (pass_cost).
 
 Drafts are deterministic (q = None), so `verify` keeps the output exactly the target's, greedy or sampled. The
 first round (the prompt is pending, no features yet) drafts nothing: the first token waits for the target alone.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -34,15 +37,19 @@ class Eagle(OneBucket):
     reads_prompt = True
 
     def __init__(self, head, max_tokens: int = 6, tree: bool = False, beam: int = 6, nodes: int = 16,
-                 max_context: int | None = None):
+                 max_context: int | None = None, pass_cost=None):
         """head: an EAGLE head engine (runtime/backends/onnxruntime_cpu.OrtEagleHead); max_tokens: the deepest
-        chain or tree; tree: EAGLE-2's dynamic tree of at most `nodes` nodes, `beam` expanded per level."""
+        chain or tree; tree: EAGLE-2's dynamic tree of at most `nodes` nodes, `beam` expanded per level.
+        pass_cost: the target's pass seconds by width ([[width, seconds], ...], measured at build): each round
+        then verifies the number of nodes that maximises expected tokens per second, the nodes' cumulative draft
+        probabilities standing for their chance to be accepted (EAGLE-2's observation)."""
         self.head, self.max_tokens, self.tree = head, max_tokens, tree
+        self.cost = None if not pass_cost else tuple(np.asarray(c, np.float64) for c in zip(*pass_cost))
         self.adaptive = not tree  # a chain follows AdaptiveK; the tree sizes itself (GatedK switches it)
         self.beam, self.nodes = min(beam, head.topk), nodes
-        cap = head.capacity - (max_tokens * self.beam + 2)
+        cap = head.max_capacity - (max_tokens * self.beam + 2)
         self.max_context = cap if max_context is None else min(max_context, cap)
-        self._feat = np.zeros((head.capacity, head.hidden_size), np.float32)  # features by target position
+        self._feat = np.zeros((head.max_capacity, head.hidden_size), np.float32)  # features by target position
         self._known = 0          # features of positions [0, _known) are in _feat
         self._held = np.zeros(0, np.int64)  # the tokens whose positions the head's cache holds (a prefix)
         self._ctx: Context | None = None
@@ -80,6 +87,7 @@ class Eagle(OneBucket):
         self._rows = None
 
     def propose(self, ctx: Context, k: int) -> Draft:
+        self._t0 = time.perf_counter()
         t = self.target
         self._base, self._rows = t.length, None
         pending = ctx.length - t.length
@@ -88,6 +96,7 @@ class Eagle(OneBucket):
         h = self.head
         if h.length > t.length:  # the head read past what the target kept (a rewind): forget it
             h.length = t.length
+        h.reserve(t.length + 2 + k * self.beam)  # every slot this round may write, before its masks are built
         # 1. the real entries the head has not read: positions [h.length, t.length), each with the token after it
         lo, hi = h.length, t.length
         ids = ctx.ids
@@ -154,6 +163,10 @@ class Eagle(OneBucket):
                     frontier.append(n)
             depth += 1
         keep = sorted(range(len(tokens)), key=lambda i: -score[i])[: self.nodes]
+        if self.cost is not None:  # expected tokens per second of the best N nodes, N = 1..nodes
+            expected = 1.0 + np.cumsum(np.exp([score[i] for i in keep]))
+            seconds = time.perf_counter() - self._t0 + np.interp(np.arange(2, len(keep) + 2), *self.cost)
+            keep = keep[: int(np.argmax(expected / seconds)) + 1]
         keep = _closed(keep, parents)
         order = sorted(keep, key=lambda i: (_depth(i, parents), -score[i]))  # parents before children
         index = {i: n for n, i in enumerate(order)}

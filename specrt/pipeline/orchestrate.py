@@ -39,7 +39,7 @@ class EngineSetRequest:
     draft_precisions: tuple[str, ...] = ("fp32",)
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
-    eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-fp32
+    eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-int8
     backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt (pipeline/portable.py)
     calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
     quality_floor: float = 0.85       # fp8/int8: the least top-1 agreement with fp32 on held-out text a build keeps
@@ -143,7 +143,8 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         if req.eagle_head is not None:
             from .eagle import build_eagle
 
-            engines["eagle-fp32"] = build_eagle(Path(req.eagle_head), cache, facts, tmp, log, engines)
+            entry = build_eagle(Path(req.eagle_head), cache, facts, tmp, log, engines)
+            engines[entry.name] = entry
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
         manifest = manifest_dict(

@@ -1,0 +1,40 @@
+"""Helpers several test files share: a server on a loopback port, and the one-line user-error check."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+
+@contextlib.contextmanager
+def loopback(app):
+    """uvicorn serving `app` on a free loopback port in a background thread; yields (base URL, uvicorn.Server)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def assert_user_error(r, *words):
+    """A CLI run that failed on a user mistake: exit 2, no traceback, one `error:` line naming `words`."""
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error: ") for x in lines) == 1, r.stderr
+    for w in words:
+        assert w.lower() in lines[-1].lower(), lines[-1]
