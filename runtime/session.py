@@ -53,7 +53,7 @@ def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str
     manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
     mode = resolve_mode(speculate, manifest, precision)
     if options.taking_turns is None:
-        options = replace(options, taking_turns=mode in ("draft", "eagle"))
+        options = replace(options, taking_turns=mode in ("draft", "eagle", "lookup+eagle"))
     key = (str(manifest.root), precision, options)
     if shared is not None and key in shared:
         generator = shared[key]

@@ -27,14 +27,14 @@ from .engine import Engine, EngineOptions, open_engine, open_heads
 from .generate import PlainDecoder, Stats
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
-from .proposers.hybrid import LookupMedusa
+from .proposers.hybrid import LookupEagle, LookupMedusa
 from .proposers.medusa import Medusa
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
 from .verify import Draft, verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "eagle", "auto")
+MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "eagle", "lookup+eagle", "auto")
 
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
@@ -114,7 +114,8 @@ class SpeculativeConfig:
     draft_max_tokens: int = 8
     draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
     eagle_tree: bool = True                 # EAGLE-2's dynamic tree (False: a chain, its length adaptive)
-    eagle_depth: int = 6                    # the deepest chain or tree
+    eagle_depth: int = 3                    # the deepest chain or tree (3 measured best on this CPU: BENCHMARKS.md,
+                                            # "Does EAGLE pay on this CPU?")
     eagle_beam: int = 6                     # tree nodes expanded per level
     eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
 
@@ -171,9 +172,14 @@ def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: Spec
 EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
 
 
+def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+    return LookupEagle(_prompt_lookup(manifest, precision, options, cfg), _eagle(manifest, precision, options, cfg))
+
+
 # --speculate NAME -> proposer factory: the one place a method name picks code
 PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model,
-                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa, "eagle": _eagle}
+                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa, "eagle": _eagle,
+                                                 "lookup+eagle": _lookup_eagle}
 
 
 def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:

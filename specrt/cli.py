@@ -218,7 +218,8 @@ def generate(
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     speculate: str = typer.Option("off", "--speculate",
                                   help="off | prompt-lookup | draft | medusa | lookup+medusa (prompt lookup after a "
-                                       "match of 2+ tokens, Medusa's tree otherwise) | auto (draft if the set has a "
+                                       "match of 2+ tokens, Medusa's tree otherwise) | eagle (an EAGLE head's dynamic "
+                                       "tree, sets built with one) | lookup+eagle | auto (draft if the set has a "
                                        "draft model, else lookup+medusa at fp32 if it has heads, else prompt-lookup). "
                                        "Greedy output is unchanged on width-exact (fp32) engines."),
     lossy_typical: bool = typer.Option(False, "--lossy-typical",

@@ -213,3 +213,15 @@ def test_an_eagle_head_for_another_target_is_refused_at_load(eagle_engines, tmp_
     (root / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SpecrtError, match="EAGLE head for another target"):
         load_manifest(root)
+
+
+def test_lookup_then_eagle_keeps_the_output_exactly_the_targets(eagle_engines):
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+
+    plain, spec = load(eagle_engines), load(eagle_engines, "fp32", "lookup+eagle")
+    prompt = "def add(a, b):\n    return a + b\n def add(a, b):"
+    greedy = SamplingParams(temperature=0.0)
+    a, b = spec.generate(prompt, max_new_tokens=40, sampling=greedy), plain.generate(prompt, max_new_tokens=40,
+                                                                                     sampling=greedy)
+    assert list(a.token_ids) == list(b.token_ids) and a.stats.proposer == "lookup+eagle"

@@ -1,4 +1,5 @@
-"""LookupMedusa: prompt lookup where the context repeats itself, Medusa's tree everywhere else.
+"""LookupMedusa: prompt lookup where the context repeats itself, Medusa's tree everywhere else (LookupEagle: the
+EAGLE head's draft instead of Medusa's).
 
 The two drafters are right in different places: a prompt-lookup match of 2+ tokens copies text the
 model is about to repeat (summaries, code edits), and is then a far surer guess than the heads;
@@ -26,6 +27,8 @@ class LookupMedusa:
     adaptive = True
 
     def __init__(self, lookup: PromptLookup, medusa: Medusa, min_match: int = 2):
+        """medusa: Medusa's heads, or any proposer that reads the target's passes the same way (an EAGLE head:
+        LookupEagle)."""
         self.lookup, self.medusa = lookup, medusa
         self.buckets = lookup.buckets
         self.max_tokens = max(lookup.max_tokens, medusa.max_tokens)
@@ -48,3 +51,16 @@ class LookupMedusa:
     def observe(self, result: VerifyResult) -> None:
         self.lookup.observe(result)
         self.medusa.observe(result)
+
+
+class LookupEagle(LookupMedusa):
+    """Prompt lookup after a match of 2+ tokens, the EAGLE head's draft otherwise; the head's own cache follows the
+    target's across requests (KV reuse) as it does alone."""
+
+    name = "lookup+eagle"
+
+    def save_state(self, limit: int):
+        return self.medusa.save_state(limit)
+
+    def load_state(self, ids, state) -> None:
+        self.medusa.load_state(ids, state)
