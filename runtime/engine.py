@@ -148,3 +148,10 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> H
     from .backends import backend
 
     return backend(entry).open_heads(Path(root), entry, options)
+
+
+def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """The EAGLE head engine of a manifest entry, on the entry's backend (ONNX Runtime's CPU provider today)."""
+    from .backends import backend
+
+    return backend(entry).open_eagle(Path(root), entry, options)

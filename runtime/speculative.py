@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import Manifest
 from .control import AdaptiveK, Controller, FixedK, GatedK, Round
-from .engine import Engine, EngineOptions, open_engine, open_heads
+from .engine import Engine, EngineOptions, open_eagle, open_engine, open_heads
 from .generate import PlainDecoder, Stats
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
@@ -162,8 +162,6 @@ def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, c
 def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
     e = _heads_entry(manifest, "eagle", "EAGLE head", "`specrt engines --eagle-head heads/smollm2-135m-eagle.npz` "
                      "or use --speculate medusa")
-    from .backends.onnxruntime_cpu import open_eagle  # the head runs on ONNX Runtime's CPU provider
-
     cost = None if cfg.eagle_nodes else e.eagle.get("pass_seconds_by_width")  # a fixed size, or per round
     return Eagle(open_eagle(manifest.root, e, options), cfg.draft_tokens or cfg.eagle_depth, tree=cfg.eagle_tree,
                  beam=cfg.eagle_beam, nodes=cfg.eagle_nodes or EAGLE_MAX_NODES, pass_cost=cost)
