@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -420,3 +421,26 @@ def test_a_hundred_disconnects_leak_nothing_and_each_stops_within_a_round(live, 
     with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
         r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
     assert r["choices"][0]["message"]["content"] == reference["chat"]
+
+
+def test_a_client_that_never_reads_does_not_hold_the_engine(live, reference):
+    """A streamed request whose client sends and then never reads: its generation runs to the end into its own
+    queue (the worker never waits on a socket), and the next client is served as usual."""
+    import httpx
+
+    url, server = live
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(chat_body(max_tokens=64, ignore_eos=True, stream=True)).encode()
+    before = server.history[-1] if server.history else None
+    with socket.create_connection((host, int(port))) as idle:
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        idle.sendall(head + body)
+        deadline = time.monotonic() + 20
+        while not server.history or server.history[-1] is before or server.pending:
+            assert time.monotonic() < deadline, "the unread stream held the engine"
+            time.sleep(0.01)
+        assert server.history[-1].new_tokens == 64 and server.history[-1].finish_reason == "length"
+        with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
+            r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
+        assert r["choices"][0]["message"]["content"] == reference["chat"]
