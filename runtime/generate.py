@@ -242,7 +242,7 @@ class Generator:
         n = len(self._held)
         if not n or not self.prefix_store.budget or self.prefix_store.holds(self._held):
             return
-        self.prefix_store.put(Kept(list(self._held), self.engine.save_prefix(n),
+        self.prefix_store.put(Kept(np.asarray(self._held, np.int64), self.engine.save_prefix(n),
                                    {p.name: p.save_state(n) for p in _state_holders(decode)}))
 
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .engine import KVSnapshot
 
 MIB = 1 << 20
@@ -23,12 +25,13 @@ SAVE_MIN_LOST = 32
 
 
 def common_prefix(a, b, limit: int) -> int:
-    """Length of the longest common prefix of token sequences a and b, at most limit."""
+    """Length of the longest common prefix of token sequences a and b, at most limit (vectorised: the server
+    compares every request with every kept sequence)."""
     n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if n <= 0:
+        return 0
+    same = np.asarray(a[:n]) == np.asarray(b[:n])
+    return n if same.all() else int(np.argmin(same))
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Kept:
     """One saved sequence: its tokens (what the target's cache holds, position by position), the target's cache,
     and the state of each proposer that keeps one (by name)."""
 
-    ids: list[int]
+    ids: np.ndarray  # int64
     target: KVSnapshot
     proposers: dict[str, object] = field(default_factory=dict)
     nbytes: int = 0
