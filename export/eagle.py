@@ -325,17 +325,6 @@ def save_head(path: Path, head, vocab: np.ndarray, report: dict) -> None:
     tmp.rename(path)
 
 
-def load_head(path: Path):
-    """-> (torch head, vocab, report) from save_head's file."""
-    import torch
-
-    with np.load(path) as f:
-        report = json.loads(str(f["report"]))
-        head = make_head(HeadShape(**report["shape"]))
-        head.load_state_dict({k[2:]: torch.from_numpy(f[k].astype(np.float32)) for k in f.files if k.startswith("w.")})
-        return head.eval(), f["vocab"].astype(np.int64), report
-
-
 def head_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
     """save_head's file as numpy: (weights by state_dict name, float32; vocab; report)."""
     with np.load(path) as f:

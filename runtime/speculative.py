@@ -159,15 +159,15 @@ def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, c
     return LookupMedusa(_prompt_lookup(manifest, precision, options, cfg), _medusa(manifest, precision, options, cfg))
 
 
+EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
+
+
 def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
     e = _heads_entry(manifest, "eagle", "EAGLE head", "`specrt engines --eagle-head heads/smollm2-135m-eagle.npz` "
                      "or use --speculate medusa")
     cost = None if cfg.eagle_nodes else e.eagle.get("pass_seconds_by_width")  # a fixed size, or per round
     return Eagle(open_eagle(manifest.root, e, options), cfg.draft_tokens or cfg.eagle_depth, tree=cfg.eagle_tree,
                  beam=cfg.eagle_beam, nodes=cfg.eagle_nodes or EAGLE_MAX_NODES, pass_cost=cost)
-
-
-EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
 
 
 def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:

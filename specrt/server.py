@@ -325,6 +325,12 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
+def _retry_later(why: str, code: str) -> JSONResponse:
+    """503 in OpenAI's error shape with Retry-After: the server cannot take the request now."""
+    return JSONResponse(error_body(f"{why}; retry after {RETRY_AFTER_S} s", "server_error", code=code),
+                        status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def create_app(session: Session | None = None, model: str | None = None, api_key: str | None = None,
                max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
                loader=None) -> FastAPI:
@@ -352,16 +358,13 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, e: Overloaded):
-        body = error_body(f"the server is busy ({e.args[0]} requests waiting or running, the most it queues: "
-                          f"--max-queue {server.max_queue}); retry after {RETRY_AFTER_S} s", "server_error",
-                          code="server_overloaded")
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return _retry_later(f"the server is busy ({e.args[0]} requests waiting or running, the most it queues: "
+                            f"--max-queue {server.max_queue})", "server_overloaded")
 
     @app.exception_handler(Loading)
     async def _loading(request: Request, e: Loading):
-        body = error_body(f"the model '{server.model}' is still loading; retry after {RETRY_AFTER_S} s "
-                          "(GET /health answers 200 once it is ready)", "server_error", code="model_loading")
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return _retry_later(f"the model '{server.model}' is still loading (GET /health answers 200 once it is "
+                            "ready)", "model_loading")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

@@ -223,6 +223,15 @@ def test_openai_client(live, reference):
         openai.OpenAI(base_url=live[0] + "/v1", api_key="bad", max_retries=0).models.list()
 
 
+def serves_as_before(url: str, reference) -> None:
+    """A normal request to the live server answers what a fresh run does."""
+    import httpx
+
+    with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
+        r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
+    assert r["choices"][0]["message"]["content"] == reference["chat"]
+
+
 def hang_up(http, url: str, server, body: dict, chunks: int):
     """Stream a request, read `chunks` data lines, disconnect; wait until the server has finished it -> its Stats."""
     before = server.history[-1] if server.history else None
@@ -252,9 +261,7 @@ def test_disconnect_cancels_the_stream_and_frees_the_engine(live, session, refer
         assert st.finish_reason == "cancelled" and 3 <= st.new_tokens < 100
     finally:
         session.decoder = inner
-    with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
-        r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
-    assert r["choices"][0]["message"]["content"] == reference["chat"]
+    serves_as_before(url, reference)
 
 
 def test_a_full_queue_answers_503_with_retry_after_then_serves_again(session, reference):
@@ -418,15 +425,12 @@ def test_a_hundred_disconnects_leak_nothing_and_each_stops_within_a_round(live, 
             assert server.pending == 0 and not server.open_streams
     finally:
         session.decoder = inner
-    with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
-        r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
-    assert r["choices"][0]["message"]["content"] == reference["chat"]
+    serves_as_before(url, reference)
 
 
 def test_a_client_that_never_reads_does_not_hold_the_engine(live, reference):
     """A streamed request whose client sends and then never reads: its generation runs to the end into its own
     queue (the worker never waits on a socket), and the next client is served as usual."""
-    import httpx
 
     url, server = live
     host, port = url.removeprefix("http://").split(":")
@@ -441,6 +445,4 @@ def test_a_client_that_never_reads_does_not_hold_the_engine(live, reference):
             assert time.monotonic() < deadline, "the unread stream held the engine"
             time.sleep(0.01)
         assert server.history[-1].new_tokens == 64 and server.history[-1].finish_reason == "length"
-        with httpx.Client(timeout=30, headers={"Authorization": "Bearer k"}) as http:
-            r = http.post(url + "/v1/chat/completions", json=chat_body()).json()
-        assert r["choices"][0]["message"]["content"] == reference["chat"]
+        serves_as_before(url, reference)

@@ -78,4 +78,23 @@ class OneBucket:
         return 0
 
 
+class HeldTokens:
+    """For proposers with a cache of their own that follows the target's across requests (a draft model, an EAGLE
+    head): which tokens that cache holds, position by position. During a request it holds a prefix of the
+    request's context (follow), whose ids grow as the request runs; after a load_state, of the kept sequence's."""
+
+    _held = np.zeros(0, np.int64)
+    _ctx: Context | None = None
+
+    def held_tokens(self, length: int) -> np.ndarray:
+        ids = self._ctx.ids if self._ctx is not None else self._held
+        return ids[:length]
+
+    def follow(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    def hold(self, ids, n: int) -> None:
+        self._held, self._ctx = np.asarray(ids[:n], np.int64), None
+
+
 EMPTY = Draft(np.zeros(0, np.int64))

@@ -22,10 +22,10 @@ from ..engine import Engine, KVSnapshot
 from ..prefix_cache import common_prefix
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context, OneBucket
+from .base import EMPTY, Context, HeldTokens, OneBucket
 
 
-class DraftModel(OneBucket):
+class DraftModel(HeldTokens, OneBucket):
     name = "draft"
     adaptive = True
     reads_prompt = True  # its prefill waits until the target's first token is out
@@ -39,15 +39,12 @@ class DraftModel(OneBucket):
         self._q: np.ndarray | None = None     # [max_tokens, V], allocated on the first sampled request
         self._sample = False
         self._base = 0                        # context length when the last draft was proposed
-        self._held = np.zeros(0, np.int64)    # a sequence whose prefix the cache holds (see held())
-        self._ctx: Context | None = None      # or the last request's context, which holds it
         engine.forward(np.zeros(1, np.int64))  # ORT initialises lazily: pay it here, not in the first TTFT
         engine.rewind(0)
 
     def held(self) -> np.ndarray:
         """The tokens the draft's cache holds, position by position (a prefix of the last request's context)."""
-        ids = self._ctx.ids if self._ctx is not None else self._held
-        return ids[: self.engine.length]
+        return self.held_tokens(self.engine.length)
 
     def save_state(self, limit: int) -> KVSnapshot:
         """The draft's cache for KV reuse (Generator.prefix_store): its first min(length, limit) positions."""
@@ -56,13 +53,13 @@ class DraftModel(OneBucket):
     def load_state(self, ids, snapshot: KVSnapshot) -> None:
         """Put a save_state copy back; ids: the sequence it was saved from."""
         self.engine.load_prefix(snapshot)
-        self._held, self._ctx = np.asarray(ids[: snapshot.length], np.int64), None
+        self.hold(ids, snapshot.length)
 
     def start(self, ctx: Context, sampling: SamplingParams, rng: np.random.Generator) -> None:
         # KV reuse, where the target reuses too: keep what the cache shares with this prompt (>= 1 token left to
         # feed, for the first logits); otherwise read it all, as a benchmark timing prefills expects
         self.engine.rewind(common_prefix(self.held(), ctx.ids, ctx.length - 1) if ctx.cached else 0)
-        self._ctx = ctx  # its ids grow with the request: the cache holds a prefix of them
+        self.follow(ctx)
         self.engine.reserve(ctx.target.capacity if ctx.target is not None else self.engine.max_context)
         self.sampling, self.rng = sampling, rng
         self._sample = (not sampling.greedy) if self.sampled is None else self.sampled

@@ -27,12 +27,12 @@ import numpy as np
 
 from ..prefix_cache import common_prefix
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context, OneBucket
+from .base import EMPTY, Context, HeldTokens, OneBucket
 
 NEG = np.float32(-np.inf)
 
 
-class Eagle(OneBucket):
+class Eagle(HeldTokens, OneBucket):
     name = "eagle"
     reads_prompt = True
 
@@ -51,16 +51,12 @@ class Eagle(OneBucket):
         self.max_context = cap if max_context is None else min(max_context, cap)
         self._feat = np.zeros((head.max_capacity, head.hidden_size), np.float32)  # features by target position
         self._known = 0          # features of positions [0, _known) are in _feat
-        self._held = np.zeros(0, np.int64)  # the tokens whose positions the head's cache holds (a prefix)
-        self._ctx: Context | None = None
         self.target = None
-        self._rows = None        # pass rows of the last draft's nodes, to map result.path back
         self._base = 0
 
     # --- KV reuse across requests (Generator.prefix_store) ----------------------------------------------------
     def held(self) -> np.ndarray:
-        ids = self._ctx.ids if self._ctx is not None else self._held
-        return ids[: self.head.length]
+        return self.held_tokens(self.head.length)
 
     def save_state(self, limit: int):
         n = min(self.head.length, limit)
@@ -71,7 +67,7 @@ class Eagle(OneBucket):
         n = state.cache.length
         self._feat[:n] = state.feat
         self._known = n
-        self._held, self._ctx = np.asarray(ids[:n], np.int64), None
+        self.hold(ids, n)
 
     # --- the proposer contract ---------------------------------------------------------------------------------
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
@@ -80,16 +76,15 @@ class Eagle(OneBucket):
             raise ValueError("EAGLE reads the target's features; run it through the speculative loop")
         self.target.enable_hidden()
         # the head keeps the entries this prompt shares with its cache, if the target kept them too (KV reuse)
-        keep = min(common_prefix(self.held(), ctx.ids, ctx.cached), ctx.cached) if ctx.cached else 0
+        keep = common_prefix(self.held(), ctx.ids, ctx.cached) if ctx.cached else 0
         self.head.length = keep
         self._known = keep
-        self._ctx = ctx
-        self._rows = None
+        self.follow(ctx)
 
     def propose(self, ctx: Context, k: int) -> Draft:
         self._t0 = time.perf_counter()
         t = self.target
-        self._base, self._rows = t.length, None
+        self._base = t.length
         pending = ctx.length - t.length
         if k <= 0 or pending != 1 or self._known < t.length or t.length < 1 or ctx.length >= self.max_context:
             return EMPTY  # features missing (the prompt's round, or speculation was off): plain this round
@@ -112,9 +107,7 @@ class Eagle(OneBucket):
         tokens[0] = top[0, 0]
         for i in range(1, k):  # row i sits at position base + i - 1, slot base + i - 1: it sees [0, slot]
             slot = base + i - 1
-            mask = np.full((1, h.capacity), NEG, np.float32)
-            mask[0, : slot + 1] = 0
-            f, top, _ = h.run(f, tokens[i - 1: i], np.array([slot]), slot, mask)
+            f, top, _ = h.run(f, tokens[i - 1: i], np.array([slot]), slot, self._mask(1, slot))
             tokens[i] = top[0, 0]
         return Draft(tokens)
 
@@ -190,11 +183,9 @@ class Eagle(OneBucket):
         self._known = t.length
 
     def _mask(self, W: int, lo: int) -> np.ndarray:
-        """Causal rows for W real entries written at slot lo: row r sees slots [0, lo + r]."""
-        mask = np.full((W, self.head.capacity), NEG, np.float32)
-        for r in range(W):
-            mask[r, : lo + r + 1] = 0
-        return mask
+        """Causal rows for W entries written from slot lo on: row r sees slots [0, lo + r]."""
+        slots = np.arange(self.head.capacity)
+        return np.where(slots[None, :] <= lo + np.arange(W)[:, None], np.float32(0), NEG)
 
 
 class _State:

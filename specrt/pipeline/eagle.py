@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import SpecrtError
 from ..manifest import EngineEntry, engine_memory, file_sha256
-from .tree_sizing import _plausible_pass_costs
+from .tree_sizing import target_pass_costs
 
 TOPK = 8  # children per expanded node of the dynamic tree, and what a chain reads (its best)
 NAME = "eagle-int8"
@@ -52,9 +52,7 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
         logging.getLogger().setLevel(quiet)
     shutil.rmtree(work)
     files = sorted(p.name for p in tmp.iterdir() if p.name.startswith(NAME_FILE))
-    targets = sorted(name for name, e in built.items() if e.role == "target")
-    target = built["target-fp32"] if "target-fp32" in built else built[targets[0]]
-    cost = _plausible_pass_costs(tmp / target.file, facts, log, golden=cache / "golden.npz", entry=target)
+    cost = target_pass_costs(built, cache, facts, tmp, log)
     training = info.pop("report")
     sh = training["shape"]
     entry = EngineEntry(

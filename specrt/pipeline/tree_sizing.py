@@ -35,9 +35,7 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
     heads = load_heads(heads_path)
     lm_head = read_initializers(cache / "model.onnx", "lm_head.weight_t")[0].T    # [V, H]
     report = heads["report"]
-    targets = sorted(name for name, e in built.items() if e.role == "target")
-    target = built["target-fp32"] if "target-fp32" in built else built[targets[0]]
-    cost = _plausible_pass_costs(tmp / target.file, facts, log, golden=cache / "golden.npz", entry=target)
+    cost = target_pass_costs(built, cache, facts, tmp, log)
     if "tree_order" in report:
         order, values = report["tree_order"], report["tree_values"]
     else:  # heads trained without the joint measurement: assume independent heads
@@ -63,6 +61,14 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
                 "training": {k: v for k, v in report.items() if k not in ("tree_order", "tree_values", "rank_acc")},
                 "rank_acc": report.get("rank_acc")})
     return entry.with_memory(engine_memory(entry, tmp))
+
+
+def target_pass_costs(built: dict[str, EngineEntry], cache: Path, facts: dict, tmp: Path, log) -> list:
+    """The set's target pass seconds by width ([[width, seconds], ...]), measured on its fp32 target (else its first
+    target) as decoding runs it: what sizes a Medusa tree at build time and an EAGLE tree each round."""
+    targets = sorted(name for name, e in built.items() if e.role == "target")
+    target = built["target-fp32"] if "target-fp32" in built else built[targets[0]]
+    return _plausible_pass_costs(tmp / target.file, facts, log, golden=cache / "golden.npz", entry=target)
 
 
 def _pass_costs(path: Path, facts: dict, golden: Path, entry: EngineEntry,
