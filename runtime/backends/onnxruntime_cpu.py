@@ -357,3 +357,10 @@ class OrtEagleHead:
         self.reserve(snapshot.length + 1, keep=0)
         restore_views(self.cache, snapshot)
         self.length = snapshot.length
+
+
+def open_batch(root: Path, entry, options: EngineOptions, slots: int):
+    """A batch engine of `slots` sequences for a decoder entry (runtime/backends/onnxruntime_batch.py)."""
+    from .onnxruntime_batch import open_batch as _open
+
+    return _open(root, entry, options, slots)

@@ -1,0 +1,174 @@
+"""Batched passes on the ONNX Runtime CPU backend: B sequences (slots) in one session run, each with its own cache
+row and length (GroupQueryAttention's per-row `seqlens_k`).
+
+GroupQueryAttention on the CPU takes several rows over a cache only one token each ("batch_size must be 1 when
+sequence_length > 1 and past context is given"), so one-token passes (plain decoding, or a stream whose draft is
+empty) of every stream go together and a wider pass (a prefill, a draft's verification) runs alone, over that
+slot's rows only. batch.LoadPlanner knows (`wide_rows_alone`): under load a draft costs a pass of its own. Rows of
+idle slots in the bound range get one-token pads written past their committed length (garbage by the engine
+contract), so the cache holds max_context + 1 positions per slot.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
+                          POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
+from ..engine import EngineOptions
+from .onnxruntime_cpu import SCREEN_MAX_ROWS, TAKING_TURNS, open_session, screen_unusable
+
+
+def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtBatchEngine":
+    config = {**(entry.session_config or {}), **(TAKING_TURNS if options.taking_turns else {})}
+    note = screen_unusable(entry.screen, entry.build_versions)
+    if note is None and not options.logit_screen:
+        note = "turned off (EngineOptions.logit_screen)"
+    return OrtBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
+                          num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
+                          max_context=entry.max_context, threads=options.threads, session_config=config,
+                          screen=note is None, width_exact=entry.width_exact, name=entry.name)
+
+
+class OrtBatchEngine:
+    """`slots` sequences' caches and one session (runtime/batch.py's BatchEngine)."""
+
+    max_pass_tokens = 64
+    wide_rows_alone = True  # see the module docstring
+
+    def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 vocab_size: int, max_context: int, threads: int = 0, session_config: dict | None = None,
+                 screen: bool = False, width_exact: bool = True, name: str | None = None):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        for key, value in (session_config or {}).items():
+            so.add_session_config_entry(key, value)
+        self.session = open_session(Path(onnx_path), so)
+        self.slots, self.max_context, self.vocab_size = slots, max_context, vocab_size
+        self.width_exact, self.name = width_exact, name or Path(onnx_path).stem
+        self.description = f"onnxruntime-cpu {self.name}, {slots} slots"
+        self.lengths = [0] * slots
+        self.capacity = max_context + 1
+        self.cache = np.zeros((num_layers, len(KV_KINDS), slots, num_kv_heads, self.capacity, head_dim), np.float32)
+        names = {i.name for i in self.session.get_inputs()}
+        self._has_screen = APPROX_INPUT in names
+        self.screen = screen and self._has_screen
+        self.hidden_size = next(int(o.shape[-1]) for o in self.session.get_outputs() if o.name == HIDDEN_STATES)
+        self.with_hidden = False
+        self._flags = (np.array(False), np.array(True))
+        # one binding per bound range: slots [0, b) for batched passes, slot s alone for solo passes
+        self._ranges = [self._bind(slice(0, b)) for b in range(1, slots + 1)]
+        self._solo = [self._bind(slice(s, s + 1)) for s in range(slots)]
+        self._logits = np.empty(0, np.float32)
+        self._greedy = np.empty(0, np.int64)
+        self._hidden = np.empty(0, np.float32)
+
+    def _bind(self, rows: slice):
+        io = self.session.io_binding()
+        for i in range(self.cache.shape[0]):
+            for j, kind in enumerate(KV_KINDS):
+                value = ort.OrtValue.ortvalue_from_numpy(self.cache[i, j, rows])
+                io.bind_ortvalue_input(past_name(i, kind), value)
+                io.bind_ortvalue_output(present_name(i, kind), value)
+        return io
+
+    def enable_hidden(self) -> None:
+        self.with_hidden = True
+
+    def views(self, slot: int) -> list[np.ndarray]:
+        """The slot's cache, [1, kv_heads, capacity, head_dim] per (layer, key|value): the single engine's layout."""
+        return [self.cache[i, j, slot:slot + 1] for i in range(self.cache.shape[0]) for j in range(len(KV_KINDS))]
+
+    def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
+        self.cache[:, :, slot, :, dst] = self.cache[:, :, slot, :, src]
+
+    def _out(self, name: str, size: int, dtype) -> np.ndarray:
+        buf = getattr(self, name)
+        if buf.size < size:
+            buf = np.empty(size, dtype)
+            setattr(self, name, buf)
+        return buf
+
+    def run(self, rows) -> list[tuple[float, int, int]]:
+        """Every row's pass (runtime/batch.py's PassRow): the one-token rows of slots that hold a context together,
+        the others alone. Returns (seconds, rows, width) of each call."""
+        ran = []
+        together = [r for r in rows if len(r.tokens) == 1 and self.lengths[r.slot] > 0]
+        if len(together) == 1:  # one row: over its slot alone (which the logit screen can read)
+            together = []
+        if together:  # first: its pad rows write at the other slots' lengths, which their own passes then overwrite
+            t = time.perf_counter()
+            self._batched(together)
+            ran.append((time.perf_counter() - t, len(together), 1))
+        for r in rows:
+            if r not in together:
+                t = time.perf_counter()
+                self._solo_pass(r)
+                ran.append((time.perf_counter() - t, 1, len(r.tokens)))
+        return ran
+
+    def _batched(self, rows) -> None:
+        B = max(r.slot for r in rows) + 1
+        lengths = np.array(self.lengths[:B], np.int64)
+        ids = np.zeros((B, 1), np.int64)
+        pos = np.minimum(lengths, self.max_context - 1).reshape(B, 1)
+        for r in rows:
+            ids[r.slot, 0] = r.tokens[0]
+            pos[r.slot, 0] = r.positions[0]
+        # the logit screen's graph is for one row, so a batch reads the fp32 lm_head (its greedy output too)
+        self._call(self._ranges[B - 1], ids, pos, np.zeros((B, 1, 1), np.float32), lengths, int(lengths.max()) + 1, 1,
+                   approx=False)
+        for r in rows:
+            self._take(r, r.slot, 0)
+
+    def _solo_pass(self, r) -> None:
+        n, L = len(r.tokens), self.lengths[r.slot]
+        if r.mask is not None and L == 0 and n > 1:
+            raise ValueError("a token tree over an empty cache: feed the prompt first")  # the loop never drafts then
+        mask = np.zeros((1, n, n), np.float32) if r.mask is None else r.mask.reshape(1, n, n)
+        self._call(self._solo[r.slot], r.tokens.reshape(1, n), r.positions.reshape(1, n), mask,
+                   np.array([L + n - 1]), L + n, r.num_logits,
+                   approx=self.screen and r.greedy and r.num_logits <= SCREEN_MAX_ROWS)
+        self._take(r, 0, 0)
+
+    def _call(self, io, ids, pos, mask, seqlens, total: int, keep: int, approx: bool) -> None:
+        B, W = ids.shape
+        io.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
+        io.bind_cpu_input(POSITION_IDS, np.ascontiguousarray(pos, np.int64))
+        io.bind_cpu_input(TREE_MASK, np.ascontiguousarray(mask, np.float32))
+        io.bind_cpu_input(SEQLENS_K, np.ascontiguousarray(seqlens, np.int32))
+        io.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array(total, np.int32))
+        io.bind_cpu_input(NUM_LOGITS_TO_KEEP, np.array(keep, np.int64))
+        logits = self._out("_logits", B * keep * self.vocab_size, np.float32)
+        io.bind_output(LOGITS, "cpu", 0, np.float32, [B, keep, self.vocab_size], logits.ctypes.data)
+        self._shape = (B, keep)
+        if self._has_screen:
+            io.bind_cpu_input(APPROX_INPUT, self._flags[approx])
+            greedy = self._out("_greedy", B * keep, np.int64)
+            io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [B, keep], greedy.ctypes.data)
+        if self.with_hidden:
+            hidden = self._out("_hidden", B * W * self.hidden_size, np.float32)
+            io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [B, W, self.hidden_size], hidden.ctypes.data)
+        self._hshape = (B, W)
+        self.session.run_with_iobinding(io)
+
+    def _take(self, r, b: int, first: int) -> None:
+        """Batch row b's results into r: logits (or greedy tokens) rows [first, first + r.num_logits) of what the
+        pass kept, and its hidden states."""
+        B, keep = self._shape
+        rows = slice(first, first + r.num_logits)
+        if r.greedy and self._has_screen:
+            r.out = self._greedy[:B * keep].reshape(B, keep)[b, rows].copy()
+        else:
+            logits = self._logits[:B * keep * self.vocab_size].reshape(B, keep, self.vocab_size)[b, rows]
+            r.out = logits.argmax(axis=1) if r.greedy else logits.copy()
+        if self.with_hidden:
+            Bh, W = self._hshape
+            hidden = self._hidden[:Bh * W * self.hidden_size].reshape(Bh, W, self.hidden_size)
+            r.hidden = hidden[b, :len(r.tokens)].copy()

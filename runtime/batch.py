@@ -1,0 +1,366 @@
+"""Several streams at once: batched passes, the scheduler that gathers them, and speculation chosen by load.
+
+Each stream runs the ordinary loop (Generator, speculative_decode, its own proposer and controller) in a thread of
+its own, over a `SlotEngine`: the Engine contract over one slot (cache row) of a backend's batch engine. A slot
+engine's pass does not run at once: the `Scheduler` holds it until every stream that has joined is waiting in a
+pass, then runs all of them, each engine's rows as one batched call (a target's rows together, a draft model's
+together), and wakes them. So streams join and leave between rounds, each keeps its own length, draft and
+acceptance, and the output of each is the output it has alone: nothing in the loop knows about the batch.
+
+    batch = backend.open_batch(root, entry, options, slots)     # e.g. onnxruntime_batch.OrtBatchEngine
+    scheduler = Scheduler()
+    engine = SlotEngine(batch, slot, scheduler)                 # one per stream slot
+    scheduler.join(slot); ... Generator(..., engine=engine) ...; scheduler.leave(slot)
+
+`LoadK` chooses each stream's draft length per round from the batch's measured pass costs by (rows, width) and
+every stream's observed acceptance, to maximise tokens per second over the batch (`LoadPlanner`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .control import Acceptance, PassCost, Round
+from .engine import KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
+
+
+@dataclass(eq=False)
+class PassRow:
+    """One stream's pass for a batch engine: it writes K/V at the slot's [length, length + n)."""
+
+    slot: int
+    tokens: np.ndarray            # [n] int64
+    positions: np.ndarray         # [n] int64
+    mask: np.ndarray | None       # [n, n] additive tree mask, None = causal
+    num_logits: int
+    greedy: bool                  # out = the greedy tokens [num_logits] int64, else the logits [num_logits, V]
+    out: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class BatchCosts:
+    """Seconds of a batched pass of B rows at width W: each (B, W) cell's average once `trust` passes back it,
+    else a line in the pass's tokens B * W fitted over every pass (control.PassCost)."""
+
+    def __init__(self, beta: float = 0.07, max_tokens: int = 1024, trust: int = 6, rate: float = 0.2):
+        self.line = PassCost(beta, max_tokens, trust=10 ** 9)
+        self.trust, self.rate = trust, rate
+        self.cells: dict[tuple[int, int], list[float]] = {}  # (B, W) -> [seconds, passes]
+
+    def __call__(self, B: int, W: int) -> float:
+        cell = self.cells.get((B, W))
+        if cell is not None and cell[1] >= self.trust:
+            return cell[0]
+        return self.line(B * W)
+
+    def observe(self, B: int, W: int, seconds: float) -> None:
+        self.line.observe(B * W, seconds)
+        cell = self.cells.setdefault((B, W), [seconds, 0])
+        cell[0] += self.rate * (seconds - cell[0]) if cell[1] else 0.0
+        cell[1] += 1
+
+
+class Scheduler:
+    """Gathers the passes of the streams that joined; the last one to arrive runs them all (see the module
+    docstring). A stream joins before it touches its slot and leaves when it is done with it."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self.active: set[int] = set()
+        self._waiting: dict[int, tuple[object, PassRow]] = {}
+        self._running = False
+        self.costs: dict[int, BatchCosts] = {}  # id(batch engine) -> its measured pass costs
+        self.passes = 0                        # batched calls run
+        self.rows = 0                          # stream passes they held
+
+    def costs_of(self, batch) -> BatchCosts:
+        return self.costs.setdefault(id(batch), BatchCosts())
+
+    def join(self, member: int) -> None:
+        with self._cv:
+            while self._running:  # a pass in flight may be writing this slot's idle row
+                self._cv.wait()
+            self.active.add(member)
+
+    def leave(self, member: int) -> None:
+        with self._cv:
+            self.active.discard(member)
+            self._waiting.pop(member, None)
+            if self._ready():
+                self._fire()
+
+    def submit(self, member: int, batch, row: PassRow) -> PassRow:
+        with self._cv:
+            if member not in self.active:
+                raise RuntimeError(f"slot {member} passed without joining the scheduler")
+            self._waiting[member] = (batch, row)
+            if self._ready():
+                self._fire()
+            while not row.done:
+                self._cv.wait()
+        if row.error is not None:
+            raise row.error
+        return row
+
+    def _ready(self) -> bool:
+        return bool(self._waiting) and not self._running and len(self._waiting) >= len(self.active)
+
+    def _fire(self) -> None:
+        """Run every waiting row (called with the lock held; released while the passes run)."""
+        waiting, self._waiting, self._running = self._waiting, {}, True
+        groups: dict[int, tuple[object, list[PassRow]]] = {}
+        for batch, row in waiting.values():
+            groups.setdefault(id(batch), (batch, []))[1].append(row)
+        self._cv.release()
+        try:
+            for batch, rows in groups.values():
+                try:
+                    ran = batch.run(rows)
+                except BaseException as e:  # noqa: BLE001 -- every stream of the pass gets it
+                    for r in rows:
+                        r.error = e
+                    continue
+                for seconds, B, W in ran:  # each call the backend made
+                    self.costs_of(batch).observe(B, W, seconds)
+                    self.passes += 1
+                    self.rows += B
+        finally:
+            self._cv.acquire()
+            self._running = False
+            for _, row in waiting.values():
+                row.done = True
+            self._cv.notify_all()
+
+
+class SlotEngine:
+    """The Engine contract (runtime/engine.py) over one slot of a batch engine; passes go through the scheduler."""
+
+    def __init__(self, batch, slot: int, scheduler: Scheduler):
+        self.batch, self.slot, self.scheduler = batch, slot, scheduler
+        self.max_context, self.vocab_size = batch.max_context, batch.vocab_size
+        self.max_pass_tokens, self.width_exact = batch.max_pass_tokens, batch.width_exact
+        self.capacity = batch.max_context
+        self.description = f"{batch.description}, slot {slot}"
+        self.screen = batch.screen
+        self.hidden = np.zeros((0, 0), np.float32)
+        self._hidden = False
+
+    @property
+    def length(self) -> int:
+        return self.batch.lengths[self.slot]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.batch.lengths[self.slot] = value
+
+    def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, np.int64)
+        n = len(tokens)
+        check_pass(self, n, num_logits)
+        pos = (np.arange(self.length, self.length + n, dtype=np.int64) if positions is None
+               else np.asarray(positions, np.int64))
+        mask = None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n)
+        row = self.scheduler.submit(self.slot, self.batch, PassRow(self.slot, tokens, pos, mask, num_logits, greedy))
+        if self._hidden:
+            self.hidden = row.hidden
+        return row.out
+
+    def forward(self, tokens, positions=None, tree_mask=None, num_logits: int = 1) -> np.ndarray:
+        return self._pass(tokens, positions, tree_mask, num_logits, False)
+
+    def argmax(self, tokens, positions=None, tree_mask=None, num_logits: int = 1) -> np.ndarray:
+        return self._pass(tokens, positions, tree_mask, num_logits, True)
+
+    def commit(self, n: int, path=None) -> None:
+        moves = None if path is None else tree_moves(self.length, n, path)
+        if moves is not None:
+            self.batch.move(self.slot, *moves)
+        self.length += n
+
+    def rewind(self, length: int = 0) -> None:
+        self.length = length
+
+    def reserve(self, positions: int) -> None:
+        pass  # one layout per slot of max_context (+ the widest pad) positions
+
+    def enable_hidden(self) -> None:
+        self.batch.enable_hidden()
+        self._hidden = True
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        return snapshot_views(self.batch.views(self.slot), min(length, self.length))
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        restore_views(self.batch.views(self.slot), snapshot)
+        self.length = snapshot.length
+
+
+class LoadPlanner:
+    """Chooses every stream's draft length for the round, to maximise the batch's tokens per second from its
+    measured pass costs t(B, W) (rows, width) and each stream's acceptance (LoadK.expected) and draft cost.
+
+    Backends that pad every row to the round's widest (`wide_rows_alone` False): one width W for the batch,
+
+        max_W  sum_s E_s(k_s(W)) / (t(B, W) + sum_s d_s k_s(W)),   k_s(W) = stream s's longest draft that fits W.
+
+    Backends that batch one-token rows only (ONNX Runtime CPU's GroupQueryAttention): a stream that drafts k runs
+    its own pass of width w_s(k), the others share a one-token pass; streams are moved to drafting one at a time,
+    best gain first, while the batch's rate grows:
+
+        rate = (plain + sum_drafting E_s(k_s)) / (t(plain, 1) + sum_drafting (t(1, w_s(k_s)) + d_s k_s)).
+
+    A choice must beat plain decoding by MARGIN. Alone, drafting pays as it does for AdaptiveK; in a batch the
+    one-token pass costs little more for B rows than for one while the machine is memory-bound, so a draft that
+    pays alone stops paying once its pass of its own costs more than the tokens it adds (BENCHMARKS.md, "How do
+    several streams share the CPU?"). The plan is made once per round (the first stream to ask) and kept."""
+
+    MARGIN = 1.05
+
+    def __init__(self, scheduler: Scheduler, batch, max_width: int):
+        self.scheduler, self.batch, self.max_width = scheduler, batch, max_width
+        self.members: dict[int, "LoadK"] = {}
+        self._plan: dict[int, int] = {}
+        self._made_at = -1
+
+    def k(self, member: int) -> int:
+        if self._made_at != self.scheduler.passes or member not in self._plan:
+            active = {m: c for m, c in self.members.items() if m in self.scheduler.active}
+            active.setdefault(member, self.members[member])
+            cost = self.scheduler.costs_of(self.batch)
+            self._plan = (self._alone(active, cost) if getattr(self.batch, "wide_rows_alone", False)
+                          else self._common(active, cost))
+            self._made_at = self.scheduler.passes
+        return self._plan[member]
+
+    def _common(self, active: dict, cost) -> dict[int, int]:
+        B, tables = len(active), {m: c.table() for m, c in active.items()}
+        best_w, best = 1, self.MARGIN * B / cost(B, 1)
+        for W in range(2, self.max_width + 1):
+            gain = draft = 0.0
+            for m, c in active.items():
+                k = c.fits(W)
+                gain += tables[m][k]
+                draft += c.d * k
+            rate = gain / (cost(B, W) + draft)
+            if rate > best:
+                best_w, best = W, rate
+        return {m: c.fits(best_w) for m, c in active.items()}
+
+    def _alone(self, active: dict, cost) -> dict[int, int]:
+        plan = {m: 0 for m in active}
+        own = {}  # each stream's best draft on a pass of its own: (k, extra tokens, seconds)
+        for m, c in active.items():
+            table, best = c.table(), (0, 0.0, 0.0)
+            for k in range(1, c.k_max + 1):
+                secs = cost(1, max(2, round(c.width[k]))) + c.d * k
+                if table[k] - 1.0 > 0 and (best[0] == 0 or (table[k] - 1) / secs > best[1] / best[2]):
+                    best = (k, table[k] - 1.0, secs)
+            own[m] = best
+        plain, tokens = len(active), float(len(active))
+        seconds = cost(plain, 1)
+        base = tokens / seconds
+        for m in sorted(own, key=lambda m: -(own[m][1] / own[m][2] if own[m][0] else 0.0)):
+            k, extra, secs = own[m]
+            if not k:
+                continue
+            rest = plain - 1
+            t = seconds - cost(plain, 1) + (cost(rest, 1) if rest else 0.0) + secs
+            if (tokens + extra) / t > self.MARGIN * base and (tokens + extra) / t > tokens / seconds:
+                plan[m], plain, tokens, seconds = k, rest, tokens + extra, t
+        return plan
+
+
+class LoadK:
+    """A stream's controller under LoadPlanner (the control.Controller protocol): its acceptance per bucket, its
+    pass width per draft length and its draft cost are its own; the width is the batch's."""
+
+    KEEP, PRIOR_N, ALPHA0, RATE, PROBE = 0.85, 1.0, 0.5, 0.3, 32
+
+    def __init__(self, planner: LoadPlanner, member: int, k_max: int, buckets: int = 1):
+        self.planner, self.member, self.k_max, self.buckets = planner, member, k_max, buckets
+        self.acceptance = Acceptance(buckets, k_max, self.KEEP, self.PRIOR_N, self.ALPHA0)
+        self.given = [1.0] * buckets               # P(a draft is given | asked), per bucket
+        self.width = [1.0 + k for k in range(k_max + 1)]  # pass width of a k-draft (trees: more than 1 + k)
+        self.d = 0.0
+        self.bucket = 0
+        self.since_draft = 0
+        planner.members[member] = self
+
+    def start(self) -> None:
+        self.since_draft = 0
+        if self.buckets == 1:
+            self.acceptance.reset()
+
+    def fits(self, W: int) -> int:
+        """The longest draft whose pass fits width W."""
+        k = 0
+        while k < self.k_max and self.width[k + 1] <= W + 1e-9:
+            k += 1
+        return k
+
+    def table(self) -> list[float]:
+        """E(k), k = 0..k_max: expected tokens of a round that asks for k (its bucket's acceptance)."""
+        out, gain, run, given = [1.0], 0.0, 1.0, self.given[self.bucket]
+        for a in self.acceptance.alpha(self.bucket):
+            run *= a
+            gain += run
+            out.append(1.0 + given * gain)
+        return out
+
+    def k(self, bucket: int = 0) -> int:
+        self.bucket = bucket
+        k = self.planner.k(self.member)
+        if k == 0 and self.since_draft >= self.PROBE:  # re-measure now and then: acceptance changes with the text
+            k = 1
+        return k
+
+    def observe(self, r: Round) -> None:
+        self.acceptance.observe(r.bucket, r.result.acceptance)
+        if r.prefill or r.asked == 0:
+            self.since_draft += 0 if r.prefill else 1
+            return
+        self.since_draft = 0
+        given = float(r.drafted > 0)
+        self.given[r.bucket] += self.RATE * (given - self.given[r.bucket])
+        if r.drafted:
+            self.d += self.RATE * (r.draft_s / r.asked - self.d)
+            self.width[r.asked] += self.RATE * (r.width - self.width[r.asked])
+
+
+@dataclass
+class SlotPool:
+    """Free slots; a request takes the one whose last sequence shares the longest prefix with its prompt."""
+
+    slots: int
+    held: Callable[[int], list[int]]               # slot -> the token ids its cache holds
+    _free: list[int] = field(default_factory=list)
+    _cv: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self):
+        self._free = list(range(self.slots))
+
+    def acquire(self, ids) -> int:
+        from .prefix_cache import common_prefix
+
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            best = max(self._free, key=lambda s: (common_prefix(self.held(s), ids, len(ids)), -self._free.index(s)))
+            self._free.remove(best)
+            return best
+
+    def release(self, slot: int) -> None:
+        with self._cv:
+            self._free.append(slot)  # least recently used first
+            self._cv.notify()
+
+    @property
+    def busy(self) -> int:
+        with self._cv:
+            return self.slots - len(self._free)

@@ -1,0 +1,156 @@
+"""A Session for several streams at once (`load(..., parallel=N)`, `specrt serve --parallel N`).
+
+N slots over one batch engine of the target (and one of the draft model, for --speculate draft): each slot has its
+own Generator (its KV cache row, the sequence it holds for the next turn) and its own decoder (proposer and
+controller), and its streams run in the caller's threads; runtime/batch.py's Scheduler puts their passes together.
+A stream takes a free slot when it starts (the one whose last sequence shares most of its prompt), so a
+conversation's next turn finds its prefix in the slot or in the shared prefix store, and more streams than slots
+wait for one. Draft lengths follow the batch's load (batch.LoadK) unless --draft-tokens fixes them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+from ..errors import SpecrtError
+from ..manifest import Manifest
+from .backends import backend
+from .batch import LoadK, LoadPlanner, Scheduler, SlotEngine, SlotPool
+from .engine import EngineOptions
+from .generate import Generator, Result, Stream
+from .prefix_cache import PrefixStore
+from .sampling import SamplingParams
+from .speculative import MAX_DRAFT_TOKENS, Opener, SpeculativeConfig, draft_entry, make_decoder
+from .tokenizer import Message, TextCodec
+
+
+class _Shared:
+    """One heads engine for every slot (a call is stateless; one at a time)."""
+
+    def __init__(self, heads):
+        self._heads, self._lock = heads, threading.Lock()
+        self.heads, self.topk = heads.heads, heads.topk
+
+    def __call__(self, hidden, token):
+        with self._lock:
+            return self._heads(hidden, token)
+
+
+class _SlotOpener(Opener):
+    def __init__(self, session: "BatchSession", slot: int):
+        self.session, self.slot = session, slot
+
+    def engine(self, root, entry, options):
+        return SlotEngine(self.session.batch_of(entry, options), self.slot, self.session.scheduler)
+
+    def heads(self, root, entry, options):
+        s = self.session
+        if s._heads is None:
+            s._heads = _Shared(super().heads(root, entry, options))
+        return s._heads
+
+
+@dataclass
+class _Slot:
+    generator: Generator
+    decoder: object
+
+
+class BatchSession:
+    """Session's interface (stream, generate, engine, manifest, precision, mode) over `parallel` slots."""
+
+    def __init__(self, manifest: Manifest, precision: str, mode: str, parallel: int,
+                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig()):
+        if parallel < 1:
+            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
+        self.manifest, self.precision, self.mode, self.parallel = manifest, precision, mode, parallel
+        self.options, self.scheduler = options, Scheduler()
+        self._batches: dict[str, object] = {}
+        self._heads = None
+        entry = manifest.engine("target", precision)
+        self.batch = self.batch_of(entry, options)
+        codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,
+                          manifest.eos_token_ids)
+        self.planner = LoadPlanner(self.scheduler, self.batch, 1 + MAX_DRAFT_TOKENS)
+        self.slots: list[_Slot] = []
+        for s in range(parallel):
+            gen = Generator(manifest, precision, options, engine=SlotEngine(self.batch, s, self.scheduler),
+                            codec=codec)
+            control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, p.buckets))
+            decoder = make_decoder(mode, manifest, precision, options=options, config=config,
+                                   opener=_SlotOpener(self, s), controller=control)
+            self.slots.append(_Slot(gen, decoder))
+        self.pool = SlotPool(parallel, lambda s: self.slots[s].generator._held)
+        self.prefix_store: PrefixStore | None = None
+
+    def batch_of(self, entry, options: EngineOptions):
+        """The batch engine of a manifest entry (the target's, a draft model's), opened once."""
+        if entry.name not in self._batches:
+            module = backend(entry)
+            if not hasattr(module, "open_batch"):
+                raise SpecrtError(f"the {entry.backend} backend cannot run several streams at once yet; "
+                                  "use --parallel 1 or an onnxruntime engine set")
+            self._batches[entry.name] = module.open_batch(self.manifest.root, entry, options, self.parallel)
+        return self._batches[entry.name]
+
+    @property
+    def engine(self):
+        return self.slots[0].generator.engine
+
+    @property
+    def decoder(self):
+        return self.slots[0].decoder
+
+    def enable_reuse(self, store: PrefixStore | None) -> None:
+        """KV reuse across requests: each slot keeps its last sequence, others go to `store` (shared)."""
+        self.prefix_store = store
+        for s in self.slots:
+            s.generator.keep_cache = True
+            s.generator.prefix_store = store
+
+    def stash(self) -> None:
+        pass  # each stream stashes its slot's sequence before the slot is free again (_run)
+
+    def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
+               sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), chat: bool = True,
+               ignore_eos: bool = False) -> Stream:
+        if max_new_tokens < 1:
+            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self.slots[0].generator.prompt_ids(prompt, chat)
+        stream = Stream(iter(()))
+        stream._it = self._run(ids, stream, dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                                 ignore_eos=ignore_eos))
+        return stream
+
+    def generate(self, prompt: str | list[Message], **kwargs) -> Result:
+        s = self.stream(prompt, **kwargs)
+        for _ in s:
+            pass
+        return s.result
+
+    def _run(self, ids, stream: Stream, kw: dict):
+        slot = self.pool.acquire(ids)
+        try:
+            if stream.cancelled:  # closed while it waited for a slot
+                from .generate import Stats
+
+                stream.result = Result("", [], Stats(prompt_tokens=len(ids), finish_reason="cancelled"))
+                return
+            s = self.slots[slot]
+            self.scheduler.join(slot)
+            try:
+                yield from s.generator.run_ids(ids, stream, decode=s.decoder, **kw)
+            finally:
+                self.scheduler.leave(slot)
+                s.generator.stash()  # before another stream may take the slot
+        finally:
+            self.pool.release(slot)
+
+
+def load_batch(manifest: Manifest, precision: str, mode: str, parallel: int, options: EngineOptions,
+               config: SpeculativeConfig) -> BatchSession:
+    """session.load's half for parallel > 1 (mode resolved already)."""
+    if mode == "draft":
+        draft_entry(manifest, precision)  # no draft engine: one line now
+    return BatchSession(manifest, precision, mode, parallel, replace(options), config)

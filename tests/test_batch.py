@@ -1,0 +1,226 @@
+"""Several streams at once: batched passes equal passes alone, streams joining and leaving keep their own output,
+and the load planner's choice of draft length on known costs."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from specrt.runtime.batch import BatchCosts, LoadK, LoadPlanner, Scheduler, SlotEngine
+from specrt.runtime.control import Round
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.session import load
+from specrt.runtime.speculative import SpeculativeConfig
+from specrt.runtime.verify import VerifyResult
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are you today? I am fine, thank you. Hello, how",
+           "import numpy as np\nx = np.arange(10)\nprint(x.sum())\nimport numpy as np\n", "Speculative decoding"]
+
+
+class Gathering(Scheduler):
+    """Holds the first passes until `expect` streams joined (a tiny model's stream is over before the next thread
+    starts), so the test sees rows batched whatever the thread timing."""
+
+    expect, started = 0, False
+
+    def _ready(self):
+        if not self.started and len(self.active) < self.expect:
+            return False
+        self.started = True
+        return super()._ready()
+
+
+def gathering(session, expect: int):
+    session.scheduler.__class__ = Gathering
+    session.scheduler.expect = expect
+    return session
+
+
+def run_threads(session, jobs):
+    """jobs: [(prompt, max_new_tokens, delay_s)] -> token ids of each, run concurrently (each in its thread, all
+    released at once, then each after its delay)."""
+    import time
+
+    out = [None] * len(jobs)
+    errors = []
+    gate = threading.Barrier(len(jobs))
+
+    def one(i, prompt, n, delay):
+        try:
+            gate.wait()
+            time.sleep(delay)
+            out[i] = session.generate(prompt, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return out
+
+
+def test_batched_rows_equal_passes_alone(tiny_engines):
+    """The batch engine's rows (different lengths, a tree row among chains) give the logits of each pass alone."""
+    from specrt.manifest import load_manifest
+    from specrt.runtime.backends.onnxruntime_batch import open_batch
+    from specrt.runtime.engine import EngineOptions, open_engine
+    from specrt.runtime.speculative import tree_inputs
+
+    m = load_manifest(tiny_engines)
+    entry = m.engine("target", "fp32")
+    batch = open_batch(m.root, entry, EngineOptions(threads=1), 3)
+    sched = Scheduler()
+    slots = [SlotEngine(batch, s, sched) for s in range(3)]
+    alone = open_engine(m.root, entry, EngineOptions(threads=1))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n) for n in (5, 40, 17)]
+    for s, p in zip(slots, prompts):  # prefills: alone, one by one
+        sched.join(s.slot)
+        s.forward(p)
+        s.commit(len(p))
+        sched.leave(s.slot)
+    for s in slots:
+        sched.join(s.slot)
+    # one round: slots 0 and 1 one token each (one call), slot 2 a tree of 4 nodes under one pending token (alone:
+    # GroupQueryAttention batches one-token rows only)
+    parents = np.array([-1, 0, 0, 1])
+    pos, mask = tree_inputs(len(prompts[2]), 1, parents)
+    rows = [(rng.integers(3, 300, 1), None, None), (rng.integers(3, 300, 1), None, None),
+            (rng.integers(3, 300, 5), pos, mask)]
+    passes = sched.passes
+    results = [None] * 3
+
+    def one(s):
+        tokens, p, msk = rows[s]
+        results[s] = slots[s].forward(tokens, p, msk, num_logits=len(tokens)).copy()
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sched.passes - passes == 2 and sched.costs_of(batch).cells[(2, 1)][1] == 1  # two rows in one call
+    for s in range(3):
+        alone.rewind(0)
+        alone.forward(prompts[s])
+        alone.commit(len(prompts[s]))
+        tokens, p, msk = rows[s]
+        want = alone.forward(tokens, p, msk, num_logits=len(tokens))
+        np.testing.assert_allclose(results[s], want, atol=1e-4, rtol=0)
+        assert (results[s].argmax(1) == want.argmax(1)).all()
+
+
+@pytest.mark.parametrize("mode", ["off", "prompt-lookup"])
+def test_streams_joining_and_leaving_keep_their_own_output(tiny_engines, mode):
+    """Four streams of different prompt and answer lengths, started at different times on 3 slots (the fourth
+    waits for one): each gets the tokens it gets alone."""
+    alone = load(tiny_engines, "fp32", mode)
+    jobs = [(PROMPTS[0], 120, 0.0), (PROMPTS[1], 30, 0.0), (PROMPTS[2], 90, 0.005), (PROMPTS[3], 60, 0.01)]
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    batched = gathering(load(tiny_engines, "fp32", mode, parallel=3), 3)
+    got = run_threads(batched, jobs)
+    assert got == want
+    assert batched.scheduler.passes > 0 and batched.scheduler.rows > batched.scheduler.passes  # rows were batched
+
+
+def test_fixed_k_in_a_batch_is_exact(tiny_engines):
+    cfg = SpeculativeConfig(draft_tokens=4)
+    alone = load(tiny_engines, "fp32", "prompt-lookup", config=cfg)
+    jobs = [(PROMPTS[2], 30, 0.0), (PROMPTS[3], 30, 0.0), (PROMPTS[0], 20, 0.02)]
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    assert run_threads(load(tiny_engines, "fp32", "prompt-lookup", config=cfg, parallel=3), jobs) == want
+
+
+def test_sampled_streams_in_a_batch_keep_their_seeded_output(tiny_engines):
+    """A seeded sampled request gives the same tokens alone and in a batch (each stream has its own generator)."""
+    s = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    alone = load(tiny_engines, "fp32", "prompt-lookup")
+    want = alone.generate(PROMPTS[2], max_new_tokens=24, sampling=s, ignore_eos=True).token_ids
+    batched = load(tiny_engines, "fp32", "prompt-lookup", parallel=2)
+    out = [None, None]
+
+    def one(i):
+        out[i] = batched.generate(PROMPTS[2] if i == 0 else PROMPTS[1], max_new_tokens=24, sampling=s,
+                                  ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[0] == want
+
+
+class FakeBatch:
+    description = "fake"
+    wide_rows_alone = False
+
+
+class FakeRowsAlone(FakeBatch):
+    wide_rows_alone = True
+
+
+def _planner(costs: dict[tuple[int, int], float], streams: int, alpha: float, batch=None):
+    sched = Scheduler()
+    batch = batch or FakeBatch()
+    table = sched.costs_of(batch)
+    for (B, W), t in costs.items():
+        for _ in range(table.trust):
+            table.observe(B, W, t)
+    planner = LoadPlanner(sched, batch, 9)
+    controls = []
+    for m in range(streams):
+        sched.active.add(m)
+        c = LoadK(planner, m, 8)
+        for _ in range(30):  # this stream's acceptance: alpha at every position
+            acc = np.random.default_rng(m).random(8) < alpha
+            result = VerifyResult(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, False, acc)
+            c.observe(Round(0, 8, 8, 9, result, 0.0, 0.0, False))
+        controls.append(c)
+    return planner, controls
+
+
+def test_load_planner_drafts_alone_and_stops_under_load():
+    """Known costs: a memory-bound single row (width nearly free) and a compute-bound batch of 8 (cost grows with
+    rows x width). Alone it drafts; at 8 streams the same acceptance does not pay and K = 0."""
+    costs = {}
+    for W in range(1, 10):
+        costs[(1, W)] = 0.010 + 0.0005 * (W - 1)        # alone: +5% a token
+        costs[(8, W)] = 0.016 * (1 + 0.9 * (W - 1))      # 8 rows, compute-bound: a width token ~ a pass
+    planner, controls = _planner({k: v for k, v in costs.items() if k[0] == 1}, 1, alpha=0.7)
+    assert controls[0].k(0) >= 3
+    planner, controls = _planner({k: v for k, v in costs.items() if k[0] == 8}, 8, alpha=0.7)
+    assert all(c.k(0) == 0 for c in controls)
+
+
+def test_load_planner_when_wide_rows_run_alone():
+    """One-token rows batched, a drafting stream's pass alone (ONNX Runtime CPU): alone, drafting pays; with 8
+    streams a pass of its own costs more than the tokens it adds, so nobody drafts; with 2 streams it pays again."""
+    costs = {(1, W): 0.010 + 0.0005 * (W - 1) for W in range(1, 10)}
+    costs |= {(B, 1): 0.010 + 0.001 * (B - 1) for B in range(2, 9)}
+    planner, controls = _planner(costs, 1, alpha=0.7, batch=FakeRowsAlone())
+    assert controls[0].k(0) >= 3
+    planner, controls = _planner(costs, 8, alpha=0.7, batch=FakeRowsAlone())
+    assert all(c.k(0) == 0 for c in controls)
+    planner, controls = _planner(costs, 2, alpha=0.9, batch=FakeRowsAlone())
+    assert sum(c.k(0) > 0 for c in controls) >= 1
+
+
+def test_load_planner_follows_acceptance():
+    """Same costs, a stream whose drafts are never kept gets K = 0 alone."""
+    costs = {(1, W): 0.010 + 0.002 * (W - 1) for W in range(1, 10)}
+    planner, controls = _planner(costs, 1, alpha=0.0)
+    assert controls[0].k(0) == 0
+
+
+def test_batch_costs_fall_back_to_a_line_in_tokens():
+    c = BatchCosts()
+    for B, W, t in [(1, 1, 0.01), (2, 1, 0.011), (1, 4, 0.013), (4, 2, 0.02)]:
+        c.observe(B, W, t)
+    assert c(8, 4) > c(4, 2) > c(1, 1)
