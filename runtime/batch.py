@@ -75,6 +75,7 @@ class Scheduler:
         self.active: set[int] = set()
         self._waiting: dict[int, tuple[object, PassRow]] = {}
         self._running = False
+        self._joining = 0                      # streams waiting to join: no new pass starts until they are in
         self.costs: dict[int, BatchCosts] = {}  # id(batch engine) -> its measured pass costs
         self.passes = 0                        # batched calls run
         self.rows = 0                          # stream passes they held
@@ -84,9 +85,15 @@ class Scheduler:
 
     def join(self, member: int) -> None:
         with self._cv:
-            while self._running:  # a pass in flight may be writing this slot's idle row
-                self._cv.wait()
-            self.active.add(member)
+            self._joining += 1  # the streams in the batch would otherwise start the next pass before this one is in
+            try:
+                while self._running:  # a pass in flight may be writing this slot's idle row
+                    self._cv.wait()
+                self.active.add(member)
+            finally:
+                self._joining -= 1
+            if self._ready():
+                self._cv.notify_all()
 
     def leave(self, member: int) -> None:
         with self._cv:
@@ -100,16 +107,18 @@ class Scheduler:
             if member not in self.active:
                 raise RuntimeError(f"slot {member} passed without joining the scheduler")
             self._waiting[member] = (batch, row)
-            if self._ready():
-                self._fire()
             while not row.done:
-                self._cv.wait()
+                if self._ready():
+                    self._fire()
+                else:
+                    self._cv.wait()
         if row.error is not None:
             raise row.error
         return row
 
     def _ready(self) -> bool:
-        return bool(self._waiting) and not self._running and len(self._waiting) >= len(self.active)
+        return (bool(self._waiting) and not self._running and not self._joining
+                and len(self._waiting) >= len(self.active))
 
     def _fire(self) -> None:
         """Run every waiting row (called with the lock held; released while the passes run)."""
@@ -255,7 +264,12 @@ class LoadPlanner:
     def _alone(self, active: dict, cost) -> dict[int, int]:
         plan = {m: 0 for m in active}
         own = {}  # each stream's best draft on a pass of its own: (k, extra tokens, seconds)
+        B = len(active)
         for m, c in active.items():
+            # could a draft pay at all, were every token of it kept? If not, acceptance need not be re-measured
+            k = c.k_max
+            best_case = (B + k) / (cost(B - 1, 1) + cost(1, max(2, round(c.width[k]))) + c.d * k) if B > 1 else 0.0
+            c.hopeless = B > 1 and best_case <= self.MARGIN * B / cost(B, 1)
             table, best = c.table(), (0, 0.0, 0.0)
             for k in range(1, c.k_max + 1):
                 secs = cost(1, max(2, round(c.width[k]))) + c.d * k
@@ -290,6 +304,7 @@ class LoadK:
         self.d = 0.0
         self.bucket = 0
         self.since_draft = 0
+        self.hopeless = False  # the planner found no draft could pay in the batch as it is now, even all kept
         planner.members[member] = self
 
     def start(self) -> None:
@@ -316,7 +331,8 @@ class LoadK:
     def k(self, bucket: int = 0) -> int:
         self.bucket = bucket
         k = self.planner.k(self.member)
-        if k == 0 and self.since_draft >= self.PROBE:  # re-measure now and then: acceptance changes with the text
+        if k == 0 and self.since_draft >= self.PROBE and not self.hopeless:  # re-measure now and then: acceptance
+            # changes with the text
             k = 1
         return k
 

@@ -10,6 +10,7 @@ server `--cache-ram`.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -22,6 +23,17 @@ MIB = 1 << 20
 # conversation's turn, not the next turn of the same one (which rewrites a few at most, where the answer's text
 # tokenizes differently). Likewise a kept sequence all but this many of whose tokens a newer one holds is dropped.
 SAVE_MIN_LOST = 32
+
+
+def _locked(method):
+    """Run a PrefixStore method under its lock."""
+    import functools
+
+    @functools.wraps(method)
+    def run(self, *args):
+        with self._lock:
+            return method(self, *args)
+    return run
 
 
 def common_prefix(a, b, limit: int) -> int:
@@ -47,7 +59,7 @@ class Kept:
 
 class PrefixStore:
     """Kept sequences under a byte budget, least recently used evicted first. budget_bytes 0: keep none (only the
-    live sequence in the engine is reused)."""
+    live sequence in the engine is reused). Thread-safe: the slots of a batch share one."""
 
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
@@ -56,14 +68,17 @@ class PrefixStore:
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._next = 0
         self.evictions = 0
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._kept)
 
     @property
+    @_locked
     def nbytes(self) -> int:
         return sum(k.nbytes for k in self._kept.values())
 
+    @_locked
     def best(self, ids, limit: int) -> tuple[int | None, int]:
         """(key, length) of the kept sequence sharing the longest prefix with ids (at most limit); (None, 0) if
         none shares any."""
@@ -74,15 +89,18 @@ class PrefixStore:
                 key, best = k, n
         return key, best
 
+    @_locked
     def holds(self, ids) -> bool:
         """A kept sequence is exactly ids."""
         return any(len(k.ids) == len(ids) and common_prefix(k.ids, ids, len(ids)) == len(ids)
                    for k in self._kept.values())
 
+    @_locked
     def take(self, key: int) -> Kept:
         """Remove a kept sequence and return it (it goes back into the engine)."""
         return self._kept.pop(key)
 
+    @_locked
     def put(self, kept: Kept) -> bool:
         """Keep a sequence, evicting the least recently used ones to stay within the budget (and any kept one it
         holds all but SAVE_MIN_LOST tokens of); False (and nothing kept) when it alone exceeds the budget."""

@@ -25,6 +25,12 @@ def serve(
                                                "SPECRT_API_KEY)."),
     max_queue: int = typer.Option(16, "--max-queue",
                                   help="Requests that may wait or run at once; the next gets 503 with Retry-After."),
+    parallel: int = typer.Option(1, "--parallel", "-np",
+                                 help="Streams decoded at once, their passes batched (llama.cpp's server --parallel). "
+                                      "Draft lengths then follow the load unless --draft-tokens fixes them."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
+                                               help="Fixed draft length K (default: adaptive, by load with "
+                                                    "--parallel)."),
     cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
                                   help="Host memory for the KV caches of other conversations, kept while one runs "
                                        "(least recently used out; 0 = reuse only the last request's). Like "
@@ -32,7 +38,7 @@ def serve(
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
-    request runs at a time; each conversation's KV cache is reused by its next turn."""
+    request runs at a time, or --parallel N at once; each conversation's KV cache is reused by its next turn."""
     from .cli import _guard
 
     def run():
@@ -40,6 +46,8 @@ def serve(
             raise SpecrtError(f"--port must be in 1..65535, got {port}")
         if max_queue < 1:
             raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
+        if parallel < 1:
+            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
         if cache_ram < 0:
             raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
         if api_key is not None and not api_key.strip():
@@ -53,13 +61,16 @@ def serve(
         from .manifest import load_manifest
         from .runtime.engine import EngineOptions
         from .runtime.session import load
-        from .runtime.speculative import resolve_mode
+        from .runtime.speculative import SpeculativeConfig, make_decoder_check, resolve_mode
         from .server import serve as run_server
 
         manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
         manifest.engine("target", precision)
         resolve_mode(speculate, manifest, precision)
-        run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads)), manifest.name, host,
-                   port, api_key, max_queue, cache_ram)
+        config = SpeculativeConfig(draft_tokens=draft_tokens)
+        make_decoder_check(config)
+        run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
+                                parallel=parallel),
+                   manifest.name, host, port, api_key, max(max_queue, parallel), cache_ram)
 
     _guard(run)

@@ -3,8 +3,10 @@
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> SSE chunks, ending `data: [DONE]`)
     GET  /v1/models, GET /health, GET /metrics (Prometheus: TTFT and latency histograms, when installed)
 
-1. One engine, one KV cache: every request's Stream runs on one worker thread (a single-thread pool), so
-   requests take turns, first come first served. The decode loop is blocking numpy/ONNX Runtime work.
+1. Every request's Stream runs on a worker thread: one (the Session's one KV cache) by default, so requests take
+   turns, first come first served; with --parallel N (a BatchSession, runtime/batch_session.py) N threads, each
+   stream in a slot of its own, their passes batched, and the rest wait their turn. The decode loop is blocking
+   numpy/ONNX Runtime work.
 2. The worker pushes each text delta to the request's asyncio.Queue through loop.call_soon_threadsafe; the
    SSE generator turns them into chunks.
 3. A client that disconnects cancels the SSE generator; its `finally` calls stream.close(), the loop stops at
@@ -158,7 +160,7 @@ class Server:
                  max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB):
         self.session: Session | None = None
         self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrt-engine")
+        self.worker: ThreadPoolExecutor | None = None  # one thread per stream the session runs at once (attach)
         self.history: deque[Stats] = deque(maxlen=64)
         self.metrics = _Metrics.create()
         self.max_queue, self.ping_s = max_queue, ping_s
@@ -174,8 +176,8 @@ class Server:
     def attach(self, session: Session) -> None:
         """Serve a loaded session: KV reuse across requests (the sequence in the engine, and others kept on the
         host within --cache-ram)."""
-        session.generator.keep_cache = True
-        session.generator.prefix_store = PrefixStore(self.cache_ram_mib * MIB)
+        session.enable_reuse(PrefixStore(self.cache_ram_mib * MIB))
+        self.worker = ThreadPoolExecutor(max_workers=session.parallel, thread_name_prefix="specrt-engine")
         self.model = self.model or session.manifest.name
         self.created = int(session.manifest.root.stat().st_mtime)
         self.session = session      # last: from here on requests run
@@ -244,7 +246,7 @@ class Server:
                 self.history.append(stream.result.stats)
                 st = stream.result.stats
                 if self.metrics is not None:
-                    self.metrics.observe(st, self.session.generator.prefix_store)
+                    self.metrics.observe(st, self.session.prefix_store)
                 log.info("%d prompt + %d new tokens, ttft %.0f ms, %.1f tok/s, %s, tau %.2f", st.prompt_tokens,
                          st.new_tokens, st.ttft_s * 1000, st.tok_s, st.finish_reason, st.tau)
             try:
@@ -252,7 +254,7 @@ class Server:
             except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
                 pass
 
-        self.worker.submit(_drive, stream, push, started, self.session.generator.stash)
+        self.worker.submit(_drive, stream, push, started, self.session.stash)
         return queue
 
     async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool):
@@ -347,7 +349,8 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
             threading.Thread(target=server.load, args=(loader,), name="specrt-load", daemon=True).start()
         yield
         server.close_all()
-        server.worker.shutdown(wait=False, cancel_futures=True)
+        if server.worker is not None:
+            server.worker.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specrt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server

@@ -3,6 +3,7 @@ and the load planner's choice of draft length on known costs."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -124,6 +125,7 @@ def test_streams_joining_and_leaving_keep_their_own_output(tiny_engines, mode):
     jobs = [(PROMPTS[0], 120, 0.0), (PROMPTS[1], 30, 0.0), (PROMPTS[2], 90, 0.005), (PROMPTS[3], 60, 0.01)]
     want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
     batched = gathering(load(tiny_engines, "fp32", mode, parallel=3), 3)
+    assert batched.batch.screen  # greedy one-token rows go together through the logit screen
     got = run_threads(batched, jobs)
     assert got == want
     assert batched.scheduler.passes > 0 and batched.scheduler.rows > batched.scheduler.passes  # rows were batched
@@ -224,3 +226,82 @@ def test_batch_costs_fall_back_to_a_line_in_tokens():
     for B, W, t in [(1, 1, 0.01), (2, 1, 0.011), (1, 4, 0.013), (4, 2, 0.02)]:
         c.observe(B, W, t)
     assert c(8, 4) > c(4, 2) > c(1, 1)
+
+
+def _chat(content: str, **kw) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True, **kw}
+
+
+def test_the_server_with_parallel_streams_answers_each_as_alone_and_cancels_one(tiny_engines):
+    """`serve --parallel 3`: four concurrent streamed requests (one waits for a slot) each answer what a request
+    alone does; one client hanging up mid-stream stops only its stream; a conversation's next turn reuses its
+    prefix (cached_tokens)."""
+    pytest.importorskip("fastapi")
+    import httpx
+    from helpers import loopback
+
+    from specrt.server import create_app
+
+    alone = load(tiny_engines, "fp32", "prompt-lookup")
+    want = {p: alone.generate(p, max_new_tokens=40, sampling=GREEDY, ignore_eos=True).text for p in PROMPTS[:4]}
+    session = gathering(load(tiny_engines, "fp32", "prompt-lookup", parallel=3), 3)
+    with loopback(create_app(session, "tiny")) as (url, _):
+        got, errors = {}, []
+
+        def ask(prompt):
+            try:
+                with httpx.Client(timeout=60) as http:
+                    text = ""
+                    with http.stream("POST", url + "/v1/chat/completions", json=_chat(prompt, stream=True)) as r:
+                        assert r.status_code == 200
+                        for line in r.iter_lines():
+                            if line.startswith("data: {"):
+                                for c in json.loads(line[6:]).get("choices", []):
+                                    text += c["delta"].get("content") or ""
+                    got[prompt] = text
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def hang_up():
+            with httpx.Client(timeout=60) as http:
+                with http.stream("POST", url + "/v1/chat/completions",
+                                 json=_chat(PROMPTS[4], max_tokens=200, stream=True)) as r:
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i == 6:
+                            break
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS[:4]] + [threading.Thread(target=hang_up)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        assert got == want
+        with httpx.Client(timeout=60) as http:
+            first = http.post(url + "/v1/chat/completions", json=_chat(PROMPTS[0])).json()
+            turn2 = _chat(PROMPTS[0])
+            turn2["messages"] += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                  {"role": "user", "content": "More."}]
+            second = http.post(url + "/v1/chat/completions", json=turn2).json()
+        assert first["choices"][0]["message"]["content"] == want[PROMPTS[0]]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    assert session.scheduler.rows > session.scheduler.passes  # rows went together
+    assert session.pool.busy == 0 and not session.scheduler.active  # every slot is free again
+
+
+def test_parallel_on_a_backend_that_cannot_batch_is_one_line(tiny_engines, tmp_path):
+    """A backend without batch engines (the portable graph today) refuses --parallel with the fix."""
+    import json as _json
+    import shutil
+
+    from specrt.errors import SpecrtError
+
+    root = tmp_path / "set"
+    shutil.copytree(tiny_engines, root)
+    m = _json.loads((root / "manifest.json").read_text())
+    for e in m["engines"].values():
+        e["backend"] = "reference"
+    (root / "manifest.json").write_text(_json.dumps(m))
+    with pytest.raises(SpecrtError, match="--parallel 1"):
+        load(root, "fp32", "off", parallel=2)

@@ -23,6 +23,38 @@ from ..engine import EngineOptions
 from .onnxruntime_cpu import SCREEN_MAX_ROWS, TAKING_TURNS, open_session, screen_unusable
 
 
+def screen_rows(onnx_path: Path) -> bytes | None:
+    """The engine graph with its logit screen reading every row of the batch as rows of one sequence (the screen's
+    graph takes one batch row: build/screen.py), serialized; None when the engine has no screen. The lm_head and its
+    screen are per row, so a row's greedy token is the same either way."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    g = model.graph
+    nodes = list(g.node)
+    ifs = [n for n in nodes if n.op_type == "If"]
+    if len(ifs) != 2 or list(ifs[1].output) != [LOGITS, GREEDY_OUTPUT]:
+        return None
+    rows = next(n for n in nodes if n.op_type == "Slice" and n.input[0] == HIDDEN_STATES)
+    last = rows.output[0]
+    rows.output[0] = last + ".rows"                                         # [B, n, H]
+    ifs[1].output[0], ifs[1].output[1] = LOGITS + ".flat", GREEDY_OUTPUT + ".flat"
+    c = lambda name, vals: helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals)  # noqa: E731
+    g.initializer.extend([c("rows.flat_shape", [1, -1, 0]), c("rows.start", [0]), c("rows.two", [2]),
+                          c("rows.vocab", [int(model.graph.output[0].type.tensor_type.shape.dim[2].dim_value)])])
+    extra = [helper.make_node("Reshape", [last + ".rows", "rows.flat_shape"], [last]),  # [1, B * n, H]
+             helper.make_node("Shape", [last + ".rows"], ["rows.shape"]),
+             helper.make_node("Slice", ["rows.shape", "rows.start", "rows.two"], ["rows.bn"]),
+             helper.make_node("Concat", ["rows.bn", "rows.vocab"], ["rows.bnv"], axis=0),
+             helper.make_node("Reshape", [LOGITS + ".flat", "rows.bnv"], [LOGITS]),
+             helper.make_node("Reshape", [GREEDY_OUTPUT + ".flat", "rows.bn"], [GREEDY_OUTPUT])]
+    at = nodes.index(rows) + 1
+    del g.node[:]
+    g.node.extend(nodes[:at] + extra[:1] + nodes[at:] + extra[1:])
+    return model.SerializeToString()
+
+
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtBatchEngine":
     config = {**(entry.session_config or {}), **(TAKING_TURNS if options.taking_turns else {})}
     note = screen_unusable(entry.screen, entry.build_versions)
@@ -39,6 +71,7 @@ class OrtBatchEngine:
 
     max_pass_tokens = 64
     wide_rows_alone = True  # see the module docstring
+    screen_max_rows = 8
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, threads: int = 0, session_config: dict | None = None,
@@ -49,7 +82,11 @@ class OrtBatchEngine:
         so.inter_op_num_threads = 1
         for key, value in (session_config or {}).items():
             so.add_session_config_entry(key, value)
-        self.session = open_session(Path(onnx_path), so)
+        graph = screen_rows(Path(onnx_path)) if screen else None
+        if graph is not None:  # from memory; the weights from the engine's folder
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                        str(Path(onnx_path).parent))
+        self.session = open_session(Path(onnx_path), so, graph)
         self.slots, self.max_context, self.vocab_size = slots, max_context, vocab_size
         self.width_exact, self.name = width_exact, name or Path(onnx_path).stem
         self.description = f"onnxruntime-cpu {self.name}, {slots} slots"
@@ -121,9 +158,8 @@ class OrtBatchEngine:
         for r in rows:
             ids[r.slot, 0] = r.tokens[0]
             pos[r.slot, 0] = r.positions[0]
-        # the logit screen's graph is for one row, so a batch reads the fp32 lm_head (its greedy output too)
         self._call(self._ranges[B - 1], ids, pos, np.zeros((B, 1, 1), np.float32), lengths, int(lengths.max()) + 1, 1,
-                   approx=False)
+                   approx=self.screen and all(r.greedy for r in rows) and B <= self.screen_max_rows)
         for r in rows:
             self._take(r, r.slot, 0)
 

@@ -31,11 +31,13 @@ SCREEN_MAX_ROWS = 6
 TAKING_TURNS = {"session.force_spinning_stop": "1"}
 
 
-def open_session(onnx_path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
-    """A CPU session for onnx_path; a corrupt or incomplete engine file is a one-line SpecrtError, not ORT's
-    traceback (ORT raises its own exception types: InvalidProtobuf, Fail, NoSuchFile, ...)."""
+def open_session(onnx_path: Path, options: ort.SessionOptions, graph: bytes | None = None) -> ort.InferenceSession:
+    """A CPU session for onnx_path (or for `graph`, a serialized variant of it); a corrupt or incomplete engine file
+    is a one-line SpecrtError, not ORT's traceback (ORT raises its own exception types: InvalidProtobuf, Fail,
+    NoSuchFile, ...)."""
     try:
-        return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(graph if graph is not None else str(onnx_path), options,
+                                    providers=["CPUExecutionProvider"])
     except MemoryError:
         raise
     except Exception as e:

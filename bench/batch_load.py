@@ -1,0 +1,166 @@
+"""The trade-off curve of several streams at once: aggregate throughput and p99 inter-token latency against
+concurrency, with speculation off, at a fixed K, and chosen by load, in-process (no HTTP), closed loop: C streams,
+each asking its next prompt as soon as its answer is done, for `--requests` answers per stream.
+
+    python -m specrt.bench.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
+
+Each (mode, C) runs on a fresh BatchSession of C slots (C = 1 included: the batch path with one stream), after a
+warm-up answer per stream. The `single` row is the ordinary one-stream Session (`--speculate auto`), the figure a
+user gets without --parallel. Writes batch_load.json, batch_load.md and batch_load.png (if matplotlib imports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = {  # name -> (--speculate, --draft-tokens)
+    "off": ("off", None),
+    "fixed-k4": ("lookup+medusa", 4),
+    "by-load": ("lookup+medusa", None),
+}
+
+
+def _run(session, prompts, concurrency: int, requests: int, max_new_tokens: int) -> dict:
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.tokenizer import Message
+
+    greedy = SamplingParams(temperature=0.0)
+    gaps, tokens, errors, answers = [], [0] * concurrency, [], {}
+    lock = threading.Lock()
+    gate = threading.Barrier(concurrency + 1)
+
+    def stream(i):
+        try:
+            gate.wait()
+            for r in range(requests):
+                case = prompts[(i * requests + r) % len(prompts)]
+                msgs = [Message(role, content) for role, content in case.messages]
+                s = session.stream(msgs, max_new_tokens=max_new_tokens, sampling=greedy, ignore_eos=True)
+                last, mine = None, []
+                for _ in s:
+                    now = time.perf_counter()
+                    if last is not None:
+                        mine.append(now - last)
+                    last = now
+                tokens[i] += s.result.stats.new_tokens
+                with lock:
+                    gaps.extend(mine)
+                    answers[case.id] = s.result.token_ids
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    g = np.array(gaps) if gaps else np.zeros(1)
+    return {"tok_s": round(sum(tokens) / wall, 1), "itl_p50_ms": round(float(np.percentile(g, 50)) * 1000, 1),
+            "itl_p99_ms": round(float(np.percentile(g, 99)) * 1000, 1), "tokens": sum(tokens),
+            "wall_s": round(wall, 2), "answers": answers}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="engines/smollm2-135m")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--requests", type=int, default=2, help="answers per stream (timed)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
+    ap.add_argument("--out", default="bench-out/batch")
+    a = ap.parse_args(argv)
+
+    import onnxruntime as ort
+
+    from ..runtime.engine import EngineOptions
+    from ..runtime.session import load
+    from ..runtime.speculative import SpeculativeConfig
+    from .prompts import CATEGORIES, load_prompts, select
+
+    cats = tuple(c for c in a.categories.split(",") if c in CATEGORIES)
+    prompts = select(load_prompts(Path(__file__).parent / "data" / "default.jsonl"), categories=cats,
+                     per_category=4)
+    options = EngineOptions(threads=a.threads)
+    rows = []
+    plain = load(a.engines, "fp32", "off", options)  # the reference answers: plain decoding, one stream
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.tokenizer import Message
+
+    want = {c.id: plain.generate([Message(r, t) for r, t in c.messages], max_new_tokens=a.max_new_tokens,
+                                 sampling=SamplingParams(temperature=0.0), ignore_eos=True).token_ids
+            for c in prompts}
+    del plain
+
+    def done(row):
+        answers = row.pop("answers")
+        row["identical"] = f"{sum(want[k] == v for k, v in answers.items())}/{len(answers)}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    single = load(a.engines, "fp32", "auto", options)
+    _run(single, prompts, 1, 1, a.max_new_tokens)
+    done({"mode": "single (auto, no --parallel)", "concurrency": 1,
+          **_run(single, prompts, 1, a.requests, a.max_new_tokens)})
+    del single
+    for C in (int(c) for c in a.concurrency.split(",")):
+        for name in a.modes.split(","):
+            speculate, k = MODES[name]
+            session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
+                           parallel=C)
+            _run(session, prompts, C, 1, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
+            done({"mode": name, "concurrency": C, **_run(session, prompts, C, a.requests, a.max_new_tokens)})
+            del session
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
+            "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "max_new_tokens": a.max_new_tokens, "requests_per_stream": a.requests}
+    (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
+    lines = ["| mode | C | tok/s (all streams) | vs one stream (same mode) | ITL p50 ms | ITL p99 ms | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = one.get(r["mode"])
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tok_s']} | "
+                     f"{r['tok_s'] / base:.2f}x | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['identical']} |"
+                     if base else "")
+    (out / "batch_load.md").write_text("\n".join(x for x in lines if x) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for name in a.modes.split(","):
+            pts = [r for r in rows if r["mode"] == name]
+            ax1.plot([r["concurrency"] for r in pts], [r["tok_s"] for r in pts], marker="o", label=name)
+            ax2.plot([r["concurrency"] for r in pts], [r["itl_p99_ms"] for r in pts], marker="o", label=name)
+        ax1.set_xlabel("concurrent streams")
+        ax1.set_ylabel("tokens/s, all streams")
+        ax2.set_xlabel("concurrent streams")
+        ax2.set_ylabel("inter-token latency p99, ms")
+        ax1.legend()
+        fig.tight_layout()
+        fig.savefig(out / "batch_load.png", dpi=110)
+    except ImportError:
+        pass
+    return rows
+
+
+if __name__ == "__main__":
+    main()
