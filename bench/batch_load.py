@@ -1,6 +1,7 @@
 """The trade-off curve of several streams at once: aggregate throughput and p99 inter-token latency against
-concurrency, with speculation off, at a fixed K, and chosen by load, in-process (no HTTP), closed loop: C streams,
-each asking its next prompt as soon as its answer is done, for `--requests` answers per stream.
+concurrency, with speculation off, at a fixed K, and chosen by load, in-process (no HTTP), closed loop: the same
+`--answers` prompts at every concurrency C, shared out over C streams, each asking its next prompt as soon as its
+answer is done.
 
     python -m specrt.bench.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
 
@@ -27,20 +28,20 @@ MODES = {  # name -> (--speculate, --draft-tokens)
 }
 
 
-def _run(session, prompts, concurrency: int, requests: int, max_new_tokens: int) -> dict:
+def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: int) -> dict:
     from ..runtime.sampling import SamplingParams
     from ..runtime.tokenizer import Message
 
     greedy = SamplingParams(temperature=0.0)
-    gaps, tokens, errors, answers = [], [0] * concurrency, [], {}
+    gaps, tokens, errors, out = [], [0] * concurrency, [], {}
     lock = threading.Lock()
     gate = threading.Barrier(concurrency + 1)
 
     def stream(i):
         try:
             gate.wait()
-            for r in range(requests):
-                case = prompts[(i * requests + r) % len(prompts)]
+            for j in range(i, answers, concurrency):
+                case = prompts[j % len(prompts)]
                 msgs = [Message(role, content) for role, content in case.messages]
                 s = session.stream(msgs, max_new_tokens=max_new_tokens, sampling=greedy, ignore_eos=True)
                 last, mine = None, []
@@ -52,7 +53,7 @@ def _run(session, prompts, concurrency: int, requests: int, max_new_tokens: int)
                 tokens[i] += s.result.stats.new_tokens
                 with lock:
                     gaps.extend(mine)
-                    answers[case.id] = s.result.token_ids
+                    out[case.id] = s.result.token_ids
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -69,7 +70,7 @@ def _run(session, prompts, concurrency: int, requests: int, max_new_tokens: int)
     g = np.array(gaps) if gaps else np.zeros(1)
     return {"tok_s": round(sum(tokens) / wall, 1), "itl_p50_ms": round(float(np.percentile(g, 50)) * 1000, 1),
             "itl_p99_ms": round(float(np.percentile(g, 99)) * 1000, 1), "tokens": sum(tokens),
-            "wall_s": round(wall, 2), "answers": answers}
+            "wall_s": round(wall, 2), "answers": out}
 
 
 def main(argv=None) -> list[dict]:
@@ -77,7 +78,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--engines", default="engines/smollm2-135m")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--requests", type=int, default=2, help="answers per stream (timed)")
+    ap.add_argument("--answers", type=int, default=16, help="answers per (mode, concurrency), timed")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
@@ -93,13 +94,17 @@ def main(argv=None) -> list[dict]:
 
     cats = tuple(c for c in a.categories.split(",") if c in CATEGORIES)
     prompts = select(load_prompts(Path(__file__).parent / "data" / "default.jsonl"), categories=cats,
-                     per_category=4)
+                     per_category=max(4, -(-a.answers // len(cats))))
     options = EngineOptions(threads=a.threads)
     rows = []
     plain = load(a.engines, "fp32", "off", options)  # the reference answers: plain decoding, one stream
     from ..runtime.sampling import SamplingParams
     from ..runtime.tokenizer import Message
 
+    rank: dict[str, int] = {}
+    for c in prompts:  # categories in turn, so any first n prompts mix them
+        rank[c.id] = sum(1 for d in prompts[:prompts.index(c)] if d.category == c.category)
+    prompts = sorted(prompts, key=lambda c: rank[c.id])[:a.answers]
     want = {c.id: plain.generate([Message(r, t) for r, t in c.messages], max_new_tokens=a.max_new_tokens,
                                  sampling=SamplingParams(temperature=0.0), ignore_eos=True).token_ids
             for c in prompts}
@@ -114,21 +119,22 @@ def main(argv=None) -> list[dict]:
     single = load(a.engines, "fp32", "auto", options)
     _run(single, prompts, 1, 1, a.max_new_tokens)
     done({"mode": "single (auto, no --parallel)", "concurrency": 1,
-          **_run(single, prompts, 1, a.requests, a.max_new_tokens)})
+          **_run(single, prompts, 1, a.answers, a.max_new_tokens)})
     del single
     for C in (int(c) for c in a.concurrency.split(",")):
         for name in a.modes.split(","):
             speculate, k = MODES[name]
             session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
                            parallel=C)
-            _run(session, prompts, C, 1, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
-            done({"mode": name, "concurrency": C, **_run(session, prompts, C, a.requests, a.max_new_tokens)})
+            _run(session, prompts[::-1], C, C, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
+            done({"mode": name, "concurrency": C, **_run(session, prompts, C, a.answers, a.max_new_tokens)})
             del session
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
             "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "max_new_tokens": a.max_new_tokens, "requests_per_stream": a.requests}
+            "max_new_tokens": a.max_new_tokens, "answers": a.answers,
+            "command": "python -m specrt.bench.batch_load " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
     lines = ["| mode | C | tok/s (all streams) | vs one stream (same mode) | ITL p50 ms | ITL p99 ms | identical |",

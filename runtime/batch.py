@@ -45,22 +45,32 @@ class PassRow:
 
 
 class BatchCosts:
-    """Seconds of a batched pass of B rows at width W: each (B, W) cell's average once `trust` passes back it,
-    else a line in the pass's tokens B * W fitted over every pass (control.PassCost)."""
+    """Seconds of a pass of B rows at width W (ONNX Runtime CPU: B rows of one token, or one row of W): each (B, W)
+    cell's average once `trust` passes back it, else a line fitted over the passes of its kind, one row by width and
+    one-token rows by count (control.PassCost; the two grow at different rates). Prefills (wider than
+    `max_width`) are left out of the lines: their cost says nothing about a decode pass."""
 
-    def __init__(self, beta: float = 0.07, max_tokens: int = 1024, trust: int = 6, rate: float = 0.2):
-        self.line = PassCost(beta, max_tokens, trust=10 ** 9)
-        self.trust, self.rate = trust, rate
+    def __init__(self, max_width: int = 64, max_rows: int = 64, trust: int = 6, rate: float = 0.2):
+        self.by_width = PassCost(0.1, max_width, trust=10 ** 9)   # B = 1, W = 1..max_width
+        self.by_rows = PassCost(0.07, max_rows, trust=10 ** 9)    # W = 1, B = 1..max_rows
+        self.max_width, self.trust, self.rate = max_width, trust, rate
         self.cells: dict[tuple[int, int], list[float]] = {}  # (B, W) -> [seconds, passes]
 
     def __call__(self, B: int, W: int) -> float:
         cell = self.cells.get((B, W))
         if cell is not None and cell[1] >= self.trust:
             return cell[0]
-        return self.line(B * W)
+        if B == 1:
+            return self.by_width(W)
+        if W == 1:
+            return self.by_rows(B)
+        return self.by_rows(B) * self.by_width(W) / self.by_width(1)  # a padded batch: both
 
     def observe(self, B: int, W: int, seconds: float) -> None:
-        self.line.observe(B * W, seconds)
+        if B == 1 and W <= self.max_width:
+            self.by_width.observe(W, seconds)
+        if W == 1:
+            self.by_rows.observe(B, seconds)
         cell = self.cells.setdefault((B, W), [seconds, 0])
         cell[0] += self.rate * (seconds - cell[0]) if cell[1] else 0.0
         cell[1] += 1
@@ -270,6 +280,9 @@ class LoadPlanner:
             k = c.k_max
             best_case = (B + k) / (cost(B - 1, 1) + cost(1, max(2, round(c.width[k]))) + c.d * k) if B > 1 else 0.0
             c.hopeless = B > 1 and best_case <= self.MARGIN * B / cost(B, 1)
+            if c.hopeless:
+                own[m] = (0, 0.0, 0.0)
+                continue
             table, best = c.table(), (0, 0.0, 0.0)
             for k in range(1, c.k_max + 1):
                 secs = cost(1, max(2, round(c.width[k]))) + c.d * k
@@ -331,8 +344,9 @@ class LoadK:
     def k(self, bucket: int = 0) -> int:
         self.bucket = bucket
         k = self.planner.k(self.member)
-        if k == 0 and self.since_draft >= self.PROBE and not self.hopeless:  # re-measure now and then: acceptance
-            # changes with the text
+        # re-measure now and then (acceptance changes with the text); a probe in a batch costs a pass of its own
+        # that every stream waits for, so the batch as a whole probes about once every PROBE rounds
+        if k == 0 and not self.hopeless and self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active)):
             k = 1
         return k
 

@@ -105,6 +105,7 @@ class EngineSpec:
     api_key: str | None = None
     max_queue: int = 16
     cache_ram_mib: int = 1024
+    parallel: int = 1           # streams each replica decodes at once (specrt serve --parallel)
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,10 @@ class SpecrtEngine:
         from .server import create_app
 
         manifest = load_manifest(Path(spec.engines))
-        session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads))
-        self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib)
+        session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
+                       parallel=spec.parallel)
+        self.app = create_app(session, manifest.name, spec.api_key, max(spec.max_queue, spec.parallel),
+                              cache_ram_mib=spec.cache_ram_mib)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logging.getLogger("specrt.server").setLevel(logging.INFO)
 
@@ -330,6 +333,8 @@ def serve_ray(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     max_queue: int = typer.Option(16, "--max-queue", help="Per replica: requests that may wait or run at once."),
+    parallel: int = typer.Option(1, "--parallel", "-np", help="Per replica: streams decoded at once (as for "
+                                                              "`specrt serve`)."),
     cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
                                   help="Per replica: host memory for other conversations' KV caches."),
     address: Optional[str] = typer.Option(None, "--address",
@@ -343,6 +348,8 @@ def serve_ray(
     def run():
         if not 0 < port < 65536:
             raise SpecrtError(f"--port must be in 1..65535, got {port}")
+        if parallel < 1:
+            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
         if max_queue < 1:
             raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
         if cache_ram < 0:
@@ -373,7 +380,8 @@ def serve_ray(
         try:
             placement = plan(replicas, cores_per_replica, gpus_per_replica, ray.cluster_resources())
             spec = replace(EngineSpec(str(Path(manifest.root).resolve())), precision=precision, speculate=speculate,
-                           threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram)
+                           threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
+                           parallel=parallel)
             serve.start(http_options={"host": host, "port": port})
             started = True
             typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"

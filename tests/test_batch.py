@@ -221,11 +221,15 @@ def test_load_planner_follows_acceptance():
     assert controls[0].k(0) == 0
 
 
-def test_batch_costs_fall_back_to_a_line_in_tokens():
+def test_batch_costs_fit_rows_and_width_apart_and_leave_prefills_out():
     c = BatchCosts()
-    for B, W, t in [(1, 1, 0.01), (2, 1, 0.011), (1, 4, 0.013), (4, 2, 0.02)]:
+    for B, W, t in [(1, 1, 0.010), (1, 2, 0.011), (1, 3, 0.012), (2, 1, 0.0105), (4, 1, 0.0115), (1, 300, 0.3)] * 2:
         c.observe(B, W, t)
-    assert c(8, 4) > c(4, 2) > c(1, 1)
+    assert c(1, 5) == pytest.approx(0.014, abs=1e-3)   # one row, by width: the prefill did not pull it up
+    assert c(8, 1) == pytest.approx(0.0135, abs=1e-3)  # one-token rows, by count
+    for _ in range(c.trust):
+        c.observe(8, 1, 0.02)
+    assert c(8, 1) == pytest.approx(0.02)              # a cell with enough passes of its own is its average
 
 
 def _chat(content: str, **kw) -> dict:
