@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -134,7 +135,7 @@ def main(argv=None) -> list[dict]:
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
             "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "max_new_tokens": a.max_new_tokens, "answers": a.answers,
-            "command": "python -m specrt.bench.batch_load " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
+            "command": "python -m specrt.bench.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
     lines = ["| mode | C | tok/s (all streams) | vs one stream (same mode) | ITL p50 ms | ITL p99 ms | identical |",
