@@ -13,6 +13,7 @@ user gets without --parallel. Writes batch_load.json, batch_load.md and batch_lo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -122,6 +123,7 @@ def main(argv=None) -> list[dict]:
     done({"mode": "single (auto, no --parallel)", "concurrency": 1,
           **_run(single, prompts, 1, a.answers, a.max_new_tokens)})
     del single
+    gc.collect()
     for C in (int(c) for c in a.concurrency.split(",")):
         for name in a.modes.split(","):
             speculate, k = MODES[name]
@@ -130,6 +132,7 @@ def main(argv=None) -> list[dict]:
             _run(session, prompts[::-1], C, C, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
             done({"mode": name, "concurrency": C, **_run(session, prompts, C, a.answers, a.max_new_tokens)})
             del session
+            gc.collect()  # the last session's engines and caches go before the next one opens
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),

@@ -346,16 +346,9 @@ def serve_ray(
     from .cli import _guard
 
     def run():
-        if not 0 < port < 65536:
-            raise SpecrtError(f"--port must be in 1..65535, got {port}")
-        if parallel < 1:
-            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
-        if max_queue < 1:
-            raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
-        if cache_ram < 0:
-            raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
-        if api_key is not None and not api_key.strip():
-            raise SpecrtError("--api-key is empty; pass a key or omit the flag")
+        from .serve_command import check_serve_flags
+
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key)
         check_flags(replicas, cores_per_replica, gpus_per_replica)
         try:
             import ray

@@ -11,6 +11,20 @@ import typer
 from .errors import SpecrtError
 
 
+def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None) -> None:
+    """The flags `serve` and `serve-ray` share, checked before anything loads (one line each)."""
+    if not 0 < port < 65536:
+        raise SpecrtError(f"--port must be in 1..65535, got {port}")
+    if max_queue < 1:
+        raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
+    if parallel < 1:
+        raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
+    if cache_ram < 0:
+        raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
+    if api_key is not None and not api_key.strip():
+        raise SpecrtError("--api-key is empty; pass a key or omit the flag")
+
+
 def serve(
     engines_dir: Path = typer.Option(Path("engines/smollm2-135m"), "--engines", "-e", help="Engine set folder."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 = every interface)."),
@@ -42,16 +56,7 @@ def serve(
     from .cli import _guard
 
     def run():
-        if not 0 < port < 65536:
-            raise SpecrtError(f"--port must be in 1..65535, got {port}")
-        if max_queue < 1:
-            raise SpecrtError(f"--max-queue must be >= 1, got {max_queue}")
-        if parallel < 1:
-            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
-        if cache_ram < 0:
-            raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
-        if api_key is not None and not api_key.strip():
-            raise SpecrtError("--api-key is empty; pass a key or omit the flag")
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key)
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401

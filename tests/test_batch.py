@@ -309,3 +309,17 @@ def test_parallel_on_a_backend_that_cannot_batch_is_one_line(tiny_engines, tmp_p
     (root / "manifest.json").write_text(_json.dumps(m))
     with pytest.raises(SpecrtError, match="--parallel 1"):
         load(root, "fp32", "off", parallel=2)
+
+
+@pytest.mark.parametrize("args,words", [(("--parallel", "0"), ("--parallel", ">= 1")),
+                                        (("--parallel", "2", "--draft-tokens", "99"), ("--draft-tokens", "1..32"))])
+def test_serve_parallel_bad_values_are_one_line(tiny_engines, args, words):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import assert_user_error
+
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", "--engines", str(tiny_engines), *args],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert_user_error(r, *words)

@@ -224,3 +224,18 @@ def test_sampled_draft_model_has_the_target_distribution(pair_engines, k):
     counts = first_two_counts(gen, prompt, params, lambda *a: speculative_decode(
         *a, proposer=proposer, control=FixedK(k)), 1500)
     assert_same_distribution(counts, joint)
+
+
+def test_draft_model_streams_in_a_batch_keep_their_output(pair_engines):
+    """--speculate draft with --parallel 2: the draft model is a batch engine too (its one-token passes batched);
+    each stream's greedy tokens equal plain decoding's."""
+    from test_batch import GREEDY, PROMPTS, gathering, run_threads
+
+    from specrt.runtime.session import load
+
+    jobs = [(PROMPTS[0], 60, 0.0), (PROMPTS[2], 50, 0.0), (PROMPTS[3], 40, 0.0)]
+    alone = load(pair_engines, "fp32", "off")
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    batched = gathering(load(pair_engines, "fp32", "draft", parallel=2), 2)
+    assert run_threads(batched, jobs) == want
+    assert len(batched._batches) == 2  # target and draft

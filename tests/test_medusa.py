@@ -387,3 +387,16 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
     assert table.misses == 0
     replayed = replay_tree(medusa_ranks(table_batch, hid, seq, P, n, 2), set(TREE), 1.0)
     assert replayed[1] < 0.7 * n           # ReplayHeads' rounds keep about one node in two: the check above had work
+
+
+def test_medusa_streams_in_a_batch_keep_their_output(medusa_gen):
+    """lookup+medusa with --parallel 2 (heads shared by the slots, drafts chosen by load; a draft's pass runs alone):
+    each stream's greedy tokens equal plain decoding's."""
+    from test_batch import GREEDY, PROMPTS, gathering, run_threads
+
+    from specrt.runtime.session import load
+
+    jobs = [(PROMPTS[0], 60, 0.0), (PROMPTS[2], 50, 0.0), (PROMPTS[3], 40, 0.0)]
+    alone = load(medusa_gen.manifest, "fp32", "off")
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    assert run_threads(gathering(load(medusa_gen.manifest, "fp32", "lookup+medusa", parallel=2), 2), jobs) == want

@@ -20,7 +20,7 @@ import onnxruntime as ort
 from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
                           POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
 from ..engine import EngineOptions
-from .onnxruntime_cpu import SCREEN_MAX_ROWS, TAKING_TURNS, open_session, screen_unusable
+from .onnxruntime_cpu import SCREEN_MAX_ROWS, TAKING_TURNS, open_session, screen_unusable, session_options
 
 
 def screen_rows(onnx_path: Path) -> bytes | None:
@@ -76,12 +76,7 @@ class OrtBatchEngine:
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, threads: int = 0, session_config: dict | None = None,
                  screen: bool = False, width_exact: bool = True, name: str | None = None):
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        for key, value in (session_config or {}).items():
-            so.add_session_config_entry(key, value)
+        so = session_options(threads, session_config)
         graph = screen_rows(Path(onnx_path)) if screen else None
         if graph is not None:  # from memory; the weights from the engine's folder
             so.add_session_config_entry("session.model_external_initializers_file_folder_path",

@@ -45,6 +45,18 @@ def open_session(onnx_path: Path, options: ort.SessionOptions, graph: bytes | No
                           "rebuild the engine set with `specrt engines`") from None
 
 
+def session_options(threads: int = 0, session_config: dict[str, str] | None = None) -> ort.SessionOptions:
+    """A decoder engine's session options: all graph optimizations, `threads` intra-op threads (0 = all cores), one
+    inter-op thread, and the entries build/ chose for the engine."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    for key, value in (session_config or {}).items():
+        so.add_session_config_entry(key, value)
+    return so
+
+
 def screen_unusable(facts: dict | None, built_with: dict | None) -> str | None:
     """Why an engine's logit screen must not be used here (None: it may). Its error bound assumes the int8
     kernel `specrt engines` checked it against: the same onnxruntime on the same CPU family (x86-64's MLAS
@@ -113,12 +125,7 @@ class OrtEngine:
                  with_hidden: bool = False, session_config: dict[str, str] | None = None, huge_pages: bool = True,
                  screen: bool = False, width_exact: bool = True, name: str | None = None):
         before = anonymous_mappings() if huge_pages else None
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        for key, value in (session_config or {}).items():  # what build/ chose for this engine
-            so.add_session_config_entry(key, value)
+        so = session_options(threads, session_config)
         self.session = open_session(onnx_path, so)
         self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, max_pass_tokens
         self.width_exact = width_exact

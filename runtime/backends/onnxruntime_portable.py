@@ -20,7 +20,7 @@ from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_ID
 from ..engine import EngineOptions, KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 from ..static_shapes import Buckets, PassInputs, relayout
-from .onnxruntime_cpu import TAKING_TURNS, OrtHeads, open_session
+from .onnxruntime_cpu import TAKING_TURNS, OrtHeads, open_session, session_options
 
 MAX_PASS_TOKENS = 64
 
@@ -52,12 +52,7 @@ class PortableEngine:
             raise SpecrtError(f"portable engine '{onnx_path}' has precision '{precision}'; this specrt runs "
                               f"{', '.join(PORTABLE_DTYPES)} portable engines; rebuild the set with `specrt engines`")
         before = anonymous_mappings() if huge_pages else None
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        for key, value in (session_config or {}).items():
-            so.add_session_config_entry(key, value)
+        so = session_options(threads, session_config)
         self.session = open_session(onnx_path, so)
         self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, MAX_PASS_TOKENS
         self.width_exact, self.screen = width_exact, False
