@@ -238,7 +238,8 @@ class LoadPlanner:
 
         rate = (plain + sum_drafting E_s(k_s)) / (t(plain, 1) + sum_drafting (t(1, w_s(k_s)) + d_s k_s)).
 
-    A choice must beat plain decoding by MARGIN. Alone, drafting pays as it does for AdaptiveK; in a batch the
+    A choice must beat plain decoding by MARGIN; in a batch at most one stream drafts a round, so the others wait for
+    one pass of its own at most. Alone, drafting pays as it does for AdaptiveK; in a batch the
     one-token pass costs little more for B rows than for one while the machine is memory-bound, so a draft that
     pays alone stops paying once its pass of its own costs more than the tokens it adds (BENCHMARKS.md, "How do
     several streams share the CPU?"). The plan is made once per round (the first stream to ask) and kept."""
@@ -304,6 +305,8 @@ class LoadPlanner:
             t = seconds - cost(plain, 1) + (cost(rest, 1) if rest else 0.0) + secs
             if (tokens + extra) / t > self.MARGIN * base and (tokens + extra) / t > tokens / seconds:
                 plan[m], plain, tokens, seconds = k, rest, tokens + extra, t
+                if B > 1:  # one pass of its own a round: the others wait for one at most (inter-token latency)
+                    break
         return plan
 
 
