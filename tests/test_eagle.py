@@ -225,3 +225,19 @@ def test_lookup_then_eagle_keeps_the_output_exactly_the_targets(eagle_engines):
     a, b = spec.generate(prompt, max_new_tokens=40, sampling=greedy), plain.generate(prompt, max_new_tokens=40,
                                                                                      sampling=greedy)
     assert list(a.token_ids) == list(b.token_ids) and a.stats.proposer == "lookup+eagle"
+
+
+def test_eagle_streams_in_a_batch_keep_the_targets_output(eagle_engines):
+    """--speculate eagle with --parallel 2: each slot has its own head (and head cache); each stream's greedy tokens
+    equal plain decoding's."""
+    from test_batch import GREEDY, PROMPTS, gathering, run_threads
+
+    from specrt.runtime.session import load
+
+    jobs = [(PROMPTS[0], 50, 0.0), (PROMPTS[2], 40, 0.0), (PROMPTS[3], 30, 0.0)]
+    alone = load(eagle_engines, "fp32", "off")
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    batched = gathering(load(eagle_engines, "fp32", "eagle", parallel=2), 2)
+    assert run_threads(batched, jobs) == want
+    heads = {id(s.decoder.proposer.head) for s in batched.slots}
+    assert len(heads) == 2
