@@ -83,6 +83,10 @@ class BatchSession:
             self.slots.append(_Slot(gen, decoder))
         self.pool = SlotPool(parallel, lambda s: self.slots[s].generator._held)
         self.prefix_store: PrefixStore | None = None
+        # Each stream's loop runs in a thread of its own and hands its deltas over through a queue, so a caller that
+        # is slow to read one (speech synthesis between deltas) does not hold up the batch, whose next pass waits
+        # for every stream. False: the caller's own thread runs it (the server's workers, which never wait).
+        self.detach = True
 
     def batch_of(self, entry, options: EngineOptions):
         """The batch engine of a manifest entry (the target's, a draft model's), opened once."""
@@ -119,8 +123,9 @@ class BatchSession:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.slots[0].generator.prompt_ids(prompt, chat)
         stream = Stream(iter(()))
-        stream._it = self._run(ids, stream, dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                                 ignore_eos=ignore_eos))
+        run = self._run(ids, stream, dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                          ignore_eos=ignore_eos))
+        stream._it = _detached(run, stream) if self.detach else run
         return stream
 
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
@@ -146,6 +151,40 @@ class BatchSession:
                 s.generator.stash()  # before another stream may take the slot
         finally:
             self.pool.release(slot)
+
+
+def _detached(run, stream: Stream):
+    """`run`'s deltas, produced in a thread of its own (BatchSession.detach). Closing this stops the run at its next
+    round boundary and waits for it, so the stream's result is the run's own."""
+    import queue
+
+    items: queue.Queue = queue.Queue()
+
+    def produce():
+        try:
+            for delta in run:
+                items.put(("delta", delta))
+            items.put(("done", None))
+        except BaseException as e:  # noqa: BLE001 -- raised in the reader's thread
+            items.put(("error", e))
+
+    thread = threading.Thread(target=produce, name="specrt-stream", daemon=True)
+    thread.start()
+    over = False
+    try:
+        while True:
+            kind, value = items.get()
+            if kind == "delta":
+                yield value
+                continue
+            over = True
+            if kind == "error":
+                raise value
+            return
+    finally:
+        if not over:  # closed early: the run stops at its next round boundary
+            stream.cancelled = True
+        thread.join()
 
 
 def load_batch(manifest: Manifest, precision: str, mode: str, parallel: int, options: EngineOptions,

@@ -177,6 +177,8 @@ class Server:
         """Serve a loaded session: KV reuse across requests (the sequence in the engine, and others kept on the
         host within --cache-ram)."""
         session.enable_reuse(PrefixStore(self.cache_ram_mib * MIB))
+        if session.parallel > 1:
+            session.detach = False  # each worker hands every delta on at once (_drive): the batch never waits for it
         self.worker = ThreadPoolExecutor(max_workers=session.parallel, thread_name_prefix="specrt-engine")
         self.model = self.model or session.manifest.name
         self.created = int(session.manifest.root.stat().st_mtime)

@@ -323,3 +323,34 @@ def test_serve_parallel_bad_values_are_one_line(tiny_engines, args, words):
     r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", "--engines", str(tiny_engines), *args],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert_user_error(r, *words)
+
+
+def test_a_slow_reader_does_not_hold_up_the_other_streams(tiny_engines):
+    """Python API with --parallel: one caller sleeps between deltas (speech synthesis); the other stream finishes
+    long before it, both with the tokens they get alone; closing a stream early cancels it at a round boundary."""
+    import time
+
+    alone = load(tiny_engines, "fp32", "off")
+    want = {p: alone.generate(p, max_new_tokens=40, sampling=GREEDY, ignore_eos=True).token_ids for p in PROMPTS[:2]}
+    batched = load(tiny_engines, "fp32", "off", parallel=2)
+    took, got = {}, {}
+
+    def read(prompt, pause):
+        t = time.perf_counter()
+        s = batched.stream(prompt, max_new_tokens=40, sampling=GREEDY, ignore_eos=True)
+        for _ in s:
+            time.sleep(pause)
+        took[prompt], got[prompt] = time.perf_counter() - t, s.result.token_ids
+
+    slow = threading.Thread(target=read, args=(PROMPTS[0], 0.02))
+    slow.start()
+    time.sleep(0.05)
+    read(PROMPTS[1], 0.0)
+    slow.join(30)
+    assert got == want
+    assert took[PROMPTS[1]] < took[PROMPTS[0]] / 3
+    s = batched.stream(PROMPTS[2], max_new_tokens=200, sampling=GREEDY, ignore_eos=True)
+    next(s)
+    s.close()
+    assert s.result.stats.finish_reason == "cancelled" and s.result.stats.new_tokens < 200
+    assert batched.pool.busy == 0 and not batched.scheduler.active
