@@ -354,3 +354,21 @@ def test_a_slow_reader_does_not_hold_up_the_other_streams(tiny_engines):
     s.close()
     assert s.result.stats.finish_reason == "cancelled" and s.result.stats.new_tokens < 200
     assert batched.pool.busy == 0 and not batched.scheduler.active
+
+
+def test_a_prompt_that_fills_the_context_is_refused_and_the_batch_goes_on(tiny_engines):
+    """Bad input in a batch: a prompt as long as the context is one line before it takes a slot; a stream that
+    reaches the context end stops with finish_reason "context" while the other keeps its own output."""
+    from specrt.errors import SpecrtError
+
+    batched = load(tiny_engines, "fp32", "off", parallel=2)
+    with pytest.raises(SpecrtError, match="context"):
+        batched.stream("word " * 400, max_new_tokens=8)
+    assert batched.pool.busy == 0
+    alone = load(tiny_engines, "fp32", "off")
+    long_prompt = " ".join(PROMPTS) * 2
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True) for p, n in
+            ((long_prompt, 300), (PROMPTS[0], 40))]
+    assert want[0].stats.finish_reason == "context"
+    got = run_threads(gathering(batched, 2), [(long_prompt, 300, 0.0), (PROMPTS[0], 40, 0.0)])
+    assert got == [w.token_ids for w in want]
