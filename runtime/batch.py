@@ -87,7 +87,7 @@ class Scheduler:
         self._running = False
         self._joining = 0                      # streams waiting to join: no new pass starts until they are in
         self.costs: dict[int, BatchCosts] = {}  # id(batch engine) -> its measured pass costs
-        self.passes = 0                        # batched calls run
+        self.passes = 0                        # backend calls run (a batch of rows, or a row alone)
         self.rows = 0                          # stream passes they held
 
     def costs_of(self, batch) -> BatchCosts:
@@ -232,14 +232,13 @@ class LoadPlanner:
 
         max_W  sum_s E_s(k_s(W)) / (t(B, W) + sum_s d_s k_s(W)),   k_s(W) = stream s's longest draft that fits W.
 
-    Backends that batch one-token rows only (ONNX Runtime CPU's GroupQueryAttention): a stream that drafts k runs
-    its own pass of width w_s(k), the others share a one-token pass; streams are moved to drafting one at a time,
-    best gain first, while the batch's rate grows:
+    Backends that batch one-token rows only (ONNX Runtime CPU's GroupQueryAttention): a stream s that drafts k runs
+    its own pass of width w_s(k) while the other B - 1 share a one-token pass, and at most one stream drafts a round
+    (so the others wait for one pass of its own at most):
 
-        rate = (plain + sum_drafting E_s(k_s)) / (t(plain, 1) + sum_drafting (t(1, w_s(k_s)) + d_s k_s)).
+        rate = (B - 1 + E_s(k)) / (t(B - 1, 1) + t(1, w_s(k)) + d_s k).
 
-    A choice must beat plain decoding by MARGIN; in a batch at most one stream drafts a round, so the others wait for
-    one pass of its own at most. Alone, drafting pays as it does for AdaptiveK; in a batch the
+    A choice must beat plain decoding by MARGIN. Alone, drafting pays as it does for AdaptiveK; in a batch the
     one-token pass costs little more for B rows than for one while the machine is memory-bound, so a draft that
     pays alone stops paying once its pass of its own costs more than the tokens it adds (BENCHMARKS.md, "How do
     several streams share the CPU?"). The plan is made once per round (the first stream to ask) and kept."""
@@ -294,19 +293,14 @@ class LoadPlanner:
                 if table[k] - 1.0 > 0 and (best[0] == 0 or (table[k] - 1) / secs > best[1] / best[2]):
                     best = (k, table[k] - 1.0, secs)
             own[m] = best
-        plain, tokens = len(active), float(len(active))
-        seconds = cost(plain, 1)
-        base = tokens / seconds
+        # one pass of its own a round at most: the others wait for one at most (inter-token latency). The first
+        # stream, by tokens per second of its own pass, whose draft makes the batch's rate beat plain decoding
+        base, rest = B / cost(B, 1), cost(B - 1, 1) if B > 1 else 0.0
         for m in sorted(own, key=lambda m: -(own[m][1] / own[m][2] if own[m][0] else 0.0)):
             k, extra, secs = own[m]
-            if not k:
-                continue
-            rest = plain - 1
-            t = seconds - cost(plain, 1) + (cost(rest, 1) if rest else 0.0) + secs
-            if (tokens + extra) / t > self.MARGIN * base and (tokens + extra) / t > tokens / seconds:
-                plan[m], plain, tokens, seconds = k, rest, tokens + extra, t
-                if B > 1:  # one pass of its own a round: the others wait for one at most (inter-token latency)
-                    break
+            if k and (B + extra) / (rest + secs) > self.MARGIN * base:
+                plan[m] = k
+                break
         return plan
 
 

@@ -11,14 +11,14 @@ wait for one. Draft lengths follow the batch's load (batch.LoadK) unless --draft
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import SpecrtError
 from ..manifest import Manifest
 from .backends import backend
 from .batch import LoadK, LoadPlanner, Scheduler, SlotEngine, SlotPool
 from .engine import EngineOptions
-from .generate import Generator, Result, Stream
+from .generate import Generator, Result, Stats, Stream
 from .prefix_cache import PrefixStore
 from .sampling import SamplingParams
 from .speculative import MAX_DRAFT_TOKENS, Opener, SpeculativeConfig, draft_entry, make_decoder
@@ -65,7 +65,7 @@ class BatchSession:
         if parallel < 1:
             raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
         self.manifest, self.precision, self.mode, self.parallel = manifest, precision, mode, parallel
-        self.options, self.scheduler = options, Scheduler()
+        self.scheduler = Scheduler()
         self._batches: dict[str, object] = {}
         self._heads = None
         entry = manifest.engine("target", precision)
@@ -119,9 +119,7 @@ class BatchSession:
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), chat: bool = True,
                ignore_eos: bool = False) -> Stream:
-        if max_new_tokens < 1:
-            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = self.slots[0].generator.prompt_ids(prompt, chat)
+        ids = self.slots[0].generator.prepare(prompt, chat, max_new_tokens)
         stream = Stream(iter(()))
         run = self._run(ids, stream, dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                           ignore_eos=ignore_eos))
@@ -138,8 +136,6 @@ class BatchSession:
         slot = self.pool.acquire(ids)
         try:
             if stream.cancelled:  # closed while it waited for a slot
-                from .generate import Stats
-
                 stream.result = Result("", [], Stats(prompt_tokens=len(ids), finish_reason="cancelled"))
                 return
             s = self.slots[slot]
@@ -192,4 +188,4 @@ def load_batch(manifest: Manifest, precision: str, mode: str, parallel: int, opt
     """session.load's half for parallel > 1 (mode resolved already)."""
     if mode == "draft":
         draft_entry(manifest, precision)  # no draft engine: one line now
-    return BatchSession(manifest, precision, mode, parallel, replace(options), config)
+    return BatchSession(manifest, precision, mode, parallel, options, config)

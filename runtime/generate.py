@@ -194,13 +194,17 @@ class Generator:
         """decode: a strategy like `plain_decode` (the default); speculative decoders plug in here.
         ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
         string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed."""
-        if max_new_tokens < 1:
-            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = self.prompt_ids(prompt, chat)
+        ids = self.prepare(prompt, chat, max_new_tokens)
         stream = Stream(iter(()))
         stream._it = self.run_ids(ids, stream, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                   decode=decode, ignore_eos=ignore_eos)
         return stream
+
+    def prepare(self, prompt: str | list[Message], chat: bool, max_new_tokens: int) -> list[int]:
+        """A request's checked prompt tokens (one-line errors before anything runs)."""
+        if max_new_tokens < 1:
+            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return self.prompt_ids(prompt, chat)
 
     def run_ids(self, ids: list[int], stream: Stream, *, max_new_tokens: int = 256,
                 sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), decode=None,

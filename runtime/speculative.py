@@ -119,6 +119,12 @@ class SpeculativeConfig:
     eagle_beam: int = 6                     # tree nodes expanded per level
     eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
 
+    def check(self) -> None:
+        """What make_decoder refuses, in one line, before any engine opens."""
+        k = self.draft_tokens
+        if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
+
 
 class Opener:
     """How make_decoder opens the engines a proposer runs: each on its own, on the target's backend. A batch
@@ -233,13 +239,6 @@ class SpeculativeDecoder:
                                   accept=self.accept)
 
 
-def make_decoder_check(config: SpeculativeConfig) -> None:
-    """The options make_decoder refuses, checked before any engine opens."""
-    k = config.draft_tokens
-    if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
-
-
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
                  options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
                  opener: Opener = OPEN, controller: Callable[[Proposer], Controller] | None = None):
@@ -247,7 +246,7 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     resolve_mode). Engines it opens (a draft model, heads) use `options`, on the target's backend, through
     `opener`. controller: makes the controller when no fixed --draft-tokens is asked (default: AdaptiveK, or
     GatedK for a proposer that sizes its own drafts)."""
-    make_decoder_check(config)
+    config.check()
     k = config.draft_tokens
     target = manifest.engine("target", precision)
     mode = resolve_mode(mode, manifest, precision)

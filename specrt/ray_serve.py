@@ -180,8 +180,7 @@ class SpecrtEngine:
         manifest = load_manifest(Path(spec.engines))
         session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
                        parallel=spec.parallel)
-        self.app = create_app(session, manifest.name, spec.api_key, max(spec.max_queue, spec.parallel),
-                              cache_ram_mib=spec.cache_ram_mib)
+        self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logging.getLogger("specrt.server").setLevel(logging.INFO)
 

@@ -66,16 +66,16 @@ def serve(
         from .manifest import load_manifest
         from .runtime.engine import EngineOptions
         from .runtime.session import load
-        from .runtime.speculative import SpeculativeConfig, make_decoder_check, resolve_mode
+        from .runtime.speculative import SpeculativeConfig, resolve_mode
         from .server import serve as run_server
 
         manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
         manifest.engine("target", precision)
         resolve_mode(speculate, manifest, precision)
         config = SpeculativeConfig(draft_tokens=draft_tokens)
-        make_decoder_check(config)
+        config.check()
         run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
                                 parallel=parallel),
-                   manifest.name, host, port, api_key, max(max_queue, parallel), cache_ram)
+                   manifest.name, host, port, api_key, max_queue, cache_ram)
 
     _guard(run)

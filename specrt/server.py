@@ -177,6 +177,7 @@ class Server:
         """Serve a loaded session: KV reuse across requests (the sequence in the engine, and others kept on the
         host within --cache-ram)."""
         session.enable_reuse(PrefixStore(self.cache_ram_mib * MIB))
+        self.max_queue = max(self.max_queue, session.parallel)  # room for at least the streams that run at once
         if session.parallel > 1:
             session.detach = False  # each worker hands every delta on at once (_drive): the batch never waits for it
         self.worker = ThreadPoolExecutor(max_workers=session.parallel, thread_name_prefix="specrt-engine")

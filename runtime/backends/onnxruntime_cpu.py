@@ -77,12 +77,19 @@ def screen_unusable(facts: dict | None, built_with: dict | None) -> str | None:
     return None
 
 
-def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtEngine":
-    """The decoder engine a manifest entry describes (engine.open_engine's ONNX Runtime half)."""
+def entry_config(entry, options: EngineOptions) -> tuple[dict[str, str], str | None]:
+    """A decoder entry's session config entries under these options, and why its logit screen must not be used
+    (None: it may)."""
     config = {**(entry.session_config or {}), **(TAKING_TURNS if options.taking_turns else {})}
     note = screen_unusable(entry.screen, entry.build_versions)
     if note is None and not options.logit_screen:
         note = "turned off (EngineOptions.logit_screen)"
+    return config, note
+
+
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtEngine":
+    """The decoder engine a manifest entry describes (engine.open_engine's ONNX Runtime half)."""
+    config, note = entry_config(entry, options)
     engine = OrtEngine(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
                        head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context,
                        threads=options.threads, session_config=config, huge_pages=options.huge_pages,
