@@ -25,7 +25,13 @@ def rows(manifest: Manifest) -> list[dict]:
                     "greedy_bench": q.get("greedy_bench"),
                     "draft_tau": (q.get("drafting") or {}).get("tau"),
                     "draft_acceptance": (q.get("drafting") or {}).get("acceptance_by_position"),
+                    "draft_tau_humaneval": ((q.get("drafting") or {}).get("humaneval") or {}).get("tau"),
                     "weights_mib": (e.memory or {}).get("weights_bytes", 0) / 2**20})
+    ref = next((r for r in out if r["engine"] == "draft-fp32"), None)
+    for r in out:  # the share of the fp32 draft's tau a quantized draft keeps, per prompt set
+        for key in ("draft_tau", "draft_tau_humaneval"):
+            base = ref and ref[key]
+            r[key + "_kept"] = round(r[key] / base, 3) if base and r[key] is not None else None
     return out
 
 
@@ -40,17 +46,22 @@ def write(manifest: Manifest, out: Path) -> Path:
              "greedy on bench: plain greedy decoding of the first bench prompt per category, 32 tokens, "
              "identical to the fp32 engine's / prompts.", "",
              "draft tau: tokens per target pass when the draft drafts 4 tokens a round for the fp32 target "
-             "(greedy, held-out stdlib code), and its acceptance by position.", "",
+             "(greedy, 48 tokens a prompt), on held-out stdlib code (with its acceptance by position) and on "
+             "HumanEval problems as chat requests; (x) the share of draft-fp32's tau kept.", "",
              "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | greedy on bench | "
-             "draft tau | acceptance by position | weights MiB |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|---:|"]
+             "draft tau, stdlib | acceptance by position | draft tau, HumanEval | weights MiB |",
+             "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]
+    kept = lambda r, k: "" if r[k + "_kept"] is None or r["engine"] == "draft-fp32" else \
+        f" ({r[k + '_kept']:.0%})"  # noqa: E731
     for r in table:
         acc = " ".join(f"{a:.2f}" for a in r["draft_acceptance"]) if r["draft_acceptance"] else "–"
         g = r["greedy_bench"]
         bench = f"{g['identical']}/{g['prompts']}" if g and g.get("prompts") else "–"
         lines.append(f"| {r['engine']} | {r['backend']} | {fmt(r['top1_vs_fp32'], '.1%')} | "
                      f"{fmt(r['kl_vs_fp32'], '.4f')} | {r['width_exact']} | {fmt(r['greedy_vs_torch'], '.0%')} | "
-                     f"{bench} | {fmt(r['draft_tau'], '.3f')} | {acc} | {r['weights_mib']:.0f} |")
+                     f"{bench} | {fmt(r['draft_tau'], '.3f')}{kept(r, 'draft_tau')} | {acc} | "
+                     f"{fmt(r['draft_tau_humaneval'], '.3f')}{kept(r, 'draft_tau_humaneval')} | "
+                     f"{r['weights_mib']:.0f} |")
     out.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib

@@ -1,17 +1,25 @@
-"""FP8 and INT8 engines of the portable graph: explicit QuantizeLinear/DequantizeLinear around every GEMM, the
-form TensorRT's strongly typed networks take precision from and ONNX Runtime's CPU provider executes as written
-(session.disable_quant_qdq=1 keeps it fake-quant instead of fusing into integer kernels), so the accuracy measured
-here is the accuracy of the graph TensorRT compiles.
+"""FP8, INT8 and INT4-AWQ engines of the portable graph: explicit QuantizeLinear/DequantizeLinear around every
+GEMM, the form TensorRT's strongly typed networks take precision from and ONNX Runtime's CPU provider executes as
+written (session.disable_quant_qdq=1 keeps it fake-quant instead of fusing into integer kernels), so the accuracy
+measured here is the accuracy of the graph TensorRT compiles.
 
-    weights      per output channel, symmetric (zero point 0): W ~ DQ(Wq, s_w[n], axis=1)
-    activations  per tensor, symmetric, scale = calibrated amax / (448 for E4M3, 127 for int8): X ~ DQ(Q(X, s_a))
+    weights      fp8/int8: per output channel, symmetric (zero point 0): W ~ DQ(Wq, s_w[n], axis=1)
+                 int4-awq: int4 blocks of AWQ_BLOCK rows along K, symmetric: W ~ DQ(Wq, s_w[k // b, n], axis=0,
+                 block_size=b), the form of TensorRT's INT4 weight-only GEMMs (its DQ takes no zero point)
+    activations  fp8/int8: per tensor, symmetric, scale = calibrated amax / (448 for E4M3, 127 for int8):
+                 X ~ DQ(Q(X, s_a)); int4-awq: left in the graph's float type (weight-only)
     where        the MatMuls with a constant weight (QKV, O, gate|up, down, and the lm_head unless kept in fp32);
                  attention, the mask, softmax, RoPE and the norms stay in the graph's float type
-    int8 only    SmoothQuant: each activation channel divided by s_j (a Mul before its Q), the weight row multiplied
+    int8         SmoothQuant: each activation channel divided by s_j (a Mul before its Q), the weight row multiplied
+    int4-awq     AWQ-lite (ModelOpt's recipe): the same migration, s = mean|x|^a / mean_w^(1-a), a searched on a
+                 grid per activation to minimise the GEMMs' output error on calibration rows
 
 Our own insertion rather than onnxruntime.quantization's quantize_static: its float8 path accepts only the
 Distribution calibrator, whose scale is not the amax and which stacks every calibration tensor, so it fails on
 the protocol's passes of different widths; and int8 uses the same code so the two differ only in the type.
+AWQ: onnxruntime's nvidia_awq and ModelOpt's ONNX int4 quantizer do not install beside our pins (ModelOpt's onnx
+extra requires onnx 1.21 and onnxruntime-gpu 1.24; onnxruntime's weight-only quantizers offer RTN, HQQ and GPTQ,
+not AWQ), so its scale search is written here after ModelOpt's awq_lite.
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = 2  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
-PRECISIONS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0)}
+PRECISIONS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0), "int4-awq": ("int4", 7.0)}
+WEIGHT_ONLY = ("int4-awq",)
 # int8's SmoothQuant alpha: per-tensor int8 activations alone lose half the top-1 tokens on SmolLM2, whose
 # down_proj inputs reach ~500x the median GEMM input (docs/design-notes.md, "INT8 outlier activations")
 SMOOTHQUANT_ALPHA = 0.8
+AWQ_BLOCK = 128            # rows of K per int4 scale (ModelOpt's and TensorRT-LLM's default); smaller where K needs it
+AWQ_ROWS = 512             # calibration positions per activation the scale search measures the error on
+AWQ_ALPHAS = tuple(round(a * 0.1, 1) for a in range(11))
 
 
 def gemm_weights(model) -> dict[str, tuple[str, str]]:
@@ -34,42 +46,103 @@ def gemm_weights(model) -> dict[str, tuple[str, str]]:
             if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2}
 
 
-def calibrate_amax(onnx_path: Path, feeds) -> dict[str, np.ndarray]:
-    """max |x| per input channel [K] of every GEMM's activation input over the calibration passes (the fp32
-    portable graph, run with those tensors as extra outputs; the copy is written beside onnx_path, to find its
-    weights, then removed)."""
+def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> dict[str, dict]:
+    """Statistics of every GEMM's activation input over the calibration passes (the fp32 portable graph, run with
+    those tensors as extra outputs; the copy is written beside onnx_path, to find its weights, then removed):
+    activation -> {"amax": max |x| per input channel [K], "mean_abs": mean |x| per channel [K], "rows": a uniform
+    sample of at most sample_rows positions [R, K] (AWQ's search reads them)}."""
     import onnx
     import onnxruntime as ort
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     acts = sorted({a for a, _ in gemm_weights(model).values()})
-    known = {o.name for o in model.graph.output}
+    inputs = {i.name for i in model.graph.input}  # a GEMM over a graph input (the heads' hidden) reads the feed
+    known = {o.name for o in model.graph.output} | inputs
     for a in acts:
         if a not in known:
             model.graph.output.append(onnx.helper.make_empty_tensor_value_info(a))
     probe = Path(onnx_path).with_name(f".calibrate-{Path(onnx_path).name}")
     onnx.save_model(model, str(probe))
+    fetched = [a for a in acts if a not in inputs]
+    rng = np.random.default_rng(seed)
+    stats: dict[str, dict] = {}
     try:
         so = ort.SessionOptions()
         so.log_severity_level = 3  # past and present are separate arrays here: TensorScatter's copy warning is moot
         session = ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"])
-        amax: dict[str, np.ndarray] = {}
         for feed in feeds:
-            for name, value in zip(acts, session.run(acts, feed)):
-                channels = np.abs(value).reshape(-1, value.shape[-1]).max(axis=0)
-                amax[name] = np.maximum(amax[name], channels) if name in amax else channels
+            keys: dict[int, np.ndarray] = {}  # by row count: the same positions for every activation
+            values = dict(zip(fetched, session.run(fetched, feed))) | {a: feed[a] for a in acts if a in inputs}
+            for name in acts:
+                value = values[name]
+                x = value.reshape(-1, value.shape[-1]).astype(np.float32)
+                st = stats.setdefault(name, {"amax": np.zeros(x.shape[1], np.float32),
+                                             "abs_sum": np.zeros(x.shape[1], np.float64), "count": 0,
+                                             "rows": np.zeros((0, x.shape[1]), np.float32),
+                                             "keys": np.zeros(0)})
+                st["amax"] = np.maximum(st["amax"], np.abs(x).max(axis=0))
+                st["abs_sum"] += np.abs(x).sum(axis=0)
+                st["count"] += len(x)
+                if sample_rows:  # a reservoir by random priority
+                    k = keys.setdefault(len(x), rng.random(len(x)))
+                    allk, allx = np.concatenate([st["keys"], k]), np.concatenate([st["rows"], x])
+                    top = np.argsort(allk)[:sample_rows]
+                    st["keys"], st["rows"] = allk[top], allx[top]
     finally:
         probe.unlink(missing_ok=True)
-    return amax
+    return {a: {"amax": st["amax"], "mean_abs": (st["abs_sum"] / max(st["count"], 1)).astype(np.float32),
+                "rows": st["rows"]} for a, st in stats.items()}
 
 
-def insert_qdq(onnx_path: Path, out: Path, precision: str, amax: dict[str, np.ndarray], keep: tuple[str, ...] = (),
-               smooth: float | None = None) -> dict:
-    """Write the Q/DQ graph of the fp32 portable graph at onnx_path to out (+ out.data). amax: calibrate_amax's.
-    keep: MatMul names left unquantized (e.g. the lm_head). smooth: SmoothQuant's alpha (int8): each input channel
-    j of an activation is divided by s_j = amax_x[j]^alpha / amax_w[j]^(1 - alpha) (a Mul before its Q/DQ) and
-    the weight's row j multiplied by it, moving the outliers' range into the weights, which are quantized per
-    output channel. -> facts: the GEMMs quantized, those kept, the activations left float."""
+def int4_block(k: int) -> int:
+    """The int4 block size for a GEMM of K inputs: AWQ_BLOCK, or the largest power of two below it dividing K."""
+    b = AWQ_BLOCK
+    while b > 8 and k % b:
+        b //= 2
+    return b
+
+
+def quantize_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> (q [K, N] in -8..7, scale [K / block, N]): symmetric blocks along K, scale = amax / 7."""
+    k, n = w.shape
+    s = np.maximum(np.abs(w.reshape(k // block, block, n)).max(axis=1), 1e-12) / 7.0
+    q = np.clip(np.rint(w / np.repeat(s, block, axis=0)), -8, 7)
+    return q, s.astype(np.float32)
+
+
+def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) -> tuple[np.ndarray, dict]:
+    """AWQ-lite for one activation: x [R, K] calibration rows, w [K, N] the weights of every GEMM reading it side
+    by side -> the per-channel scale s [K] (x / s times quantize(s * w)) with the least mean squared output error
+    over the alpha grid, and the search's facts."""
+    k, n = w.shape
+    w_mean = (np.abs(w).reshape(k // block, block, n) /
+              np.maximum(np.abs(w).reshape(k // block, block, n).max(axis=1, keepdims=True), 1e-12)
+              ).reshape(k, n).mean(axis=1)
+    ref = x @ w
+
+    def error(s: np.ndarray) -> float:
+        q, sc = quantize_int4(w * s[:, None], block)
+        return float(np.mean(((x / s) @ (q * np.repeat(sc, block, axis=0)) - ref) ** 2))
+
+    best = (error(np.ones(k, np.float32)), None, np.ones(k, np.float32))  # plain round-to-nearest
+    rtn = best[0]
+    for alpha in AWQ_ALPHAS:
+        s = np.clip(np.maximum(mean_abs, 1e-12) ** alpha / np.maximum(w_mean, 1e-12) ** (1 - alpha), 1e-4, 1e4)
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+        err = error(s)
+        if err < best[0]:
+            best = (err, alpha, s)
+    return best[2], {"alpha": best[1], "mse": best[0], "mse_rtn": rtn}
+
+
+def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict], keep: tuple[str, ...] = (),
+               smooth: float | None = None, log=lambda m: None) -> dict:
+    """Write the Q/DQ graph of the fp32 portable graph at onnx_path to out (+ out.data). calib: calibrate's
+    statistics (int4-awq needs its rows). keep: MatMul names left unquantized (e.g. the lm_head). smooth:
+    SmoothQuant's alpha (int8): each input channel j of an activation is divided by s_j = amax_x[j]^alpha /
+    amax_w[j]^(1 - alpha) (a Mul before its Q/DQ) and the weight's row j multiplied by it, moving the outliers'
+    range into the weights, which are quantized per output channel. int4-awq searches that s per activation
+    (awq_scale). -> facts: the GEMMs quantized, those kept, the activations left float."""
     import ml_dtypes
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -78,24 +151,31 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, amax: dict[str, np.nd
     from ..onnx_files import load_with_weights
 
     qtype, qmax = PRECISIONS[precision]
+    weight_only = precision in WEIGHT_ONLY
     np_q = np.dtype(getattr(ml_dtypes, qtype)) if qtype != "int8" else np.dtype(np.int8)
     onnx_q = TensorProto.FLOAT8E4M3FN if precision == "fp8" else TensorProto.INT8
     model = load_with_weights(onnx_path)  # weights in memory: they are rewritten
     inits = {t.name: t for t in model.graph.initializer}
     gemms = gemm_weights(model)
-    done, new_inits, scales = [], [], {}
-    nodes = []
-    migrate = {}  # activation -> s [K]
+    readers: dict[str, list[str]] = {}  # activation -> the weights of the GEMMs quantized over it
+    for name, (act, weight) in gemms.items():
+        if name not in keep:
+            readers.setdefault(act, []).append(weight)
+    migrate, awq = {}, {}  # activation -> s [K]; activation -> its AWQ search's facts
     if smooth is not None:
-        rows: dict[str, np.ndarray] = {}
-        for name, (act, weight) in gemms.items():
-            if name not in keep:
-                w_rows = np.abs(numpy_helper.to_array(inits[weight])).max(axis=1)
-                rows[act] = np.maximum(rows[act], w_rows) if act in rows else w_rows
-        for act, w_rows in rows.items():
-            migrate[act] = (np.maximum(amax[act], 1e-5) ** smooth / np.maximum(w_rows, 1e-5) ** (1 - smooth)
-                            ).astype(np.float32)
-    tensor_amax = {a: float((amax[a] / migrate[a]).max() if a in migrate else amax[a].max()) for a in amax}
+        for act, weights in readers.items():
+            w_rows = np.max([np.abs(numpy_helper.to_array(inits[w])).max(axis=1) for w in weights], axis=0)
+            migrate[act] = (np.maximum(calib[act]["amax"], 1e-5) ** smooth / np.maximum(w_rows, 1e-5) **
+                            (1 - smooth)).astype(np.float32)
+    if precision == "int4-awq":
+        for i, (act, weights) in enumerate(readers.items()):
+            w = np.concatenate([numpy_helper.to_array(inits[n]).astype(np.float32) for n in weights], axis=1)
+            scale, awq[act] = awq_scale(calib[act]["rows"], calib[act]["mean_abs"], w, int4_block(len(w)))
+            if awq[act]["alpha"] is not None:  # else plain rounding measured best: no Mul
+                migrate[act] = scale
+            if (i + 1) % max(1, len(readers) // 10) == 0:
+                log(f"AWQ scale search: {i + 1}/{len(readers)} activations")
+    done, new_inits, nodes, sources, blocks = [], [], [], {}, set()
     for node in model.graph.node:
         if node.name not in gemms or node.name in keep:
             nodes.append(node)
@@ -104,32 +184,44 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, amax: dict[str, np.nd
         w = numpy_helper.to_array(inits.pop(weight)).astype(np.float32)
         if act in migrate:
             w = w * migrate[act][:, None]
-        s_w = np.maximum(np.abs(w).max(axis=0), 1e-12) / qmax                   # [N], per output channel
-        q = w / s_w
-        wq = np.clip(np.rint(q), -qmax, qmax).astype(np_q) if precision == "int8" else \
-            np.clip(q, -qmax, qmax).astype(np_q)                                 # E4M3 rounds to nearest
-        new_inits += [numpy_helper.from_array(wq, weight + ".q"), numpy_helper.from_array(s_w.astype(np.float32),
-                                                                                            weight + ".scale")]
         w_dq = weight + ".dq"
-        nodes.append(helper.make_node("DequantizeLinear", [weight + ".q", weight + ".scale"], [w_dq], axis=1,
-                                      name=f"{node.name}.w_dq"))
-        if act not in scales:  # one Q/DQ pair per activation, shared by the GEMMs that read it
-            scales[act] = act.replace("/", "_") + ".a_scale"
-            new_inits.append(numpy_helper.from_array(np.array(max(tensor_amax[act], 1e-12) / qmax, np.float32),
-                                                     scales[act]))
+        if weight_only:
+            block = int4_block(len(w))
+            blocks.add(block)
+            q, s_w = quantize_int4(w, block)
+            dq = dict(axis=0, block_size=block)
+        else:
+            s_w = (np.maximum(np.abs(w).max(axis=0), 1e-12) / qmax).astype(np.float32)  # [N], per output channel
+            q = w / s_w
+            q = np.rint(q) if precision == "int8" else q                            # E4M3 rounds to nearest
+            q, dq = np.clip(q, -qmax, qmax), dict(axis=1)
+        new_inits += [numpy_helper.from_array(q.astype(np_q), weight + ".q"),
+                      numpy_helper.from_array(s_w, weight + ".scale")]
+        nodes.append(helper.make_node("DequantizeLinear", [weight + ".q", weight + ".scale"], [w_dq],
+                                      name=f"{node.name}.w_dq", **dq))
+        if act not in sources:  # one migration Mul (and one Q/DQ pair) per activation, shared by its GEMMs
             source = act
             if act in migrate:
                 new_inits.append(numpy_helper.from_array(1.0 / migrate[act], act + ".smooth"))
                 nodes.append(helper.make_node("Mul", [act, act + ".smooth"], [act + ".s"], name=f"{act}.smooth"))
                 source = act + ".s"
-            nodes.append(helper.make_node("QuantizeLinear", [source, scales[act]], [act + ".q"], output_dtype=onnx_q,
-                                          name=f"{act}.q"))
-            nodes.append(helper.make_node("DequantizeLinear", [act + ".q", scales[act]], [act + ".dq"],
-                                          name=f"{act}.dq"))
-        nodes.append(helper.make_node("MatMul", [act + ".dq", w_dq], list(node.output), name=node.name))
+            if not weight_only:
+                a_scale = act.replace("/", "_") + ".a_scale"
+                amax = float((calib[act]["amax"] / migrate[act]).max() if act in migrate else calib[act]["amax"].max())
+                new_inits.append(numpy_helper.from_array(np.array(max(amax, 1e-12) / qmax, np.float32), a_scale))
+                nodes.append(helper.make_node("QuantizeLinear", [source, a_scale], [act + ".q"], output_dtype=onnx_q,
+                                              name=f"{act}.q"))
+                nodes.append(helper.make_node("DequantizeLinear", [act + ".q", a_scale], [act + ".dq"],
+                                              name=f"{act}.dq"))
+                source = act + ".dq"
+            sources[act] = source
+        nodes.append(helper.make_node("MatMul", [sources[act], w_dq], list(node.output), name=node.name))
         done.append(node.name)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    for opset in model.opset_import:  # float8 Q/DQ needs opset 19, int4 and blocked DQ 21 (the heads are at 17)
+        if opset.domain in ("", "ai.onnx") and opset.version < 21:
+            opset.version = 21
     kept_inits = [t for t in model.graph.initializer if t.name in inits]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept_inits + new_inits)
@@ -137,6 +229,15 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, amax: dict[str, np.nd
     onnx.save_model(model, str(out), save_as_external_data=True, location=Path(out).name + ".data",
                     size_threshold=1024)
     kept = [n for n in gemms if n not in done]
-    return {"method": f"Q/DQ {precision}: weights per output channel, activations per tensor (amax), symmetric",
-            "gemms_quantized": len(done), "gemms_kept": kept, "lm_head_kept": any(LOGITS in n for n in kept),
-            "smoothquant_alpha": smooth}
+    method = (f"Q/DQ {precision}: weights per output channel, activations per tensor (amax), symmetric"
+              if not weight_only else f"Q/DQ {precision}: int4 weights in symmetric blocks along K "
+              f"(AWQ-lite scales, {AWQ_ROWS} calibration rows), activations float")
+    facts = {"method": method, "gemms_quantized": len(done), "gemms_kept": kept,
+             "lm_head_kept": any(LOGITS in n for n in kept), "smoothquant_alpha": smooth}
+    if awq:
+        alphas = [a["alpha"] for a in awq.values()]
+        gain = [a["mse"] / a["mse_rtn"] for a in awq.values() if a["mse_rtn"] > 0]
+        facts["awq"] = {"block_sizes": sorted(blocks), "alphas": {str(a): alphas.count(a) for a in
+                                                                  sorted(set(alphas), key=str)},
+                        "mse_vs_rtn_median": round(float(np.median(gain)), 4) if gain else None}
+    return facts

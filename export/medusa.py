@@ -314,7 +314,8 @@ def load_heads(path: Path) -> dict:
     return {k: d[k] for k in ("w1", "b1", "w2", "b2", "vocab", "a") if k in d} | {"report": report}
 
 
-def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, depth: int | None = None) -> dict:
+def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, depth: int | None = None,
+                      per_head: bool = False) -> dict:
     """The first `depth` heads (the ones a tree of that depth reads; None = all) as a tiny engine over
     the target's hidden state (standard ONNX, fp32):
 
@@ -322,7 +323,9 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
         -> candidates [batch, K, topk] int64 target token ids, best first
            scores     [batch, K, topk] float32 head logits
     Weights: W1, W2 of each head, E_sub (the lm_head rows of the reduced vocabulary) and, for
-    token-input heads, the table lm_head · A [V, H] in float16 (one row is gathered per round)."""
+    token-input heads, the table lm_head · A [V, H] in float16 (one row is gathered per round).
+    per_head: each head's two layers as 2-D MatMuls over their own [H, H] weights (the same function), the form
+    build/quantize.py puts Q/DQ around (per-channel weight scales of a 2-D GEMM, as TensorRT's FP8 GEMMs take)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -350,7 +353,33 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
                n("Cast", ["tok16"], ["tok32"], to=TensorProto.FLOAT),
                n("Add", [HEADS_HIDDEN, "tok32"], ["hx"])]
         x_in = "hx"
-    nodes = pre + [
+    if per_head:
+        del inits[:4]  # the stacked w1, b1, w2, b2: per-head ones instead
+        nodes = pre + _per_head_nodes(x_in, K, inits, f32(heads["w1"]), f32(heads["b1"]), f32(heads["w2"]),
+                                      f32(heads["b2"]))
+        nodes += [n("MatMul", ["y", "e_sub_t"], ["logits"], name="heads.lm_head"),
+                  n("TopK", ["logits", "k"], [HEADS_SCORES, "idx"], axis=-1),
+                  n("Gather", ["vocab", "idx"], [HEADS_CANDIDATES])]
+    else:
+        nodes = pre + _stacked_nodes(x_in)
+        inits.append(numpy_helper.from_array(np.array([2], np.int64), "ax2"))
+    graph = helper.make_graph(
+        nodes, "medusa_heads", inputs,
+        [helper.make_tensor_value_info(HEADS_CANDIDATES, TensorProto.INT64, ["batch", K, topk]),
+         helper.make_tensor_value_info(HEADS_SCORES, TensorProto.FLOAT, ["batch", K, topk])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="specrt")
+    onnx.checker.check_model(model)
+    onnx.save_model(model, str(out))
+    return {"heads": int(K), "hidden_size": int(H), "topk": int(topk), "vocab_subset": int(len(vocab)),
+            "token_input": "a" in heads}
+
+
+def _stacked_nodes(x_in: str) -> list:
+    """All heads in one batched MatMul per layer over stacked [K, H, H] weights."""
+    from onnx import helper
+
+    n = helper.make_node
+    return [
         n("Unsqueeze", [x_in, "ax1"], ["x"]),                         # [B, 1, H]: broadcasts over heads
         n("Unsqueeze", ["x", "ax1"], ["x4"]),                         # [B, 1, 1, H]
         n("MatMul", ["x4", "w1"], ["a"]), n("Add", ["a", "b1"], ["a1"]),   # [B, K, 1, H]
@@ -361,13 +390,21 @@ def export_heads_onnx(heads: dict, lm_head: np.ndarray, out: Path, topk: int, de
         n("TopK", ["logits", "k"], [HEADS_SCORES, "idx"], axis=-1),
         n("Gather", ["vocab", "idx"], [HEADS_CANDIDATES]),
     ]
-    inits.append(numpy_helper.from_array(np.array([2], np.int64), "ax2"))
-    graph = helper.make_graph(
-        nodes, "medusa_heads", inputs,
-        [helper.make_tensor_value_info(HEADS_CANDIDATES, TensorProto.INT64, ["batch", K, topk]),
-         helper.make_tensor_value_info(HEADS_SCORES, TensorProto.FLOAT, ["batch", K, topk])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="specrt")
-    onnx.checker.check_model(model)
-    onnx.save_model(model, str(out))
-    return {"heads": int(K), "hidden_size": int(H), "topk": int(topk), "vocab_subset": int(len(vocab)),
-            "token_input": "a" in heads}
+
+
+def _per_head_nodes(x_in: str, K: int, inits: list, w1, b1, w2, b2) -> list:
+    """Head k: y_k = x + SiLU(x W1_k + b1_k) W2_k + b2_k with 2-D MatMuls; the heads stacked into y [B, K, H]."""
+    from onnx import helper, numpy_helper
+
+    n, nodes = helper.make_node, []
+    for k in range(K):
+        inits += [numpy_helper.from_array(w1[k], f"w1.{k}"), numpy_helper.from_array(b1[k], f"b1.{k}"),
+                  numpy_helper.from_array(w2[k], f"w2.{k}"), numpy_helper.from_array(b2[k], f"b2.{k}")]
+        nodes += [n("MatMul", [x_in, f"w1.{k}"], [f"a.{k}"], name=f"head{k}.w1"),
+                  n("Add", [f"a.{k}", f"b1.{k}"], [f"a1.{k}"]),
+                  n("Sigmoid", [f"a1.{k}"], [f"sg.{k}"]), n("Mul", [f"a1.{k}", f"sg.{k}"], [f"act.{k}"]),
+                  n("MatMul", [f"act.{k}", f"w2.{k}"], [f"r.{k}"], name=f"head{k}.w2"),
+                  n("Add", [f"r.{k}", f"b2.{k}"], [f"r1.{k}"]), n("Add", [f"r1.{k}", x_in], [f"y2.{k}"]),
+                  n("Unsqueeze", [f"y2.{k}", "ax1"], [f"y.{k}"])]       # [B, 1, H]
+    nodes.append(n("Concat", [f"y.{k}" for k in range(K)], ["y"], axis=1))  # [B, K, H]
+    return nodes

@@ -166,18 +166,19 @@ def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg
     return DraftModel(eng, cfg.draft_tokens or cfg.draft_max_tokens, cfg.draft_sampled)
 
 
-def _heads_entry(manifest: Manifest, role: str, what: str, fix: str):
-    """The set's entry of a heads role, or the one-line error naming how to get one."""
+def _heads_entry(manifest: Manifest, role: str, what: str, fix: str, precision: str = "fp32"):
+    """The set's entry of a heads role (at the target's precision, else the first), or the one-line error naming
+    how to get one."""
     found = [e for e in manifest.engines.values() if e.role == role]
     if not found:
         raise SpecrtError(f"engine set '{manifest.root}' has no {what}; rebuild it with {fix}")
-    return found[0]
+    return next((e for e in found if e.precision == precision), found[0])
 
 
 def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
             opener: Opener = OPEN) -> Proposer:
     e = _heads_entry(manifest, "medusa", "Medusa heads", "`specrt engines --medusa-heads heads/smollm2-135m.npz` "
-                     "or use --speculate prompt-lookup")
+                     "or use --speculate prompt-lookup", manifest.engine("target", precision).precision)
     return Medusa(opener.heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
 
 

@@ -84,14 +84,15 @@ def engines(
         help="Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
              "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
              "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). "
-             "Portable backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), and fp8 "
-             "or int8 (Q/DQ GEMMs: weights per channel, activations per tensor, calibrated; their quality against "
-             "fp32 is measured at build)."),
+             "Portable backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), fp8 "
+             "or int8 (Q/DQ GEMMs: weights per channel, activations per tensor, calibrated), int4-awq (int4 "
+             "weights in blocks of 128 with AWQ scales, activations float); the Q/DQ precisions' quality "
+             "against fp32 is measured at build."),
     calibration_texts: int = typer.Option(32, "--calibration-texts",
-                                          help="fp8/int8: packaged texts (stdlib code and doc questions) their "
-                                               "activation ranges are calibrated on."),
+                                          help="fp8/int8/int4-awq: packaged texts (stdlib code and doc questions) "
+                                               "their activation statistics are calibrated on."),
     quality_floor: float = typer.Option(0.85, "--quality-floor",
-                                        help="fp8/int8: the least top-1 agreement with the fp32 engine on held-out "
+                                        help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out "
                                              "text a build keeps (0-1); below it the build fails."),
     backend: str = typer.Option("onnxruntime", "--backend", "-b",
                                 help="onnxruntime (CPU, fused kernels, the fastest here); onnxruntime-portable "

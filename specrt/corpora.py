@@ -52,6 +52,7 @@ def mtbench_questions(turns: int = 2) -> list[tuple[int, str]]:
 
 
 BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "bench" / "data" / "default.jsonl"  # repo root / bench
+HUMANEVAL_PROMPTS = BENCH_PROMPTS.with_name("humaneval.jsonl")  # the first 8 HumanEval problems as chat requests
 
 
 def bench_texts() -> str:

@@ -132,9 +132,10 @@ PORTABLE_OUTPUTS = (
     (HIDDEN_STATES, ("batch", "seq", "hidden_size"), "float32"),
 )
 PORTABLE_CACHE_DIMS = ("batch", "num_kv_heads", "capacity", "head_dim")
-# precision -> dtype of activations and cache; fp8 and int8 are Q/DQ GEMMs over the fp32 graph (build/quantize.py)
-PORTABLE_DTYPES = {"fp32": "float32", "fp16": "float16", "fp8": "float32", "int8": "float32"}
-QDQ_PRECISIONS = ("fp8", "int8")
+# precision -> dtype of activations and cache; fp8, int8 and int4-awq are Q/DQ GEMMs over the fp32 graph
+# (build/quantize.py)
+PORTABLE_DTYPES = {"fp32": "float32", "fp16": "float16", "fp8": "float32", "int8": "float32", "int4-awq": "float32"}
+QDQ_PRECISIONS = ("fp8", "int8", "int4-awq")
 
 
 def portable_signature(num_layers: int, sizes: dict, cache_dtype: str) -> tuple[list, list]:

@@ -400,3 +400,36 @@ def test_medusa_streams_in_a_batch_keep_their_output(medusa_gen):
     alone = load(medusa_gen.manifest, "fp32", "off")
     want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
     assert run_threads(gathering(load(medusa_gen.manifest, "fp32", "lookup+medusa", parallel=2), 2), jobs) == want
+
+
+def test_fp8_heads_of_a_portable_set_keep_the_targets_output(tiny_dir, tiny_heads, tmp_path):
+    """Heads at the set's Q/DQ precision: per-head 2-D GEMMs with FP8 Q/DQ inside onnx-tensorrt's table,
+    calibrated on the target's hidden states, their tau for the fp32 target measured beside the fp32 heads', and
+    a target with them still decodes exactly its own greedy output."""
+    import onnx
+    from dataclasses import replace
+    from test_portable import tensorrt_violations
+
+    from specrt.manifest import load_manifest
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from specrt.runtime.session import load
+
+    path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-medusa-qdq", ("fp32", "fp8"), 512, tmp_path,
+                                            medusa_heads=tiny_heads["out"] / "heads.npz",
+                                            backend="onnxruntime-portable", calibration_texts=4, quality_floor=0.5),
+                           log=lambda m: None)
+    m = load_manifest(path)
+    fp8 = m.engines["medusa-fp8"]
+    assert fp8.role == "medusa" and fp8.precision == "fp8" and fp8.session_config == {"session.disable_quant_qdq": "1"}
+    assert fp8.medusa["tree"] == m.engines["medusa-fp32"].medusa["tree"] and fp8.build["gemms_quantized"] == 2 * fp8.medusa["heads"] + 1
+    model = onnx.load(str(path / fp8.file), load_external_data=False)
+    assert {t.data_type for t in model.graph.initializer if t.name.endswith(".q")} == {onnx.TensorProto.FLOAT8E4M3FN}
+    assert tensorrt_violations(model) == []
+    for name in ("medusa-fp32", "medusa-fp8"):
+        d = m.engines[name].quality["drafting"]
+        assert d["against"] == "target-fp32" and 1.0 <= d["tau"] and d["humaneval"]["prompts"] >= 1
+    only = replace(m, engines={k: e for k, e in m.engines.items() if k in ("target-fp32", "medusa-fp8")})
+    plain, med = load(only, "fp32", "off"), load(only, "fp32", "medusa")
+    for prompt in ("def add(a, b):", "The quick brown fox"):
+        a, b = plain.generate(prompt, max_new_tokens=32), med.generate(prompt, max_new_tokens=32)
+        assert b.token_ids == a.token_ids and b.stats.exact and b.stats.proposer == "medusa"

@@ -167,7 +167,8 @@ def test_capacity_buckets_cover_max_context_plus_the_widest_pad():
 
 _ELEM = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
          onnx.TensorProto.INT32: "INT32", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.BOOL: "BOOL",
-         onnx.TensorProto.INT8: "INT8", onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.FLOAT8E4M3FN: "FP8"}
+         onnx.TensorProto.INT8: "INT8", onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.FLOAT8E4M3FN: "FP8",
+         onnx.TensorProto.INT4: "INT4"}
 
 
 def tensorrt_violations(model: onnx.ModelProto) -> list[str]:
@@ -211,6 +212,9 @@ def tensorrt_violations(model: onnx.ModelProto) -> list[str]:
         if node.op_type == "TopK" and (attrs.get("sorted", 1) != 1 or
                                        int(onnx.numpy_helper.to_array(consts[node.input[1]]).max()) >= 3840):
             out.append(f"{where}: sorted, K < 3840")
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 2 and node.input[2] and \
+                onnx.numpy_helper.to_array(consts[node.input[2]]).astype(np.float32).any():
+            out.append(f"{where}: the zero point must be zero")
         if node.op_type == "RotaryEmbedding" and types[node.input[3]].elem_type != onnx.TensorProto.INT64:
             out.append(f"{where}: position_ids must be INT64")
     return out
@@ -296,24 +300,26 @@ def test_growing_near_the_largest_layout_and_a_wide_prefill_with_padded_logits(p
 
 @pytest.fixture(scope="module")
 def quantized_engines(tiny_dir, tiny_engines, tmp_path_factory) -> Path:
-    """fp32/fp8/int8 targets with fp32 and fp8 drafts (a noisy copy of the target)."""
+    """fp32/fp8/int8/int4-awq targets with fp32, fp8 and int4-awq drafts (a noisy copy of the target)."""
     from tiny import make_checkpoint
 
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
     draft = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-noisy", "llama", seed=0, noise=0.3)
-    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-qdq", ("fp32", "fp8", "int8"), 256,
-                                            tiny_engines.parent, str(draft), ("fp32", "fp8"),
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-qdq", ("fp32", "fp8", "int8", "int4-awq"), 512,
+                                            tiny_engines.parent, str(draft), ("fp32", "fp8", "int4-awq"),
                                             backend="onnxruntime-portable", calibration_texts=8, quality_floor=0.5),
                            log=lambda m: None)
 
 
 def test_drafts_record_their_acceptance_for_the_fp32_target(quantized_engines):
     m = load_manifest(quantized_engines)
-    for p in ("fp32", "fp8"):
+    for p in ("fp32", "fp8", "int4-awq"):
         d = m.engine("draft", p).quality["drafting"]
         assert d["against"] == "target-fp32" and 1.0 <= d["tau"] <= 1 + d["draft_tokens"]
         assert len(d["acceptance_by_position"]) == d["draft_tokens"] and 0 < d["acceptance_by_position"][0] <= 1
+        h = d["humaneval"]  # the chat-rendered HumanEval problems that fit the 512-token context
+        assert h["prompts"] >= 1 and 1.0 <= h["tau"] <= 1 + d["draft_tokens"] and "HumanEval" in h["text"]
     assert m.engine("draft", "fp8").quality["top1"] > 0.5
 
 
@@ -321,7 +327,8 @@ def test_qdq_engines_record_their_quality_and_stay_in_the_operator_table(quantiz
     from collections import Counter
 
     m = load_manifest(quantized_engines)
-    for p, qtype in (("fp8", onnx.TensorProto.FLOAT8E4M3FN), ("int8", onnx.TensorProto.INT8)):
+    for p, qtype in (("fp8", onnx.TensorProto.FLOAT8E4M3FN), ("int8", onnx.TensorProto.INT8),
+                     ("int4-awq", onnx.TensorProto.INT4)):
         e = m.engine("target", p)
         assert 0.5 <= e.quality["top1"] <= 1 and e.quality["kl"] >= 0 and e.quality["positions"] > 100
         assert e.session_config == {"session.disable_quant_qdq": "1"} and e.build["gemms_quantized"] > 0
@@ -329,7 +336,14 @@ def test_qdq_engines_record_their_quality_and_stay_in_the_operator_table(quantiz
         assert g["prompts"] >= 1 and len(g["first_divergence"]) == g["prompts"] and 0 <= g["identical"] <= g["prompts"]
         model = onnx.load(str(m.root / e.file), load_external_data=False)
         ops = Counter(n.op_type for n in model.graph.node)
-        assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > ops["QuantizeLinear"]
+        if p == "int4-awq":  # weight-only: a blocked DQ per GEMM weight, the activations float
+            assert ops["QuantizeLinear"] == 0 and ops["DequantizeLinear"] == e.build["gemms_quantized"]
+            blocked = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+            assert all(onnx.helper.get_attribute_value(a) in e.build["awq"]["block_sizes"]
+                       for n in blocked for a in n.attribute if a.name == "block_size")
+            assert ops["Mul"] > 0 and e.build["awq"]["mse_vs_rtn_median"] <= 1.0  # AWQ never loses to rounding
+        else:
+            assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > ops["QuantizeLinear"]
         weights = {t.data_type for t in model.graph.initializer if t.name.endswith(".q")}
         assert weights == {qtype}
         assert tensorrt_violations(model) == [], p
@@ -339,7 +353,7 @@ def test_qdq_engines_record_their_quality_and_stay_in_the_operator_table(quantiz
 def test_a_qdq_engine_decodes_and_does_not_call_its_speculation_exact(quantized_engines):
     from specrt.runtime.session import load
 
-    for p in ("fp8", "int8"):
+    for p in ("fp8", "int8", "int4-awq"):
         assert not load_manifest(quantized_engines).engine("target", p).width_exact
         plain, spec = load(quantized_engines, p, "off"), load(quantized_engines, p, "prompt-lookup")
         a, b = plain.generate(PROMPTS[1], max_new_tokens=24), spec.generate(PROMPTS[1], max_new_tokens=24)
@@ -369,6 +383,25 @@ def test_quant_report_tables_every_precision(quantized_engines, tmp_path):
     r = CliRunner().invoke(app, ["quant-report", str(quantized_engines), "--out", str(tmp_path / "q")])
     assert r.exit_code == 0, r.output
     report = (tmp_path / "q" / "report.md").read_text()
-    for name in ("target-fp32", "target-fp8", "target-int8", "draft-fp32", "draft-fp8"):
+    for name in ("target-fp32", "target-fp8", "target-int8", "target-int4-awq", "draft-fp32", "draft-fp8",
+                 "draft-int4-awq"):
         assert f"| {name} | onnxruntime-portable |" in report
     assert (tmp_path / "q" / "quality.png").stat().st_size > 1000
+
+
+
+@pytest.mark.parametrize("draft", ["draft-fp8", "draft-int4-awq"])
+def test_a_quantized_draft_keeps_the_fp32_targets_greedy_output(quantized_engines, draft):
+    from dataclasses import replace
+
+    from specrt.runtime.session import load
+    from specrt.runtime.speculative import SpeculativeConfig
+
+    m = load_manifest(quantized_engines)
+    only = replace(m, engines={k: e for k, e in m.engines.items() if k in ("target-fp32", draft)})  # that draft
+    plain = load(only, "fp32", "off")
+    spec = load(only, "fp32", "draft", config=SpeculativeConfig(draft_tokens=4))
+    for prompt in PROMPTS[:3]:
+        a, b = plain.generate(prompt, max_new_tokens=40), spec.generate(prompt, max_new_tokens=40)
+        assert b.token_ids == a.token_ids and b.stats.exact
+        assert sum(b.stats.drafted_by_position) > 0  # it drafted

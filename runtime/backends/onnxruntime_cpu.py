@@ -100,16 +100,19 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtHeads":
     """A Medusa heads engine: one thread, since a call is a few small MatMuls between two target passes."""
-    return OrtHeads(Path(root) / entry.file, threads=1)
+    return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
 
 class OrtHeads:
-    """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first."""
+    """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first.
+    session_config: the entry's (a Q/DQ heads graph runs as written)."""
 
-    def __init__(self, onnx_path: Path, threads: int = 1):
+    def __init__(self, onnx_path: Path, threads: int = 1, session_config: dict[str, str] | None = None):
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+        for key, value in (session_config or {}).items():
+            so.add_session_config_entry(key, value)
         self.session = open_session(onnx_path, so)
         shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
         self.heads, self.topk = int(shape[1]), int(shape[2])

@@ -37,7 +37,7 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> OrtHeads:
     """Medusa heads: their graph is standard ops already, the same on every backend."""
-    return OrtHeads(Path(root) / entry.file, threads=1)
+    return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
 
 class PortableEngine:

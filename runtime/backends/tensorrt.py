@@ -98,7 +98,7 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     """Medusa heads, on ONNX Runtime's CPU provider (the heads' graph is standard ops; the GPU would not pay)."""
     from .onnxruntime_cpu import OrtHeads
 
-    return OrtHeads(Path(root) / entry.file, threads=1)
+    return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
 
 class TrtEngine(DeviceEngine):

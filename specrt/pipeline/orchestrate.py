@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecrtError
+from ..interface import QDQ_PRECISIONS
 from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
 from .buildcache import one_build_at_a_time, swap_into_place
 from .engines import build_engine, chat_template
@@ -140,6 +141,13 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         if req.medusa_heads is not None:
             engines["medusa-fp32"] = build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
                                                   req.medusa_tree_nodes, engines, req.backend)
+            if req.backend in PORTABLE_BACKENDS and "target-fp32" in engines:  # heads at the set's Q/DQ precisions
+                from .quality import build_quantized_heads
+
+                for p in (p for p in req.precisions if p in QDQ_PRECISIONS):
+                    engines[f"medusa-{p}"] = build_quantized_heads(p, engines["medusa-fp32"], Path(req.medusa_heads),
+                                                                   engines["target-fp32"], cache, facts, tmp, log,
+                                                                   req.calibration_texts)
         if req.eagle_head is not None:
             from .eagle import build_eagle
 
@@ -164,13 +172,15 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
 
 
 def _measure_drafts(tmp: Path, manifest: dict, log) -> None:
-    """Every draft engine's tau and acceptance by position for the fp32 target, in its quality (quality.py)."""
-    from .quality import draft_acceptance
+    """Every draft and heads engine's tau and acceptance by position for the fp32 target, in its quality
+    (quality.py)."""
+    from .quality import draft_acceptance, heads_acceptance
 
     for name, e in manifest["engines"].items():
-        if e["role"] == "draft":
+        measure = {"draft": draft_acceptance, "medusa": heads_acceptance}.get(e["role"])
+        if measure is not None:
             log(f"measuring {name}'s acceptance for target-fp32")
-            e["quality"] = {**(e.get("quality") or {}), "drafting": draft_acceptance(tmp, "target-fp32", name)}
+            e["quality"] = {**(e.get("quality") or {}), "drafting": measure(tmp, "target-fp32", name)}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 

@@ -1,4 +1,4 @@
-"""Quantized portable engines (fp8, int8): calibrated on packaged texts, Q/DQ inserted by build/quantize.py, and
+"""Quantized portable engines (fp8, int8, int4-awq): calibrated on packaged texts, Q/DQ inserted by build/quantize.py, and
 their quality against the set's fp32 engine measured at build time on held-out text, teacher-forced: the share
 of positions whose top-1 token agrees and the mean KL(fp32 || quantized). A build whose top-1 agreement falls
 below the floor fails in one line naming the figure and the option.
@@ -35,17 +35,18 @@ def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, fa
     """out (+ .data): the Q/DQ graph of fp32_graph at `precision`, calibrated on `calibration_texts` packaged texts
     (stdlib code and doc questions, never the bench's prompts) -> its build facts. Written whole or not at all."""
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate_amax, insert_qdq
+    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, insert_qdq
     from ..interface import LOGITS
     from .parity import prefill_feed
 
     seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
     log(f"calibrating {precision} activations on {len(seqs)} texts")
-    amax = calibrate_amax(fp32_graph, (prefill_feed(entry, s, 512) for s in seqs))
+    calib = calibrate(fp32_graph, (prefill_feed(entry, s, 512) for s in seqs),
+                      sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
     try:
-        info = insert_qdq(fp32_graph, part / out.name, precision, amax, keep=(LOGITS,) if lm_head_fp32 else (),
-                          smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None)
+        info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=(LOGITS,) if lm_head_fp32 else (),
+                          smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None, log=log)
         shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
         shutil.move(str(part / out.name), str(out))
     finally:
@@ -142,31 +143,115 @@ DRAFT_PROMPTS, DRAFT_TOKENS, DRAFT_K = 6, 48, 4
 
 def draft_acceptance(root: Path, target: str, draft: str) -> dict:
     """How well the draft engine `draft` of the set at root drafts for its fp32 target `target`: greedy, K =
-    DRAFT_K tokens a round, on held-out stdlib code (the first 96 tokens of each text as a raw prompt) ->
-    tau and acceptance by position, pooled over the prompts."""
-    from dataclasses import replace
-
-    from ..corpora import heldout_code_texts
-    from ..manifest import load_manifest
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.session import load
+    DRAFT_K tokens a round (see _acceptance)."""
     from ..runtime.speculative import SpeculativeConfig
 
+    return _acceptance(root, target, draft, "draft", SpeculativeConfig(draft_tokens=DRAFT_K))
+
+
+def heads_acceptance(root: Path, target: str, heads: str) -> dict:
+    """The same for the Medusa heads engine `heads`, its tree as built."""
+    from ..runtime.speculative import SpeculativeConfig
+
+    return _acceptance(root, target, heads, "medusa", SpeculativeConfig())
+
+
+def _acceptance(root: Path, target: str, proposer: str, mode: str, config) -> dict:
+    """Greedy decoding of DRAFT_TOKENS tokens per prompt by `target` with only the engine `proposer` beside it,
+    on held-out stdlib code (the first 96 tokens of each of DRAFT_PROMPTS texts as a raw prompt) and, under
+    "humaneval", on the first HumanEval problems as chat requests -> tau and acceptance by position, pooled over
+    each set's prompts."""
+    import json
+    from dataclasses import replace
+
+    from ..corpora import HUMANEVAL_PROMPTS, heldout_code_texts
+    from ..manifest import load_manifest
+    from ..runtime.session import load
+    from ..runtime.tokenizer import Message
+
     m = load_manifest(root)
-    only = replace(m, engines={k: e for k, e in m.engines.items() if k in (target, draft)})
-    session = load(only, m.engines[target].precision, "draft", config=SpeculativeConfig(draft_tokens=DRAFT_K))
-    codec, room = session.generator.codec, min(96, m.engines[target].max_context // 2 - DRAFT_TOKENS)
+    only = replace(m, engines={k: e for k, e in m.engines.items() if k in (target, proposer)})
+    session = load(only, m.engines[target].precision, mode, config=config)
+    codec, context = session.generator.codec, m.engines[target].max_context
+    room = min(96, context // 2 - DRAFT_TOKENS)
+    out = _drafting(session, [codec.decode(codec.encode(t)[:room]) for t in heldout_code_texts(DRAFT_PROMPTS)],
+                    chat=False)
+    if HUMANEVAL_PROMPTS.is_file():
+        cases = [json.loads(ln) for ln in HUMANEVAL_PROMPTS.read_text(encoding="utf-8").splitlines()
+                 if ln.startswith("{")][:DRAFT_PROMPTS]
+        chats = [[Message(t["role"], t["content"]) for t in c["messages"]] for c in cases]
+        fits = [c for c in chats if len(codec.encode(codec.render_chat(c))) + DRAFT_TOKENS + 64 <= context]
+        if fits:
+            out["humaneval"] = _drafting(session, fits, chat=True)
+    return {**out, "against": target}
+
+
+def _drafting(session, prompts: list, chat: bool) -> dict:
+    from ..runtime.sampling import SamplingParams
+
     rounds = produced = 0
-    kept, drafted = np.zeros(DRAFT_K), np.zeros(DRAFT_K)
-    for text in heldout_code_texts(DRAFT_PROMPTS):
-        prompt = codec.decode(codec.encode(text)[:room])
+    kept, drafted = np.zeros(0), np.zeros(0)
+    for prompt in prompts:
         r = session.generator.generate(prompt, decode=session.decoder, max_new_tokens=DRAFT_TOKENS,
                                        sampling=SamplingParams(temperature=0.0), ignore_eos=True)
         st = r.stats
         rounds, produced = rounds + st.rounds, produced + len(r.token_ids)
         n = len(st.drafted_by_position)
+        if n > len(drafted):
+            kept, drafted = np.pad(kept, (0, n - len(kept))), np.pad(drafted, (0, n - len(drafted)))
         drafted[:n] += st.drafted_by_position
         kept[:n] += np.round(np.asarray(st.acceptance_by_position) * st.drafted_by_position)
-    return {"tau": round(produced / rounds, 3) if rounds else None, "draft_tokens": DRAFT_K,
+    return {"tau": round(produced / rounds, 3) if rounds else None, "draft_tokens": len(drafted),
             "acceptance_by_position": [round(float(a), 3) for a in kept / np.maximum(drafted, 1)],
-            "prompts": DRAFT_PROMPTS, "against": target}
+            "prompts": len(prompts), "text": "HumanEval problems, chat" if chat else "held-out stdlib code, raw"}
+
+
+def build_quantized_heads(precision: str, fp32_entry, heads_path: Path, target_entry, cache: Path, facts: dict,
+                          tmp: Path, log, calibration_texts: int):
+    """medusa-<precision>: the heads of fp32_entry with Q/DQ GEMMs (build/quantize.py), each head's layers as 2-D
+    MatMuls (export_heads_onnx per_head), calibrated on the fp32 target's hidden states over the packaged texts
+    (`target_entry`, already in tmp) -> its manifest entry; its acceptance is measured once the set is written."""
+    from dataclasses import replace
+
+    from ..build.gptq import calibration_texts as texts
+    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, insert_qdq
+    from ..export.graph import read_initializers
+    from ..export.medusa import export_heads_onnx, load_heads
+    from ..interface import HEADS_HIDDEN, HEADS_TOKEN
+    from ..manifest import engine_memory
+
+    name = f"medusa-{precision}"
+    heads, info = load_heads(heads_path), fp32_entry.medusa
+    lm_head = read_initializers(cache / "model.onnx", "lm_head.weight_t")[0].T
+    part = Path(tempfile.mkdtemp(prefix=".part-", dir=tmp))
+    try:
+        graph = part / "heads-fp32.onnx"
+        export_heads_onnx(heads, lm_head, graph, info["topk"], info["heads"], per_head=True)
+        seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
+        log(f"calibrating {name} on the target's hidden states over {len(seqs)} texts")
+        target = open_built_engine(tmp / target_entry.file, facts, entry=target_entry)
+        target.enable_hidden()
+        feeds = []
+        for seq in seqs:
+            target.rewind(0)
+            for i in range(0, len(seq) - 1, target.max_pass_tokens):
+                chunk = seq[i:i + target.max_pass_tokens]
+                target.forward(chunk, num_logits=1)
+                target.commit(len(chunk))
+                n = min(len(chunk), len(seq) - 1 - i)  # the heads read h[t] with the token t + 1
+                feed = {HEADS_HIDDEN: np.ascontiguousarray(target.hidden[:n], np.float32)}
+                if info.get("token_input"):
+                    feed[HEADS_TOKEN] = seq[i + 1:i + 1 + n].astype(np.int64)
+                feeds.append(feed)
+        calib = calibrate(graph, feeds, sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
+        out = tmp / f"{name}.onnx"
+        facts_q = insert_qdq(graph, part / out.name, precision, calib,
+                             smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None, log=log)
+        shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
+        shutil.move(str(part / out.name), str(out))
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    entry = replace(fp32_entry, name=name, precision=precision, file=out.name, files=[out.name, out.name + ".data"],
+                    session_config=dict(QDQ_SESSION), build={**facts_q, "calibration_texts": len(seqs)},
+                    memory=None)
+    return entry.with_memory(engine_memory(entry, tmp))
