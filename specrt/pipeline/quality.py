@@ -1,7 +1,8 @@
-"""Quantized portable engines (fp8, int8, int4-awq): calibrated on packaged texts, Q/DQ inserted by build/quantize.py, and
-their quality against the set's fp32 engine measured at build time on held-out text, teacher-forced: the share
-of positions whose top-1 token agrees and the mean KL(fp32 || quantized). A build whose top-1 agreement falls
-below the floor fails in one line naming the figure and the option.
+"""Quantized portable engines (fp8, int8, int4-awq) and Medusa heads: calibrated on packaged texts, Q/DQ inserted
+by build/quantize.py, and their quality against the set's fp32 engine measured at build time on held-out text,
+teacher-forced: the share of positions whose top-1 token agrees and the mean KL(fp32 || quantized). A build whose
+top-1 agreement falls below the floor fails in one line naming the figure and the option. Drafts and heads also
+get their tau for the fp32 target.
 """
 
 from __future__ import annotations
