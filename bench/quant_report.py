@@ -12,23 +12,24 @@ from ..manifest import Manifest
 
 
 def rows(manifest: Manifest) -> list[dict]:
-    """One row per target or draft engine, in the set's order."""
+    """One row per target, draft or Medusa heads engine, in the set's order."""
     out = []
     for e in manifest.engines.values():
-        if e.role not in ("target", "draft"):
+        if e.role not in ("target", "draft", "medusa"):
             continue
         q, p = e.quality or {}, e.parity or {}
-        agree = q.get("top1", 1.0 if e.precision == "fp32" else None)
-        out.append({"engine": e.name, "backend": e.backend, "precision": e.precision, "top1_vs_fp32": agree,
-                    "kl_vs_fp32": q.get("kl", 0.0 if e.precision == "fp32" else None),
+        model = e.role != "medusa"  # heads have no logits of their own to compare
+        agree = q.get("top1", 1.0 if e.precision == "fp32" and model else None)
+        out.append({"engine": e.name, "role": e.role, "backend": e.backend, "precision": e.precision,
+                    "top1_vs_fp32": agree, "kl_vs_fp32": q.get("kl", 0.0 if e.precision == "fp32" and model else None),
                     "width_exact": e.width_exact, "greedy_vs_torch": p.get("greedy_agreement_vs_torch"),
                     "greedy_bench": q.get("greedy_bench"),
                     "draft_tau": (q.get("drafting") or {}).get("tau"),
                     "draft_acceptance": (q.get("drafting") or {}).get("acceptance_by_position"),
                     "draft_tau_humaneval": ((q.get("drafting") or {}).get("humaneval") or {}).get("tau"),
                     "weights_mib": (e.memory or {}).get("weights_bytes", 0) / 2**20})
-    ref = next((r for r in out if r["engine"] == "draft-fp32"), None)
-    for r in out:  # the share of the fp32 draft's tau a quantized draft keeps, per prompt set
+    for r in out:  # the share of the fp32 draft's (or heads') tau a quantized one keeps, per prompt set
+        ref = next((x for x in out if x["role"] == r["role"] and x["precision"] == "fp32"), None)
         for key in ("draft_tau", "draft_tau_humaneval"):
             base = ref and ref[key]
             r[key + "_kept"] = round(r[key] / base, 3) if base and r[key] is not None else None
@@ -45,13 +46,14 @@ def write(manifest: Manifest, out: Path) -> Path:
              "before the first divergence.", "",
              "greedy on bench: plain greedy decoding of the first bench prompt per category, 32 tokens, "
              "identical to the fp32 engine's / prompts.", "",
-             "draft tau: tokens per target pass when the draft drafts 4 tokens a round for the fp32 target "
-             "(greedy, 48 tokens a prompt), on held-out stdlib code (with its acceptance by position) and on "
-             "HumanEval problems as chat requests; (x) the share of draft-fp32's tau kept.", "",
+             "draft tau: tokens per target pass for the fp32 target (greedy, 48 tokens a prompt; a draft model "
+             "drafts 4 tokens a round, Medusa heads their tree), on held-out stdlib code (with acceptance by "
+             "position) and on HumanEval problems as chat requests; (x) the share of the fp32 draft's or heads' "
+             "tau kept.", "",
              "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | greedy on bench | "
              "draft tau, stdlib | acceptance by position | draft tau, HumanEval | weights MiB |",
              "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]
-    kept = lambda r, k: "" if r[k + "_kept"] is None or r["engine"] == "draft-fp32" else \
+    kept = lambda r, k: "" if r[k + "_kept"] is None or r["precision"] == "fp32" else \
         f" ({r[k + '_kept']:.0%})"  # noqa: E731
     for r in table:
         acc = " ".join(f"{a:.2f}" for a in r["draft_acceptance"]) if r["draft_acceptance"] else "–"
@@ -75,7 +77,7 @@ def write(manifest: Manifest, out: Path) -> Path:
         a, b = axes[0], axes[1]
         if drafts:
             axes[2].bar([r["engine"] for r in drafts], [r["draft_tau"] for r in drafts])
-            axes[2].set_title("draft tau for the fp32 target (K=4)")
+            axes[2].set_title("tau for the fp32 target (stdlib code)")
         names = [r["engine"] for r in shown]
         a.bar(names, [r["top1_vs_fp32"] for r in shown])
         a.set_ylim(0, 1)

@@ -429,6 +429,11 @@ def test_fp8_heads_of_a_portable_set_keep_the_targets_output(tiny_dir, tiny_head
     for name in ("medusa-fp32", "medusa-fp8"):
         d = m.engines[name].quality["drafting"]
         assert d["against"] == "target-fp32" and 1.0 <= d["tau"] and d["humaneval"]["prompts"] >= 1
+    from specrt.bench.quant_report import rows
+
+    heads = {r["engine"]: r for r in rows(m) if r["role"] == "medusa"}
+    assert heads["medusa-fp8"]["draft_tau_kept"] == round(heads["medusa-fp8"]["draft_tau"] /
+                                                          heads["medusa-fp32"]["draft_tau"], 3)
     only = replace(m, engines={k: e for k, e in m.engines.items() if k in ("target-fp32", "medusa-fp8")})
     plain, med = load(only, "fp32", "off"), load(only, "fp32", "medusa")
     for prompt in ("def add(a, b):", "The quick brown fox"):
