@@ -253,6 +253,10 @@ def test_heads_of_a_medusa_set_check_too(tmp_path):
     (["--backend", "onnxruntime-cuda"], "onnxruntime-gpu"),
     (["--backend", "bogus"], "--backend 'bogus'"),
     (["--backend", "onnxruntime-portable", "--precisions", "int4"], "not int4"),
+    (["--backend", "onnxruntime-portable", "--precisions", "fp32,fp8", "--calibration-texts", "0"],
+     "--calibration-texts 0"),
+    (["--backend", "onnxruntime-portable", "--precisions", "int4-awq", "--quality-floor", "1.5"],
+     "--quality-floor 1.5"),
 ])
 def test_engines_refuses_a_backend_it_cannot_build_in_one_line(tiny_dir, tmp_path, args, says):
     from typer.testing import CliRunner

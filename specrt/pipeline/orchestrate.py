@@ -75,6 +75,12 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     portable = req.backend in PORTABLE_BACKENDS
     for p in ([] if portable else built):
         precision(p)
+    if portable and any(p in QDQ_PRECISIONS for p in built):
+        if req.calibration_texts < 1:
+            raise SpecrtError(f"--calibration-texts {req.calibration_texts} calibrates nothing; use at least 1 "
+                              "(default 32)")
+        if not 0.0 <= req.quality_floor <= 1.0:
+            raise SpecrtError(f"--quality-floor {req.quality_floor} is not a share of tokens; use 0-1 (default 0.85)")
     if req.max_context < MIN_CONTEXT:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
     src = resolve(req.source)
