@@ -91,9 +91,10 @@ def engines(
     calibration_texts: int = typer.Option(32, "--calibration-texts",
                                           help="fp8/int8/int4-awq: packaged texts (stdlib code and doc questions) "
                                                "their activation statistics are calibrated on."),
-    quality_floor: float = typer.Option(0.85, "--quality-floor",
-                                        help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on "
-                                             "held-out text a build keeps (0-1); below it the build fails."),
+    quality_floor: Optional[float] = typer.Option(
+        None, "--quality-floor",
+        help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "
+             "(0-1; default 0.85, int4-awq 0.70); below it the build fails."),
     backend: str = typer.Option("onnxruntime", "--backend", "-b",
                                 help="onnxruntime (CPU, fused kernels, the fastest here); onnxruntime-portable "
                                      "(the standard-op graph GPUs compile, run on the CPU: their parity reference); "

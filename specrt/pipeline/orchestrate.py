@@ -43,7 +43,8 @@ class EngineSetRequest:
     eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-int8
     backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt (pipeline/portable.py)
     calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
-    quality_floor: float = 0.85       # fp8/int8: the least top-1 agreement with fp32 on held-out text a build keeps
+    quality_floor: float | None = None  # Q/DQ: the least top-1 agreement with fp32 on held-out text a build keeps
+    #                                     (None: by precision, quality.DEFAULT_FLOORS)
 
 
 def _say(msg: str) -> None:
@@ -79,8 +80,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         if req.calibration_texts < 1:
             raise SpecrtError(f"--calibration-texts {req.calibration_texts} calibrates nothing; use at least 1 "
                               "(default 32)")
-        if not 0.0 <= req.quality_floor <= 1.0:
-            raise SpecrtError(f"--quality-floor {req.quality_floor} is not a share of tokens; use 0-1 (default 0.85)")
+        if req.quality_floor is not None and not 0.0 <= req.quality_floor <= 1.0:
+            raise SpecrtError(f"--quality-floor {req.quality_floor} is not a share of tokens; use 0-1 (default: "
+                              "0.85, int4-awq 0.70)")
     if req.max_context < MIN_CONTEXT:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
     src = resolve(req.source)

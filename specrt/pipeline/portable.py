@@ -18,7 +18,7 @@ from ..interface import PORTABLE_DTYPES, QDQ_PRECISIONS, portable_io_description
 from ..manifest import EngineEntry, engine_memory, file_sha256, tool_versions
 from . import checks
 from .buildcache import link
-from .quality import DEFAULT_FLOOR, QDQ_SESSION, build_quantized, measure_quality, require_quality
+from .quality import QDQ_SESSION, build_quantized, measure_quality, require_quality
 from .runtime_link import provisional_entry
 
 PORTABLE_BACKENDS = ("onnxruntime-portable", "onnxruntime-cuda", "tensorrt")
@@ -52,7 +52,7 @@ def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
 
 
 def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str,
-                          calibration_texts: int = 32, quality_floor: float = DEFAULT_FLOOR) -> EngineEntry:
+                          calibration_texts: int = 32, quality_floor: float | None = None) -> EngineEntry:
     """<role>-<p> of a portable set: the portable graph (cached per export and graph format; fp8/int8: its Q/DQ
     form, calibrated, its quality against fp32 measured), compiled for TensorRT where asked, linked into tmp,
     checked -> its manifest entry."""
@@ -75,9 +75,8 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         build = {**build, **json.loads(graph.with_suffix(".json").read_text())}
         session_config = dict(QDQ_SESSION)
     if p != "fp32":  # on the CPU, on the very graph a GPU backend compiles
-        log(f"measuring {role}-{p} against fp32 on held-out text")
-        quality = measure_quality(graph, fp32_graph, facts, "onnxruntime-portable", p, cache)
-        require_quality(f"{role}-{p}", quality, quality_floor)
+        quality = _measured_quality(graph, fp32_graph, facts, p, cache, log, f"{role}-{p}")
+        require_quality(f"{role}-{p}", quality, p, quality_floor)
     files = [graph, Path(str(graph) + ".data")]
     if backend == "tensorrt":
         engine, trt_facts = _tensorrt_engine(graph, facts, log)
@@ -104,6 +103,24 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         quality=quality, tokenizer_sha256=file_sha256(cache / "tokenizer.json"),
         build_versions=tool_versions(("specrt", "onnx", "onnxruntime", "tensorrt")))
     return entry.with_memory(engine_memory(entry, tmp))
+
+
+def _measured_quality(graph: Path, fp32_graph: Path, facts: dict, p: str, cache: Path, log, name: str) -> dict:
+    """measure_quality's figures for a cached graph, kept beside it (a build that failed its floor, or one with
+    another precision added, does not measure a large model's graphs again)."""
+    import onnxruntime as ort
+
+    from .quality import QUALITY_FORMAT
+
+    kept = graph.with_name(f"{graph.stem}.quality-v{QUALITY_FORMAT}-ort{ort.__version__}.json")
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    log(f"measuring {name} against fp32 on held-out text")
+    quality = measure_quality(graph, fp32_graph, facts, "onnxruntime-portable", p, cache)
+    part = kept.with_name(kept.name + ".part")
+    part.write_text(json.dumps(quality))
+    os.replace(part, kept)
+    return quality
 
 
 def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path) -> Path:

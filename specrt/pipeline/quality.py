@@ -19,7 +19,10 @@ from .runtime_link import open_built_engine
 
 QDQ_SESSION = {"session.disable_quant_qdq": "1"}  # ONNX Runtime runs the Q/DQ graph as written (fake-quant)
 HELDOUT_TEXTS, MAX_TOKENS = 16, 256
-DEFAULT_FLOOR = 0.85  # top-1 agreement with fp32 on held-out text
+QUALITY_FORMAT = 1  # bump when what measure_quality measures changes: figures kept beside cached graphs are keyed on it
+# the least top-1 agreement with fp32 on held-out text a build keeps, by precision, unless --quality-floor says;
+# int4 weights cost more (SmolLM2's shipped GPTQ int4 agrees ~80%: BENCHMARKS.md, "int4 accuracy")
+DEFAULT_FLOORS = {"fp16": 0.85, "fp8": 0.85, "int8": 0.85, "int4-awq": 0.70}
 
 
 def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
@@ -132,7 +135,9 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
 
-def require_quality(name: str, quality: dict, floor: float) -> None:
+def require_quality(name: str, quality: dict, precision: str, floor: float | None) -> None:
+    """floor None: the precision's default (DEFAULT_FLOORS)."""
+    floor = DEFAULT_FLOORS.get(precision, 0.85) if floor is None else floor
     if quality["top1"] < floor:
         raise SpecrtError(f"{name} agrees with fp32 on {quality['top1']:.1%} of held-out tokens "
                           f"(KL {quality['kl']:.3f}), below --quality-floor {floor:.2f}; lower the floor to keep it, "
