@@ -50,7 +50,7 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
     """Statistics of every GEMM's activation input over the calibration passes (the fp32 portable graph, run with
     those tensors as extra outputs; the copy is written beside onnx_path, to find its weights, then removed):
     activation -> {"amax": max |x| per input channel [K], "mean_abs": mean |x| per channel [K], "rows": a uniform
-    sample of at most sample_rows positions [R, K] (AWQ's search reads them)}."""
+    sample of at most sample_rows positions [R, K] (AWQ's search reads them)}. seed: the samples'."""
     import onnx
     import onnxruntime as ort
 
@@ -71,7 +71,6 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
         so.log_severity_level = 3  # past and present are separate arrays here: TensorScatter's copy warning is moot
         session = ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"])
         for feed in feeds:
-            keys: dict[int, np.ndarray] = {}  # by row count: the same positions for every activation
             values = dict(zip(fetched, session.run(fetched, feed))) | {a: feed[a] for a in acts if a in inputs}
             for name in acts:
                 value = values[name]
@@ -83,8 +82,8 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
                 st["amax"] = np.maximum(st["amax"], np.abs(x).max(axis=0))
                 st["abs_sum"] += np.abs(x).sum(axis=0)
                 st["count"] += len(x)
-                if sample_rows:  # a reservoir by random priority
-                    k = keys.setdefault(len(x), rng.random(len(x)))
+                if sample_rows:  # a reservoir by random priority, each activation its own uniform sample
+                    k = rng.random(len(x))
                     allk, allx = np.concatenate([st["keys"], k]), np.concatenate([st["rows"], x])
                     top = np.argsort(allk)[:sample_rows]
                     st["keys"], st["rows"] = allk[top], allx[top]
