@@ -409,3 +409,18 @@ def test_a_quantized_draft_keeps_the_fp32_targets_greedy_output(quantized_engine
         a, b = plain.generate(prompt, max_new_tokens=40), spec.generate(prompt, max_new_tokens=40)
         assert b.token_ids == a.token_ids and b.stats.exact
         assert sum(b.stats.drafted_by_position) > 0  # it drafted
+
+
+def test_the_fp8_sensitivity_scan_keeps_each_group_in_float(portable_engines, capsys):
+    import json
+
+    from specrt.bench.qdq_sensitivity import main
+
+    cache = next(p for p in (portable_engines.parent / ".cache").glob("export-*ctx256*")
+                 if list(p.glob("portable-v*/target-fp32.onnx")))
+    main([str(cache), "--calibration-texts", "4"])
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert [r["variant"] for r in rows][:5] == ["none kept", "qkv kept", "o kept", "gateup kept", "down kept"]
+    n = rows[0]["of"]
+    assert rows[0]["gemms_kept"] == 1 and all(r["gemms_kept"] == 1 + (n - 1) // 4 for r in rows[1:5])
+    assert all(0 < r["top1"] <= 1 and r["kl"] >= 0 for r in rows)

@@ -1,0 +1,63 @@
+"""Which GEMMs, kept in float, buy back an FP8 engine's accuracy: the portable fp32 graph of an export, FP8 Q/DQ
+inserted with one group of GEMMs (by kind, or the first and last layers) left unquantized each time, each measured
+against fp32 as the build measures it (teacher-forced top-1 and KL on held-out stdlib code).
+
+    python -m specrt.bench.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+KINDS = ("qkv", "o", "gateup", "down")  # the portable graph's GEMMs of a layer, in order
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("export_cache", type=Path, help="an export's cache folder (engines/.cache/export-...), built "
+                    "with `specrt engines --backend onnxruntime-portable`")
+    ap.add_argument("--precision", default="fp8", choices=("fp8", "int8"))
+    ap.add_argument("--calibration-texts", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    import onnx
+
+    from ..build.gptq import calibration_texts as texts
+    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate, gemm_weights, insert_qdq
+    from ..interface import LOGITS
+    from ..pipeline.parity import prefill_feed
+    from ..pipeline.quality import _sequences, measure_quality
+    from ..pipeline.runtime_link import provisional_entry
+
+    cache = args.export_cache
+    facts = json.loads((cache / "export.json").read_text())
+    fp32 = next(iter(sorted(cache.glob("portable-v*/target-fp32.onnx"))), None)
+    if fp32 is None:
+        raise SystemExit(f"error: no portable fp32 graph under {cache}; build it with "
+                         "`specrt engines --backend onnxruntime-portable`")
+    layers = [n for n in gemm_weights(onnx.load(str(fp32), load_external_data=False)) if n != LOGITS]
+    kind = {n: KINDS[i % 4] for i, n in enumerate(layers)}
+    layer = {n: i // 4 for i, n in enumerate(layers)}
+    last = max(layer.values())
+    entry = provisional_entry(fp32, facts, backend="onnxruntime-portable")
+    seqs = _sequences([t for _, t in texts(args.calibration_texts)], cache, facts)
+    calib = calibrate(fp32, (prefill_feed(entry, s, 512) for s in seqs))
+    variants = {"none kept": []} | {f"{k} kept": [n for n in layers if kind[n] == k] for k in KINDS}
+    variants[f"layers 0, 1, {last - 1}, {last} kept"] = [n for n in layers if layer[n] in (0, 1, last - 1, last)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, keep in variants.items():
+            t = time.time()
+            out = Path(tmp) / "variant.onnx"
+            insert_qdq(fp32, out, args.precision, calib, keep=(*keep, LOGITS),
+                       smooth=SMOOTHQUANT_ALPHA if args.precision == "int8" else None)
+            q = measure_quality(out, fp32, facts, "onnxruntime-portable", args.precision, cache)
+            print(json.dumps({"variant": label, "gemms_kept": len(keep) + 1, "of": len(layers) + 1,
+                              "top1": q["top1"], "kl": q["kl"], "seconds": round(time.time() - t)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
