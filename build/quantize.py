@@ -94,10 +94,16 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
 
 
 def int4_block(k: int) -> int:
-    """The int4 block size for a GEMM of K inputs: AWQ_BLOCK, or the largest power of two below it dividing K."""
+    """The int4 block size for a GEMM of K inputs: AWQ_BLOCK, or the largest power of two below it dividing K
+    (at least 8)."""
+    from ..errors import SpecrtError
+
     b = AWQ_BLOCK
     while b > 8 and k % b:
         b //= 2
+    if k % b:
+        raise SpecrtError(f"a GEMM with {k} inputs cannot be split into int4 blocks of 8 or more; build this model "
+                          "at fp8 or int8 instead of int4-awq")
     return b
 
 

@@ -424,3 +424,22 @@ def test_the_fp8_sensitivity_scan_keeps_each_group_in_float(portable_engines, ca
     n = rows[0]["of"]
     assert rows[0]["gemms_kept"] == 1 and all(r["gemms_kept"] == 1 + (n - 1) // 4 for r in rows[1:5])
     assert all(0 < r["top1"] <= 1 and r["kl"] >= 0 for r in rows)
+
+
+def test_int4_blocks_and_awq_scales_on_outlier_channels():
+    from specrt.build.quantize import awq_scale, int4_block, quantize_int4
+    from specrt.errors import SpecrtError
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 32)).astype(np.float32)
+    q, s = quantize_int4(w, 128)
+    assert s.shape == (2, 32) and q.min() >= -8 and q.max() <= 7
+    assert np.abs(q * np.repeat(s, 128, axis=0) - w).max() <= s.max() / 2 + 1e-6  # round to nearest
+    x = rng.standard_normal((512, 256)).astype(np.float32)
+    x[:, :4] *= 50  # a few outlier input channels, as LLM activations have
+    scale, facts = awq_scale(x, np.abs(x).mean(axis=0), w, 128)
+    assert facts["alpha"] is not None and facts["mse"] < 0.8 * facts["mse_rtn"]  # AWQ protects the outliers
+    assert scale[:4].min() > np.median(scale)
+    assert (int4_block(576), int4_block(896)) == (64, 128)
+    with pytest.raises(SpecrtError, match="int4 blocks"):
+        int4_block(100)
