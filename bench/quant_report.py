@@ -48,8 +48,8 @@ def write(manifest: Manifest, out: Path) -> Path:
              "identical to the fp32 engine's / prompts.", "",
              "draft tau: tokens per target pass for the fp32 target (greedy, 48 tokens a prompt; a draft model "
              "drafts 4 tokens a round, Medusa heads their tree), on held-out stdlib code (with acceptance by "
-             "position) and on HumanEval problems as chat requests; (x) the share of the fp32 draft's or heads' "
-             "tau kept.", "",
+             "position) and on HumanEval problems, their code as a raw prompt (the model writes the body); "
+             "(x) the share of the fp32 draft's or heads' tau kept.", "",
              "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | greedy on bench | "
              "draft tau, stdlib | acceptance by position | draft tau, HumanEval | weights MiB |",
              "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]

@@ -322,7 +322,7 @@ def test_drafts_record_their_acceptance_for_the_fp32_target(quantized_engines):
         d = m.engine("draft", p).quality["drafting"]
         assert d["against"] == "target-fp32" and 1.0 <= d["tau"] <= 1 + d["draft_tokens"]
         assert len(d["acceptance_by_position"]) == d["draft_tokens"] and 0 < d["acceptance_by_position"][0] <= 1
-        h = d["humaneval"]  # the chat-rendered HumanEval problems that fit the 512-token context
+        h = d["humaneval"]  # the HumanEval problems that fit the 512-token context
         assert h["prompts"] >= 1 and 1.0 <= h["tau"] <= 1 + d["draft_tokens"] and "HumanEval" in h["text"]
     assert m.engine("draft", "fp8").quality["top1"] > 0.5
 

@@ -97,7 +97,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         from ..build.quantize import FORMAT as QDQ_FORMAT
         from ..export.portable import FORMAT
 
-        recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor]
+        from .quality import DRAFTING_FORMAT
+
+        recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()

@@ -20,6 +20,7 @@ from .runtime_link import open_built_engine
 QDQ_SESSION = {"session.disable_quant_qdq": "1"}  # ONNX Runtime runs the Q/DQ graph as written (fake-quant)
 HELDOUT_TEXTS, MAX_TOKENS = 16, 256
 QUALITY_FORMAT = 1  # bump when what measure_quality measures changes: figures kept beside cached graphs are keyed on it
+DRAFTING_FORMAT = 2  # bump when what _acceptance measures changes: engine sets are keyed on it
 # the least top-1 agreement with fp32 on held-out text a build keeps, by precision, unless --quality-floor says;
 # int4 weights cost more (SmolLM2's shipped GPTQ int4 agrees ~80%: BENCHMARKS.md, "int4 accuracy")
 DEFAULT_FLOORS = {"fp16": 0.85, "fp8": 0.85, "int8": 0.85, "int4-awq": 0.70}
@@ -165,15 +166,14 @@ def heads_acceptance(root: Path, target: str, heads: str) -> dict:
 def _acceptance(root: Path, target: str, proposer: str, mode: str, config) -> dict:
     """Greedy decoding of DRAFT_TOKENS tokens per prompt by `target` with only the engine `proposer` beside it,
     on held-out stdlib code (the first 96 tokens of each of DRAFT_PROMPTS texts as a raw prompt) and, under
-    "humaneval", on the first HumanEval problems as chat requests -> tau and acceptance by position, pooled over
-    each set's prompts."""
+    "humaneval", on the first HumanEval problems (their code as a raw prompt) -> tau and acceptance by position,
+    pooled over each set's prompts."""
     import json
     from dataclasses import replace
 
     from ..corpora import HUMANEVAL_PROMPTS, heldout_code_texts
     from ..manifest import load_manifest
     from ..runtime.session import load
-    from ..runtime.tokenizer import Message
 
     m = load_manifest(root)
     only = replace(m, engines={k: e for k, e in m.engines.items() if k in (target, proposer)})
@@ -181,18 +181,20 @@ def _acceptance(root: Path, target: str, proposer: str, mode: str, config) -> di
     codec, context = session.generator.codec, m.engines[target].max_context
     room = min(96, context // 2 - DRAFT_TOKENS)
     out = _drafting(session, [codec.decode(codec.encode(t)[:room]) for t in heldout_code_texts(DRAFT_PROMPTS)],
-                    chat=False)
-    if HUMANEVAL_PROMPTS.is_file():
+                    "held-out stdlib code, raw")
+    if HUMANEVAL_PROMPTS.is_file():  # the problem's code as a raw prompt: the model writes the body (a chat
+        # request's first DRAFT_TOKENS tokens only copy the prompt's signature back, which every draft gets right)
         cases = [json.loads(ln) for ln in HUMANEVAL_PROMPTS.read_text(encoding="utf-8").splitlines()
                  if ln.startswith("{")][:DRAFT_PROMPTS]
-        chats = [[Message(t["role"], t["content"]) for t in c["messages"]] for c in cases]
-        fits = [c for c in chats if len(codec.encode(codec.render_chat(c))) + DRAFT_TOKENS + 64 <= context]
+        codes = [c["messages"][-1]["content"].split("```python\n", 1)[-1].rsplit("\n```", 1)[0] + "\n"
+                 for c in cases]
+        fits = [c for c in codes if len(codec.encode(c)) + DRAFT_TOKENS + 64 <= context]
         if fits:
-            out["humaneval"] = _drafting(session, fits, chat=True)
+            out["humaneval"] = _drafting(session, fits, "HumanEval problems, raw (the function body)")
     return {**out, "against": target}
 
 
-def _drafting(session, prompts: list, chat: bool) -> dict:
+def _drafting(session, prompts: list[str], text: str) -> dict:
     from ..runtime.sampling import SamplingParams
 
     rounds = produced = 0
@@ -209,7 +211,7 @@ def _drafting(session, prompts: list, chat: bool) -> dict:
         kept[:n] += np.round(np.asarray(st.acceptance_by_position) * st.drafted_by_position)
     return {"tau": round(produced / rounds, 3) if rounds else None, "draft_tokens": len(drafted),
             "acceptance_by_position": [round(float(a), 3) for a in kept / np.maximum(drafted, 1)],
-            "prompts": len(prompts), "text": "HumanEval problems, chat" if chat else "held-out stdlib code, raw"}
+            "prompts": len(prompts), "text": text}
 
 
 def build_quantized_heads(precision: str, fp32_entry, heads_path: Path, target_entry, cache: Path, facts: dict,
