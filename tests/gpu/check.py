@@ -3,13 +3,15 @@ CUDA graphs faithfully, and how fast is it. One summary table, also written as J
 
 1. the reference: --engines DIR (an onnxruntime-portable set), or one built here with `specrt engines --backend
    onnxruntime-portable` from --source (default: a tiny random Llama from tests/tiny.py, with a noisy copy of
-   it as --draft), fp32 and fp16; a set carried from elsewhere needs no export toolchain here;
+   it as --draft), fp32, fp16 and the Q/DQ precisions QDQ; a set carried from elsewhere needs no export
+   toolchain here;
 2. the GPU sets, made from the reference's portable graphs: onnxruntime-cuda (the same files, its own manifest)
    where onnxruntime-gpu has CUDA; tensorrt (build/tensorrt.py on each graph) where tensorrt imports;
 3. per backend: parity against the CPU fp32 engine (teacher-forced greedy agreement over STEPS tokens and max
-   |Δlogit|, at fp32 and fp16); CUDA-graph replay (a script of passes at changing lengths, widths, a tree and a
-   capacity change, against the same script with SPECRT_CUDA_GRAPHS=0: max |Δ|); ms per greedy pass at widths 1
-   and 8 with and without graphs; tokens/s speedup of prompt lookup and of the draft model over plain decoding.
+   |Δlogit|, at fp32 and fp16; each Q/DQ engine against the CPU running its own graph); CUDA-graph replay (a
+   script of passes at changing lengths, widths, a tree and a capacity change, against the same script with
+   SPECRT_CUDA_GRAPHS=0: max |Δ|); ms per greedy pass at widths 1 and 8 with and without graphs; tokens/s
+   speedup of prompt lookup and of the draft model over plain decoding.
 
 Every cell is computed on its own: a failure or a missing library reads "failed: ..." or "skipped: ..." there and
 the rest goes on. Past the time budget (--budget, default 540 s) the remaining cells read "skipped: out of time".
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 64
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 4 + "def add(a, b):"
 NO_GPU = "gpu check: no NVIDIA GPU here ({}); nothing to check"
+QDQ = ("fp8", "int4-awq")  # does a GPU's kernel give a Q/DQ graph's own numerics (the CPU runs it as written)
 # Imports specrt from this checkout whether or not it is installed (the package maps specrt.runtime to runtime/...).
 SHIM = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import specrt; "
         f"specrt.__path__.append({str(REPO)!r}); ")
@@ -138,7 +141,8 @@ def build_reference(args, work: Path, budget: Budget) -> Path:
 
         source = str(make_checkpoint(work / "tiny-llama", "llama", seed=0))
         draft = draft or str(make_checkpoint(work / "tiny-draft", "llama", seed=0, noise=0.2))  # agrees at times
-    cmd = ["engines", "--source", source, "--backend", "onnxruntime-portable", "--precisions", "fp32,fp16",
+    cmd = ["engines", "--source", source, "--backend", "onnxruntime-portable", "--precisions",
+           ",".join(("fp32", "fp16") + QDQ),
            "--max-context", str(args.max_context), "--out", str(work / "sets"), "--name", "reference",
            "--medusa-heads", "none"] + (["--draft", draft] if draft else [])
     return Path(specrt_cli(cmd, timeout=max(budget.left() - 120, 60)))
@@ -322,6 +326,8 @@ def run(args, table: Table, work: Path, budget: Budget) -> None:
     """Fill the table: the reference set, the GPU sets, then each measurement per backend (section 3 above)."""
     import onnxruntime as ort
 
+    from specrt.manifest import load_manifest
+
     cpu, cuda, trt = COLUMNS
     ref = table.cell("build/open", cpu, lambda: build_reference(args, work, budget), need_s=60)
     if ref is None:
@@ -359,10 +365,23 @@ def run(args, table: Table, work: Path, budget: Budget) -> None:
         finally:
             close(e)
 
+    def check_qdq(col: str, root: Path, p: str):
+        """The GPU engine of a Q/DQ graph against the CPU running the same graph as written."""
+        if p not in {e.precision for e in load_manifest(ref).engines.values()}:
+            raise Skip(f"the reference set has no {p} engine")
+        cpu_p, e = open_entry(ref, "target", p), open_entry(root, "target", p)
+        try:
+            return parity(cpu_p, e, prompt)
+        finally:
+            close(e)
+            close(cpu_p)
+
     gpu_sets = {col: root for col, root in sets.items() if col != cpu}
     for col, root in gpu_sets.items():
         for p in ("fp32", "fp16"):
             table.cell(f"parity {p} vs CPU fp32", col, lambda: check_parity(col, root, p), need_s=20)
+        for p in QDQ:
+            table.cell(f"parity {p} vs CPU {p} (same graph)", col, lambda: check_qdq(col, root, p), need_s=20)
         table.cell("graph replay = no graphs (fp16)", col, lambda: graph_replay(root, "fp16", prompt), need_s=30)
     for col, root in sets.items():
         for graphs in (True, False) if col != cpu else (False,):
