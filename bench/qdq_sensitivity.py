@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     import onnx
 
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate, gemm_weights, insert_qdq
+    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate, gemm_layers, insert_qdq
     from ..interface import LOGITS
     from ..pipeline.parity import prefill_feed
     from ..pipeline.quality import _sequences, measure_quality
@@ -39,9 +39,9 @@ def main(argv=None) -> None:
     if fp32 is None:
         raise SystemExit(f"error: no portable fp32 graph under {cache}; build it with "
                          "`specrt engines --backend onnxruntime-portable`")
-    layers = [n for n in gemm_weights(onnx.load(str(fp32), load_external_data=False)) if n != LOGITS]
+    layer = gemm_layers(onnx.load(str(fp32), load_external_data=False))
+    layers = list(layer)
     kind = {n: KINDS[i % 4] for i, n in enumerate(layers)}
-    layer = {n: i // 4 for i, n in enumerate(layers)}
     last = max(layer.values())
     entry = provisional_entry(fp32, facts, backend="onnxruntime-portable")
     seqs = _sequences([t for _, t in texts(args.calibration_texts)], cache, facts)

@@ -46,6 +46,31 @@ def gemm_weights(model) -> dict[str, tuple[str, str]]:
             if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2}
 
 
+def gemm_layers(model) -> dict[str, int]:
+    """Constant-weight GEMM name -> its decoder layer: the portable graph names each layer's fused QKV
+    `layers.<i>.qkv` and writes the layer's other GEMMs after it; the lm_head (after the last layer) is left out."""
+    from ..interface import LOGITS
+
+    out, layer = {}, None
+    for name in gemm_weights(model):
+        if name.startswith("layers.") and name.endswith(".qkv"):
+            layer = int(name.split(".")[1])
+        if layer is not None and LOGITS not in name:
+            out[name] = layer
+    return out
+
+
+def float_layer_gemms(model, n: int) -> tuple[str, ...]:
+    """The GEMMs of the first n and last n decoder layers (mixed precision: kept in float)."""
+    from ..errors import SpecrtError
+
+    layers = gemm_layers(model)
+    count = max(layers.values(), default=-1) + 1
+    if n and 2 * n >= count:
+        raise SpecrtError(f"--float-layers {n} keeps all {count} layers in float; use at most {(count - 1) // 2}")
+    return tuple(g for g, i in layers.items() if i < n or i >= count - n)
+
+
 def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> dict[str, dict]:
     """Statistics of every GEMM's activation input over the calibration passes (the fp32 portable graph, run with
     those tensors as extra outputs; the copy is written beside onnx_path, to find its weights, then removed):

@@ -443,3 +443,25 @@ def test_int4_blocks_and_awq_scales_on_outlier_channels():
     assert (int4_block(576), int4_block(896)) == (64, 128)
     with pytest.raises(SpecrtError, match="int4 blocks"):
         int4_block(100)
+
+
+def test_float_layers_keep_the_first_and_last_layers_gemms_in_float(tmp_path):
+    from tiny import make_checkpoint
+
+    from specrt.errors import SpecrtError
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    src = make_checkpoint(tmp_path / "tiny-3", "llama", seed=1, layers=3)
+    req = EngineSetRequest(str(src), "mixed", ("fp32", "fp8"), 256, tmp_path / "engines",
+                           backend="onnxruntime-portable", calibration_texts=4, quality_floor=0.5, float_layers=1)
+    m = load_manifest(make_engine_set(req, log=lambda m: None))
+    b = m.engine("target", "fp8").build
+    model = onnx.load(str(m.root / m.engine("target", "fp8").file), load_external_data=False)
+    kept = set(b["gemms_kept"])
+    assert b["float_layers"] == 1 and "logits" in kept and "layers.0.qkv" in kept and "layers.2.qkv" in kept
+    assert "layers.1.qkv" not in kept and b["gemms_quantized"] == len(kept) // 2  # 4 GEMMs a layer: 1 of 3 left
+    quantized = {n.name.removesuffix(".w_dq") for n in model.graph.node if n.name.endswith(".w_dq")}
+    assert len(quantized) == b["gemms_quantized"] and "layers.1.qkv" in quantized and not quantized & kept
+    with pytest.raises(SpecrtError, match="--float-layers 2 keeps all 3 layers"):
+        make_engine_set(EngineSetRequest(**{**req.__dict__, "name": "all-float", "float_layers": 2}),
+                        log=lambda m: None)

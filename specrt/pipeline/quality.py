@@ -36,27 +36,32 @@ def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
 
 
 def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, facts: dict, entry, log,
-                    calibration_texts: int, lm_head_fp32: bool = True) -> dict:
+                    calibration_texts: int, lm_head_fp32: bool = True, float_layers: int = 0) -> dict:
     """out (+ .data): the Q/DQ graph of fp32_graph at `precision`, calibrated on `calibration_texts` packaged texts
-    (stdlib code and doc questions, never the bench's prompts) -> its build facts. Written whole or not at all."""
+    (stdlib code and doc questions, never the bench's prompts) -> its build facts. float_layers: the first and
+    last that many decoder layers keep their GEMMs in float. Written whole or not at all."""
+    import onnx
+
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, insert_qdq
+    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, float_layer_gemms, insert_qdq
     from ..interface import LOGITS
     from .parity import prefill_feed
 
+    keep = float_layer_gemms(onnx.load(str(fp32_graph), load_external_data=False), float_layers)
+    keep += (LOGITS,) if lm_head_fp32 else ()
     seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
     log(f"calibrating {precision} activations on {len(seqs)} texts")
     calib = calibrate(fp32_graph, (prefill_feed(entry, s, 512) for s in seqs),
                       sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
     try:
-        info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=(LOGITS,) if lm_head_fp32 else (),
+        info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=keep,
                           smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None, log=log)
         shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
         shutil.move(str(part / out.name), str(out))
     finally:
         shutil.rmtree(part, ignore_errors=True)
-    info["calibration_texts"] = len(seqs)
+    info["calibration_texts"], info["float_layers"] = len(seqs), float_layers
     out.with_suffix(".json").write_text(json.dumps(info))
     return info
 
