@@ -257,6 +257,7 @@ def test_heads_of_a_medusa_set_check_too(tmp_path):
      "--calibration-texts 0"),
     (["--backend", "onnxruntime-portable", "--precisions", "int4-awq", "--quality-floor", "1.5"],
      "--quality-floor 1.5"),
+    (["--backend", "onnxruntime-portable", "--precisions", "fp32,fp8", "--float-layers", "-1"], "--float-layers -1"),
 ])
 def test_engines_refuses_a_backend_it_cannot_build_in_one_line(tiny_dir, tmp_path, args, says):
     from typer.testing import CliRunner
