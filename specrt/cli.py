@@ -442,12 +442,16 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get the full table
         console.print(t)
         for precision in sorted({e.precision for e in m.engines.values() if e.role == "target"}):
-            together = [e for e in m.engines.values() if e.role != "target" or e.precision == precision]
+            together = [m.engine("target", precision)]
+            for role in ("draft", "medusa", "eagle"):  # the one of each the runtime runs: at the target's
+                found = [e for e in m.engines.values() if e.role == role]  # precision, else the first
+                together += [next((e for e in found if e.precision == precision), found[0])] if found else []
             total = sum(memory[e.name]["total_bytes_at_max_context"] for e in together)
             draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
-            drafts = f" (the draft models: {draft / 2**20:.0f} MiB)" if draft else ""
-            console.print(f"memory at max context, target-{precision} with every proposer of the set: "
-                          f"{total / 2**20:.0f} MiB{drafts}")
+            drafts = f" (the draft model: {draft / 2**20:.0f} MiB)" if draft else ""
+            console.print(f"memory at max context, target-{precision} with {', '.join(e.name for e in together[1:])}"
+                          f": {total / 2**20:.0f} MiB{drafts}" if len(together) > 1 else
+                          f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB")
         src = m.raw.get("source", {})
         console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 

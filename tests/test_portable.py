@@ -466,3 +466,16 @@ def test_float_layers_keep_the_first_and_last_layers_gemms_in_float(tmp_path):
     with pytest.raises(SpecrtError, match="--float-layers 2 keeps all 3 layers"):
         make_engine_set(EngineSetRequest(**{**req.__dict__, "name": "all-float", "float_layers": 2}),
                         log=lambda m: None)
+
+
+def test_info_sums_the_memory_of_the_proposers_each_target_runs(quantized_engines):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["info", str(quantized_engines)])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split(" with ")[0].split()[-1]: ln for ln in r.output.splitlines()
+             if ln.startswith("memory at max context")}
+    assert "with draft-fp8:" in lines["target-fp8"] and "with draft-int4-awq:" in lines["target-int4-awq"]
+    assert "with draft-fp32:" in lines["target-int8"]  # no int8 draft: the runtime runs the first one
