@@ -75,7 +75,8 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
     """Statistics of every GEMM's activation input over the calibration passes (the fp32 portable graph, run with
     those tensors as extra outputs; the copy is written beside onnx_path, to find its weights, then removed):
     activation -> {"amax": max |x| per input channel [K], "mean_abs": mean |x| per channel [K], "rows": a uniform
-    sample of at most sample_rows positions [R, K] (AWQ's search reads them)}. seed: the samples'."""
+    sample of at most sample_rows positions [R, K], the same positions for every activation of a pass's shape
+    (AWQ's search reads them)}. seed: the samples'."""
     import onnx
     import onnxruntime as ort
 
@@ -96,6 +97,7 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
         so.log_severity_level = 3  # past and present are separate arrays here: TensorScatter's copy warning is moot
         session = ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"])
         for feed in feeds:
+            keys: dict[int, np.ndarray] = {}  # by row count: activations of a pass share their sample's positions
             values = dict(zip(fetched, session.run(fetched, feed))) | {a: feed[a] for a in acts if a in inputs}
             for name in acts:
                 value = values[name]
@@ -104,11 +106,12 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
                                              "abs_sum": np.zeros(x.shape[1], np.float64), "count": 0,
                                              "rows": np.zeros((0, x.shape[1]), np.float32),
                                              "keys": np.zeros(0)})
-                st["amax"] = np.maximum(st["amax"], np.abs(x).max(axis=0))
-                st["abs_sum"] += np.abs(x).sum(axis=0)
+                ax = np.abs(x)
+                st["amax"] = np.maximum(st["amax"], ax.max(axis=0))
+                st["abs_sum"] += ax.sum(axis=0)
                 st["count"] += len(x)
-                if sample_rows:  # a reservoir by random priority, each activation its own uniform sample
-                    k = rng.random(len(x))
+                if sample_rows:  # a reservoir by random priority (one draw per activation; the first's is kept)
+                    k = keys.setdefault(len(x), rng.random(len(x)))
                     allk, allx = np.concatenate([st["keys"], k]), np.concatenate([st["rows"], x])
                     top = np.argsort(allk)[:sample_rows]
                     st["keys"], st["rows"] = allk[top], allx[top]
@@ -145,9 +148,8 @@ def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) ->
     by side -> the per-channel scale s [K] (x / s times quantize(s * w)) with the least mean squared output error
     over the alpha grid, and the search's facts."""
     k, n = w.shape
-    w_mean = (np.abs(w).reshape(k // block, block, n) /
-              np.maximum(np.abs(w).reshape(k // block, block, n).max(axis=1, keepdims=True), 1e-12)
-              ).reshape(k, n).mean(axis=1)
+    blocks = np.abs(w).reshape(k // block, block, n)  # each weight relative to its block's amax, averaged over N
+    w_mean = (blocks / np.maximum(blocks.max(axis=1, keepdims=True), 1e-12)).reshape(k, n).mean(axis=1)
     ref = x @ w
 
     def error(s: np.ndarray) -> float:
