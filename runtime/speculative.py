@@ -151,13 +151,20 @@ def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, c
     return PromptLookup(sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
 
 
+def proposer_entry(manifest: Manifest, role: str, precision: str):
+    """The engine of a proposer role (draft, medusa, eagle) that runs beside a target at `precision`: the one at
+    that precision, else the first; None where the set has none."""
+    found = [e for e in manifest.engines.values() if e.role == role]
+    return next((e for e in found if e.precision == precision), found[0] if found else None)
+
+
 def draft_entry(manifest: Manifest, precision: str):
     """The draft engine `--speculate draft` runs: the draft at the target's precision, else the first one."""
-    drafts = [e for e in manifest.engines.values() if e.role == "draft"]
-    if not drafts:
+    entry = proposer_entry(manifest, "draft", precision)
+    if entry is None:
         raise SpecrtError(f"engine set '{manifest.root}' has no draft engine; rebuild it with "
                           "`specrt engines --source TARGET --draft DRAFT` or use --speculate prompt-lookup")
-    return next((d for d in drafts if d.precision == precision), drafts[0])
+    return entry
 
 
 def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
@@ -169,10 +176,10 @@ def _draft_model(manifest: Manifest, precision: str, options: EngineOptions, cfg
 def _heads_entry(manifest: Manifest, role: str, what: str, fix: str, precision: str = "fp32"):
     """The set's entry of a heads role (at the target's precision, else the first), or the one-line error naming
     how to get one."""
-    found = [e for e in manifest.engines.values() if e.role == role]
-    if not found:
+    entry = proposer_entry(manifest, role, precision)
+    if entry is None:
         raise SpecrtError(f"engine set '{manifest.root}' has no {what}; rebuild it with {fix}")
-    return next((e for e in found if e.precision == precision), found[0])
+    return entry
 
 
 def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,

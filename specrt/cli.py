@@ -424,6 +424,7 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         from rich.table import Table
 
         from .manifest import engine_memory, load_manifest
+        from .runtime.speculative import proposer_entry
 
         m = load_manifest(engines_dir)
         t = Table(title=f"{m.name}  ({m.root})")
@@ -442,10 +443,8 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get the full table
         console.print(t)
         for precision in sorted({e.precision for e in m.engines.values() if e.role == "target"}):
-            together = [m.engine("target", precision)]
-            for role in ("draft", "medusa", "eagle"):  # the one of each the runtime runs: at the target's
-                found = [e for e in m.engines.values() if e.role == role]  # precision, else the first
-                together += [next((e for e in found if e.precision == precision), found[0])] if found else []
+            together = [m.engine("target", precision)] + [  # with the one of each proposer the runtime runs
+                e for role in ("draft", "medusa", "eagle") if (e := proposer_entry(m, role, precision)) is not None]
             total = sum(memory[e.name]["total_bytes_at_max_context"] for e in together)
             draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
             drafts = f" (the draft model: {draft / 2**20:.0f} MiB)" if draft else ""

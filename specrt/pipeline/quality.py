@@ -43,7 +43,7 @@ def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, fa
     import onnx
 
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, float_layer_gemms, insert_qdq
+    from ..build.quantize import float_layer_gemms
     from ..interface import LOGITS
     from .parity import prefill_feed
 
@@ -51,8 +51,18 @@ def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, fa
     keep += (LOGITS,) if lm_head_fp32 else ()
     seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
     log(f"calibrating {precision} activations on {len(seqs)} texts")
-    calib = calibrate(fp32_graph, (prefill_feed(entry, s, 512) for s in seqs),
-                      sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
+    info = _write_qdq(fp32_graph, out, precision, (prefill_feed(entry, s, 512) for s in seqs), keep, log)
+    info["calibration_texts"], info["float_layers"] = len(seqs), float_layers
+    out.with_suffix(".json").write_text(json.dumps(info))
+    return info
+
+
+def _write_qdq(fp32_graph: Path, out: Path, precision: str, feeds, keep: tuple[str, ...], log) -> dict:
+    """out (+ .data), whole or not at all: fp32_graph calibrated on feeds (the statistics `precision` needs) with
+    Q/DQ inserted around its GEMMs but those in keep -> insert_qdq's facts."""
+    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, insert_qdq
+
+    calib = calibrate(fp32_graph, feeds, sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
     try:
         info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=keep,
@@ -61,8 +71,6 @@ def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, fa
         shutil.move(str(part / out.name), str(out))
     finally:
         shutil.rmtree(part, ignore_errors=True)
-    info["calibration_texts"], info["float_layers"] = len(seqs), float_layers
-    out.with_suffix(".json").write_text(json.dumps(info))
     return info
 
 
@@ -227,7 +235,6 @@ def build_quantized_heads(precision: str, fp32_entry, heads_path: Path, target_e
     from dataclasses import replace
 
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, insert_qdq
     from ..export.graph import read_initializers
     from ..export.medusa import export_heads_onnx, load_heads
     from ..interface import HEADS_HIDDEN, HEADS_TOKEN
@@ -256,12 +263,8 @@ def build_quantized_heads(precision: str, fp32_entry, heads_path: Path, target_e
                 if info.get("token_input"):
                     feed[HEADS_TOKEN] = seq[i + 1:i + 1 + n].astype(np.int64)
                 feeds.append(feed)
-        calib = calibrate(graph, feeds, sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
         out = tmp / f"{name}.onnx"
-        facts_q = insert_qdq(graph, part / out.name, precision, calib,
-                             smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None, log=log)
-        shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
-        shutil.move(str(part / out.name), str(out))
+        facts_q = _write_qdq(graph, out, precision, feeds, (), log)
     finally:
         shutil.rmtree(part, ignore_errors=True)
     entry = replace(fp32_entry, name=name, precision=precision, file=out.name, files=[out.name, out.name + ".data"],
