@@ -5,9 +5,10 @@ answer is done.
 
     python -m specrt.bench.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
 
-Each (mode, C) runs on a fresh BatchSession of C slots (C = 1 included: the batch path with one stream), after a
-warm-up answer per stream. The `single` row is the ordinary one-stream Session (`--speculate auto`), the figure a
-user gets without --parallel. Writes batch_load.json, batch_load.md and batch_load.png (if matplotlib imports).
+Each (mode, C) runs on a fresh session after a warm-up answer per stream: a BatchSession of C slots for C > 1 (at
+each `--prefill-chunk` size), the one-stream Session at that mode for C = 1 (`load(..., parallel=1)`). The
+`single` row is the ordinary one-stream Session at `--speculate auto`, the figure a user gets without --parallel.
+Writes batch_load.json, batch_load.md and batch_load.png (if matplotlib imports).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: int) 
     from ..runtime.tokenizer import Message
 
     greedy = SamplingParams(temperature=0.0)
-    gaps, tokens, errors, out = [], [0] * concurrency, [], {}
+    gaps, ttft, tokens, errors, out = [], [], [0] * concurrency, [], {}
     lock = threading.Lock()
     gate = threading.Barrier(concurrency + 1)
 
@@ -45,16 +46,20 @@ def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: int) 
             for j in range(i, answers, concurrency):
                 case = prompts[j % len(prompts)]
                 msgs = [Message(role, content) for role, content in case.messages]
+                asked = time.perf_counter()
                 s = session.stream(msgs, max_new_tokens=max_new_tokens, sampling=greedy, ignore_eos=True)
-                last, mine = None, []
+                last, mine, first = None, [], None
                 for _ in s:
                     now = time.perf_counter()
                     if last is not None:
                         mine.append(now - last)
+                    else:
+                        first = now - asked
                     last = now
                 tokens[i] += s.result.stats.new_tokens
                 with lock:
                     gaps.extend(mine)
+                    ttft.extend([] if first is None else [first])
                     out[case.id] = s.result.token_ids
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
@@ -70,8 +75,9 @@ def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: int) 
     if errors:
         raise errors[0]
     g = np.array(gaps) if gaps else np.zeros(1)
-    return {"tok_s": round(sum(tokens) / wall, 1), "itl_p50_ms": round(float(np.percentile(g, 50)) * 1000, 1),
-            "itl_p99_ms": round(float(np.percentile(g, 99)) * 1000, 1), "tokens": sum(tokens),
+    ms = lambda x, q: round(float(np.percentile(x, q)) * 1000, 1) if len(x) else None  # noqa: E731
+    return {"tok_s": round(sum(tokens) / wall, 1), "itl_p50_ms": ms(g, 50), "itl_p99_ms": ms(g, 99),
+            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "tokens": sum(tokens),
             "wall_s": round(wall, 2), "answers": out}
 
 
@@ -85,6 +91,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
     ap.add_argument("--out", default="bench-out/batch")
+    ap.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "default.jsonl"),
+                    help="prompt set (JSONL, the bench's format)")
+    ap.add_argument("--prefill-chunk", default="", metavar="T[,T...]",
+                    help="chunked prefill sizes to run each batched (mode, C) at (0 = one pass; default: the "
+                         "runtime's default only)")
     a = ap.parse_args(argv)
 
     import onnxruntime as ort
@@ -95,7 +106,7 @@ def main(argv=None) -> list[dict]:
     from .prompts import CATEGORIES, load_prompts, select
 
     cats = tuple(c for c in a.categories.split(",") if c in CATEGORIES)
-    prompts = select(load_prompts(Path(__file__).parent / "data" / "default.jsonl"), categories=cats,
+    prompts = select(load_prompts(Path(a.prompts)), categories=cats,
                      per_category=max(4, -(-a.answers // len(cats))))
     options = EngineOptions(threads=a.threads)
     rows = []
@@ -124,15 +135,19 @@ def main(argv=None) -> list[dict]:
           **_run(single, prompts, 1, a.answers, a.max_new_tokens)})
     del single
     gc.collect()
+    chunks = [int(t) for t in a.prefill_chunk.split(",")] if a.prefill_chunk else [None]
     for C in (int(c) for c in a.concurrency.split(",")):
         for name in a.modes.split(","):
-            speculate, k = MODES[name]
-            session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
-                           parallel=C)
-            _run(session, prompts[::-1], C, C, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
-            done({"mode": name, "concurrency": C, **_run(session, prompts, C, a.answers, a.max_new_tokens)})
-            del session
-            gc.collect()  # the last session's engines and caches go before the next one opens
+            for chunk in chunks if C > 1 else [None]:
+                speculate, k = MODES[name]
+                session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
+                               parallel=C, prefill_chunk=chunk)
+                _run(session, prompts[::-1], C, C, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
+                label = name if len(chunks) == 1 or C == 1 else f"{name}, chunk {session.prefill_chunk}"
+                done({"mode": label, "concurrency": C, "prefill_chunk": getattr(session, "prefill_chunk", None),
+                      **_run(session, prompts, C, a.answers, a.max_new_tokens)})
+                del session
+                gc.collect()  # the last session's engines and caches go before the next one opens
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
@@ -141,13 +156,14 @@ def main(argv=None) -> list[dict]:
             "command": "python -m specrt.bench.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
-    lines = ["| mode | C | tok/s (all streams) | vs one stream (same mode) | ITL p50 ms | ITL p99 ms | identical |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | C | tok/s (all streams) | vs one stream (same mode) | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
+             "| TTFT p99 ms | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = one.get(r["mode"])
+        base = one.get(r["mode"].split(", chunk")[0])
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tok_s']} | "
-                     f"{r['tok_s'] / base:.2f}x | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['identical']} |"
-                     if base else "")
+                     + (f"{r['tok_s'] / base:.2f}x" if base else "")
+                     + f" | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} "
+                       f"| {r['identical']} |")
     (out / "batch_load.md").write_text("\n".join(x for x in lines if x) + "\n")
     try:
         import matplotlib
@@ -156,8 +172,9 @@ def main(argv=None) -> list[dict]:
         import matplotlib.pyplot as plt
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        for name in a.modes.split(","):
-            pts = [r for r in rows if r["mode"] == name]
+        for name in dict.fromkeys(r["mode"] for r in rows if r["concurrency"] > 1):
+            base = name.split(", chunk")[0]  # its C = 1 point is the one-stream row of its mode
+            pts = [r for r in rows if r["mode"] == name or (r["mode"] == base and r["concurrency"] == 1)]
             ax1.plot([r["concurrency"] for r in pts], [r["tok_s"] for r in pts], marker="o", label=name)
             ax2.plot([r["concurrency"] for r in pts], [r["itl_p99_ms"] for r in pts], marker="o", label=name)
         ax1.set_xlabel("concurrent streams")

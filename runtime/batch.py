@@ -88,6 +88,7 @@ class Scheduler:
         self._joining = 0                      # streams waiting to join: no new pass starts until they are in
         self.costs: dict[int, BatchCosts] = {}  # id(batch engine) -> its measured pass costs
         self.passes = 0                        # backend calls run (a batch of rows, or a row alone)
+        self.prefill_chunk = 0                 # > 0: a prefill longer than this runs in chunks while others decode
         self.rows = 0                          # stream passes they held
 
     def costs_of(self, batch) -> BatchCosts:
@@ -186,12 +187,41 @@ class SlotEngine:
         tokens = np.ascontiguousarray(tokens, np.int64)
         n = len(tokens)
         check_pass(self, n, num_logits)
+        chunk = self.scheduler.prefill_chunk
+        if chunk and n > chunk >= num_logits and positions is None and tree_mask is None and self._others():
+            return self._chunked(tokens, chunk, num_logits, greedy)
         pos = (np.arange(self.length, self.length + n, dtype=np.int64) if positions is None
                else np.asarray(positions, np.int64))
         mask = None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n)
         row = self.scheduler.submit(self.slot, self.batch, PassRow(self.slot, tokens, pos, mask, num_logits, greedy))
         if self._hidden:
             self.hidden = row.hidden
+        return row.out
+
+    def _others(self) -> bool:
+        """Another stream is in the batch (a chunk of a prefill then lets its passes run between chunks)."""
+        return len(self.scheduler.active - {self.slot}) > 0
+
+    def _chunked(self, tokens: np.ndarray, chunk: int, num_logits: int, greedy: bool) -> np.ndarray:
+        """A prefill as passes of `chunk` tokens, so the batch's other streams decode between them instead of
+        waiting for all of it (chunked prefill); the rest goes at once when no other stream is left. The cache
+        holds the same positions as after one pass; the caller commits all of them as usual."""
+        start, n, done, hidden = self.length, len(tokens), 0, []
+        try:
+            while n - done > chunk and self._others():
+                row = self.scheduler.submit(self.slot, self.batch, PassRow(
+                    self.slot, tokens[done:done + chunk], np.arange(self.length, self.length + chunk), None, 1, True))
+                if self._hidden:
+                    hidden.append(row.hidden)
+                done += chunk
+                self.length += chunk  # the next chunk attends to this one
+            rest = tokens[done:]
+            row = self.scheduler.submit(self.slot, self.batch, PassRow(
+                self.slot, rest, np.arange(self.length, self.length + len(rest)), None, num_logits, greedy))
+        finally:
+            self.length = start
+        if self._hidden:
+            self.hidden = np.concatenate(hidden + [row.hidden]) if hidden else row.hidden
         return row.out
 
     def forward(self, tokens, positions=None, tree_mask=None, num_logits: int = 1) -> np.ndarray:

@@ -5,7 +5,9 @@ own Generator (its KV cache row, the sequence it holds for the next turn) and it
 controller), and its streams run in the caller's threads; runtime/batch.py's Scheduler puts their passes together.
 A stream takes a free slot when it starts (the one whose last sequence shares most of its prompt), so a
 conversation's next turn finds its prefix in the slot or in the shared prefix store, and more streams than slots
-wait for one. Draft lengths follow the batch's load (batch.LoadK) unless --draft-tokens fixes them.
+wait for one. Draft lengths follow the batch's load (batch.LoadK) unless --draft-tokens fixes them. A prompt
+longer than `prefill_chunk` tokens is read in passes of that many while the others decode between them (chunked
+prefill: a long prompt delays the other streams' next token by one chunk, not by all of it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from .prefix_cache import PrefixStore
 from .sampling import SamplingParams
 from .speculative import MAX_DRAFT_TOKENS, Opener, SpeculativeConfig, draft_entry, make_decoder
 from .tokenizer import Message, TextCodec
+
+# Tokens of a chunk of a prefill while other streams decode: each of their tokens waits for at most one chunk;
+# a smaller chunk costs the prefilling stream more rounds (BENCHMARKS.md, "How do several streams share the CPU?")
+PREFILL_CHUNK = 128
 
 
 class _Shared:
@@ -61,11 +67,15 @@ class BatchSession:
     """Session's interface (stream, generate, engine, manifest, precision, mode) over `parallel` slots."""
 
     def __init__(self, manifest: Manifest, precision: str, mode: str, parallel: int,
-                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig()):
+                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
+                 prefill_chunk: int | None = None):
         if parallel < 1:
             raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
+        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        check_prefill_chunk(prefill_chunk)
         self.manifest, self.precision, self.mode, self.parallel = manifest, precision, mode, parallel
         self.scheduler = Scheduler()
+        self.scheduler.prefill_chunk = self.prefill_chunk = prefill_chunk
         self._batches: dict[str, object] = {}
         self._heads = None
         entry = manifest.engine("target", precision)
@@ -183,9 +193,14 @@ def _detached(run, stream: Stream):
         thread.join()
 
 
+def check_prefill_chunk(tokens: int) -> None:
+    if tokens < 0:
+        raise SpecrtError(f"--prefill-chunk must be >= 0 tokens (0 = each prompt in one pass), got {tokens}")
+
+
 def load_batch(manifest: Manifest, precision: str, mode: str, parallel: int, options: EngineOptions,
-               config: SpeculativeConfig) -> BatchSession:
+               config: SpeculativeConfig, prefill_chunk: int | None = None) -> BatchSession:
     """session.load's half for parallel > 1 (mode resolved already)."""
     if mode == "draft":
         draft_entry(manifest, precision)  # no draft engine: one line now
-    return BatchSession(manifest, precision, mode, parallel, options, config)
+    return BatchSession(manifest, precision, mode, parallel, options, config, prefill_chunk)

@@ -61,13 +61,14 @@ class Session:
 
 def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "off",
          options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
-         shared: dict | None = None, parallel: int = 1) -> Session:
+         shared: dict | None = None, parallel: int = 1, prefill_chunk: int | None = None) -> Session:
     """Open an engine set for generation. options.taking_turns None: on exactly when a draft model speculates
     (its passes and the target's alternate on the same cores); plain decoding on a set with a draft keeps it off.
     shared: a dict in which sessions of one process share their target (same set, precision and options: the
     bench compares strategies on one engine, each request rewinds it); None = a target of its own.
     parallel > 1: a BatchSession (runtime/batch_session.py) that runs that many streams at once, each from its own
-    thread, their passes batched."""
+    thread, their passes batched; prefill_chunk: a prompt longer than this is read in passes of that many tokens while
+    other streams decode (None: batch_session.PREFILL_CHUNK, 0: in one pass)."""
     manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
     mode = resolve_mode(speculate, manifest, precision)
     if options.taking_turns is None:
@@ -75,7 +76,7 @@ def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str
     if parallel != 1:
         from .batch_session import load_batch
 
-        return load_batch(manifest, precision, mode, parallel, options, config)
+        return load_batch(manifest, precision, mode, parallel, options, config, prefill_chunk)
     key = (str(manifest.root), precision, options)
     if shared is not None and key in shared:
         generator = shared[key]

@@ -106,6 +106,7 @@ class EngineSpec:
     max_queue: int = 16
     cache_ram_mib: int = 1024
     parallel: int = 1           # streams each replica decodes at once (specrt serve --parallel)
+    prefill_chunk: int | None = None  # specrt serve --prefill-chunk (None: its default)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class SpecrtEngine:
 
         manifest = load_manifest(Path(spec.engines))
         session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
-                       parallel=spec.parallel)
+                       parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
         self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logging.getLogger("specrt.server").setLevel(logging.INFO)
@@ -334,6 +335,8 @@ def serve_ray(
     max_queue: int = typer.Option(16, "--max-queue", help="Per replica: requests that may wait or run at once."),
     parallel: int = typer.Option(1, "--parallel", "-np", help="Per replica: streams decoded at once (as for "
                                                               "`specrt serve`)."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", metavar="TOKENS",
+                                                help="Per replica, as for `specrt serve`.", show_default=False),
     cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
                                   help="Per replica: host memory for other conversations' KV caches."),
     address: Optional[str] = typer.Option(None, "--address",
@@ -347,7 +350,7 @@ def serve_ray(
     def run():
         from .serve_command import check_serve_flags
 
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key)
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk)
         check_flags(replicas, cores_per_replica, gpus_per_replica)
         try:
             import ray
@@ -373,7 +376,7 @@ def serve_ray(
             placement = plan(replicas, cores_per_replica, gpus_per_replica, ray.cluster_resources())
             spec = replace(EngineSpec(str(Path(manifest.root).resolve())), precision=precision, speculate=speculate,
                            threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
-                           parallel=parallel)
+                           parallel=parallel, prefill_chunk=prefill_chunk)
             serve.start(http_options={"host": host, "port": port})
             started = True
             typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"

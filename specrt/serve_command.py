@@ -11,7 +11,8 @@ import typer
 from .errors import SpecrtError
 
 
-def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None) -> None:
+def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
+                      prefill_chunk: int | None = None) -> None:
     """The flags `serve` and `serve-ray` share, checked before anything loads (one line each)."""
     if not 0 < port < 65536:
         raise SpecrtError(f"--port must be in 1..65535, got {port}")
@@ -23,6 +24,16 @@ def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, 
         raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
     if api_key is not None and not api_key.strip():
         raise SpecrtError("--api-key is empty; pass a key or omit the flag")
+    if prefill_chunk is not None:
+        from .runtime.batch_session import check_prefill_chunk
+
+        check_prefill_chunk(prefill_chunk)
+
+
+# its default is batch_session.PREFILL_CHUNK (tested)
+PREFILL_CHUNK_HELP = ("With --parallel: a prompt longer than this many tokens is read in chunks of it, the other "
+                      "streams decoding between them, so their next token waits for one chunk, not the whole prompt "
+                      "(SGLang's --chunked-prefill-size; 0 = one pass). Default 128.")
 
 
 def serve(
@@ -45,6 +56,8 @@ def serve(
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fixed draft length K (default: adaptive, by load with "
                                                     "--parallel)."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", metavar="TOKENS", help=PREFILL_CHUNK_HELP,
+                                                show_default=False),
     cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
                                   help="Host memory for the KV caches of other conversations, kept while one runs "
                                        "(least recently used out; 0 = reuse only the last request's). Like "
@@ -56,7 +69,7 @@ def serve(
     from .cli import _guard
 
     def run():
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key)
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk)
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401
@@ -75,7 +88,7 @@ def serve(
         config = SpeculativeConfig(draft_tokens=draft_tokens)
         config.check()
         run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
-                                parallel=parallel),
+                                parallel=parallel, prefill_chunk=prefill_chunk),
                    manifest.name, host, port, api_key, max_queue, cache_ram)
 
     _guard(run)

@@ -117,6 +117,75 @@ def test_batched_rows_equal_passes_alone(tiny_engines):
         assert (results[s].argmax(1) == want.argmax(1)).all()
 
 
+def test_a_chunked_prefill_equals_one_pass_and_lets_the_others_decode(tiny_engines):
+    """A prompt read in chunks while another slot decodes: the same logits and hidden states as one pass over it,
+    and the other stream's one-token passes ran between the chunks; alone, the prompt goes in one pass."""
+    from specrt.manifest import load_manifest
+    from specrt.runtime.backends.onnxruntime_batch import open_batch
+    from specrt.runtime.engine import EngineOptions, open_engine
+
+    m = load_manifest(tiny_engines)
+    entry = m.engine("target", "fp32")
+    batch = open_batch(m.root, entry, EngineOptions(threads=1), 2)
+    sched = Scheduler()
+    sched.prefill_chunk = 16
+    slots = [SlotEngine(batch, s, sched) for s in range(2)]
+    for s in slots:
+        s.enable_hidden()
+    alone = open_engine(m.root, entry, EngineOptions(threads=1))
+    alone.enable_hidden()
+    rng = np.random.default_rng(1)
+    head, prompt = rng.integers(3, 300, 7), rng.integers(3, 300, 70)
+    sched.join(0)
+    slots[0].forward(head)
+    slots[0].commit(len(head))
+    sched.join(1)
+    got, decoded = {}, []
+
+    def other():  # slot 0 decodes until slot 1's prompt is in
+        while "logits" not in got:
+            decoded.append(int(slots[0].argmax(np.array([5]))[0]))
+            slots[0].commit(1)
+        sched.leave(0)
+
+    t = threading.Thread(target=other)
+    t.start()
+    got["logits"] = slots[1].forward(prompt, num_logits=3).copy()
+    got["hidden"] = slots[1].hidden.copy()
+    assert slots[1].length == 0  # the caller commits, as after one pass
+    slots[1].commit(len(prompt))
+    nxt = slots[1].forward(np.array([9])).copy()  # beside slot 0's last pass
+    slots[1].commit(1)
+    t.join(30)
+    assert not t.is_alive()
+    want = alone.forward(prompt, num_logits=3)
+    np.testing.assert_allclose(got["logits"], want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got["hidden"], alone.hidden[:len(prompt)], atol=1e-4, rtol=0)
+    assert len(decoded) >= 4  # 70 tokens = 4 chunks of 16 and the rest: slot 0 passed beside each
+    assert sched.costs_of(batch).cells[(1, 16)][1] == 4
+    alone.commit(len(prompt))  # the next token after the chunked prompt, against the engine alone
+    np.testing.assert_allclose(nxt, alone.forward(np.array([9])), atol=1e-4, rtol=0)
+    # alone in the batch now: a prompt in one pass
+    slots[1].rewind(0)
+    cells = dict(sched.costs_of(batch).cells)
+    slots[1].forward(prompt)
+    assert sched.costs_of(batch).cells[(1, 70)][1] == cells.get((1, 70), [0, 0])[1] + 1
+    sched.leave(1)
+
+
+@pytest.mark.parametrize("chunk", [0, 20])
+def test_streams_with_long_prompts_keep_their_output_with_and_without_chunks(tiny_engines, chunk):
+    """Streams whose prompts are read in chunks of 20 (wider than any draft's pass) while the others decode, and
+    without chunks: each gets the tokens it gets alone."""
+    alone = load(tiny_engines, "fp32", "prompt-lookup")
+    jobs = [(PROMPTS[0], 90, 0.0), (PROMPTS[3] * 4, 30, 0.0), (PROMPTS[2] * 3, 40, 0.01)]
+    want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    batched = gathering(load(tiny_engines, "fp32", "prompt-lookup", parallel=3, prefill_chunk=chunk), 3)
+    assert run_threads(batched, jobs) == want
+    chunks = batched.scheduler.costs_of(batched.batch).cells.get((1, 20), [0, 0])[1]
+    assert (chunks > 0) == (chunk > 0)
+
+
 @pytest.mark.parametrize("mode", ["off", "prompt-lookup"])
 def test_streams_joining_and_leaving_keep_their_own_output(tiny_engines, mode):
     """Four streams of different prompt and answer lengths, started at different times on 3 slots (the fourth
@@ -311,7 +380,15 @@ def test_parallel_on_a_backend_that_cannot_batch_is_one_line(tiny_engines, tmp_p
         load(root, "fp32", "off", parallel=2)
 
 
+def test_the_prefill_chunk_default_in_serve_help_is_the_runtime_default():
+    from specrt.runtime.batch_session import PREFILL_CHUNK
+    from specrt.serve_command import PREFILL_CHUNK_HELP
+
+    assert PREFILL_CHUNK_HELP.endswith(f"Default {PREFILL_CHUNK}.")
+
+
 @pytest.mark.parametrize("args,words", [(("--parallel", "0"), ("--parallel", ">= 1")),
+                                        (("--parallel", "2", "--prefill-chunk", "-1"), ("--prefill-chunk", ">= 0")),
                                         (("--parallel", "2", "--draft-tokens", "99"), ("--draft-tokens", "1..32"))])
 def test_serve_parallel_bad_values_are_one_line(tiny_engines, args, words):
     import os
@@ -372,3 +449,21 @@ def test_a_prompt_that_fills_the_context_is_refused_and_the_batch_goes_on(tiny_e
     assert want[0].stats.finish_reason == "context"
     got = run_threads(gathering(batched, 2), [(long_prompt, 300, 0.0), (PROMPTS[0], 40, 0.0)])
     assert got == [w.token_ids for w in want]
+
+
+def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
+    """The trade-off bench on the tiny set: a row per (mode, C, chunk), TTFT and ITL columns, every answer identical
+    to one-stream plain decoding."""
+    from test_bench import write_prompts
+
+    from specrt.bench.batch_load import main
+
+    rows = main(["--engines", str(tiny_engines), "--prompts", str(write_prompts(tmp_path / "p.jsonl", 4)),
+                 "--modes", "off", "--concurrency", "1,2", "--answers", "4",
+                 "--max-new-tokens", "8", "--categories", "chat", "--prefill-chunk", "0,16", "--threads", "1",
+                 "--out", str(tmp_path)])
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        ("single (auto, no --parallel)", 1), ("off", 1), ("off, chunk 0", 2), ("off, chunk 16", 2)]
+    assert all(r["identical"] == "4/4" and r["ttft_p50_ms"] > 0 and r["itl_p99_ms"] > 0 for r in rows)
+    table = (tmp_path / "batch_load.md").read_text()
+    assert "TTFT p99 ms" in table and "| off, chunk 16 | 2 |" in table
