@@ -31,7 +31,7 @@ MODES = {  # name -> (--speculate, --draft-tokens)
 }
 
 
-def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: int) -> dict:
+def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: dict[str, int]) -> dict:
     from ..runtime.sampling import SamplingParams
     from ..runtime.tokenizer import Message
 
@@ -47,7 +47,7 @@ def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: int) 
                 case = prompts[j % len(prompts)]
                 msgs = [Message(role, content) for role, content in case.messages]
                 asked = time.perf_counter()
-                s = session.stream(msgs, max_new_tokens=max_new_tokens, sampling=greedy, ignore_eos=True)
+                s = session.stream(msgs, max_new_tokens=max_new_tokens[case.id], sampling=greedy, ignore_eos=True)
                 last, mine, first = None, [], None
                 for _ in s:
                     now = time.perf_counter()
@@ -88,6 +88,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--answers", type=int, default=16, help="answers per (mode, concurrency), timed")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--lengths", choices=("equal", "varied"), default="equal",
+                    help="every answer --max-new-tokens long, or 0.5x-1.5x of it (streams out of step: prefills "
+                         "land while others decode)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
     ap.add_argument("--out", default="bench-out/batch")
@@ -118,7 +121,11 @@ def main(argv=None) -> list[dict]:
     for c in prompts:  # categories in turn, so any first n prompts mix them
         rank[c.id] = sum(1 for d in prompts[:prompts.index(c)] if d.category == c.category)
     prompts = sorted(prompts, key=lambda c: rank[c.id])[:a.answers]
-    want = {c.id: plain.generate([Message(r, t) for r, t in c.messages], max_new_tokens=a.max_new_tokens,
+    # varied: answers of 0.5x to 1.5x --max-new-tokens (golden-ratio steps), so streams fall out of step and one's
+    # prefill lands while the others decode, as requests arriving at their own times do
+    lengths = {c.id: (a.max_new_tokens if a.lengths == "equal" else max(1, round(a.max_new_tokens * (
+        0.5 + (i * 0.6180339887) % 1.0)))) for i, c in enumerate(prompts)}
+    want = {c.id: plain.generate([Message(r, t) for r, t in c.messages], max_new_tokens=lengths[c.id],
                                  sampling=SamplingParams(temperature=0.0), ignore_eos=True).token_ids
             for c in prompts}
     del plain
@@ -130,9 +137,9 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(row), flush=True)
 
     single = load(a.engines, "fp32", "auto", options)
-    _run(single, prompts, 1, 1, a.max_new_tokens)
+    _run(single, prompts, 1, 1, lengths)
     done({"mode": "single (auto, no --parallel)", "concurrency": 1,
-          **_run(single, prompts, 1, a.answers, a.max_new_tokens)})
+          **_run(single, prompts, 1, a.answers, lengths)})
     del single
     gc.collect()
     chunks = [int(t) for t in a.prefill_chunk.split(",")] if a.prefill_chunk else [None]
@@ -142,17 +149,17 @@ def main(argv=None) -> list[dict]:
                 speculate, k = MODES[name]
                 session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
                                parallel=C, prefill_chunk=chunk)
-                _run(session, prompts[::-1], C, C, a.max_new_tokens)  # warm-up: pass costs and acceptance measured
+                _run(session, prompts[::-1], C, C, lengths)  # warm-up: pass costs and acceptance measured
                 label = name if len(chunks) == 1 or C == 1 else f"{name}, chunk {session.prefill_chunk}"
                 done({"mode": label, "concurrency": C, "prefill_chunk": getattr(session, "prefill_chunk", None),
-                      **_run(session, prompts, C, a.answers, a.max_new_tokens)})
+                      **_run(session, prompts, C, a.answers, lengths)})
                 del session
                 gc.collect()  # the last session's engines and caches go before the next one opens
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
             "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "max_new_tokens": a.max_new_tokens, "answers": a.answers,
+            "max_new_tokens": a.max_new_tokens, "lengths": a.lengths, "answers": a.answers,
             "command": "python -m specrt.bench.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}

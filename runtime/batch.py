@@ -38,6 +38,7 @@ class PassRow:
     mask: np.ndarray | None       # [n, n] additive tree mask, None = causal
     num_logits: int
     greedy: bool                  # out = the greedy tokens [num_logits] int64, else the logits [num_logits, V]
+    chunk: int = 0                # > 0: a chunk of a prefill, the prefill's ticket (the scheduler runs one a round)
     out: np.ndarray | None = None
     hidden: np.ndarray | None = None
     error: BaseException | None = None
@@ -89,6 +90,7 @@ class Scheduler:
         self.costs: dict[int, BatchCosts] = {}  # id(batch engine) -> its measured pass costs
         self.passes = 0                        # backend calls run (a batch of rows, or a row alone)
         self.prefill_chunk = 0                 # > 0: a prefill longer than this runs in chunks while others decode
+        self.tickets = 0                       # chunked prefills started, in order
         self.rows = 0                          # stream passes they held
 
     def costs_of(self, batch) -> BatchCosts:
@@ -136,8 +138,16 @@ class Scheduler:
                 and len(self._waiting) >= len(self.active))
 
     def _fire(self) -> None:
-        """Run every waiting row (called with the lock held; released while the passes run)."""
+        """Run every waiting row but the chunks of all prefills but the first (so a round holds one chunk's work
+        beside the decode passes; the others wait for the next round). Called with the lock held; released while the
+        passes run."""
         waiting, self._waiting, self._running = self._waiting, {}, True
+        chunks = [m for m, (_, row) in waiting.items() if row.chunk]
+        if len(chunks) > 1:
+            first = min(chunks, key=lambda m: waiting[m][1].chunk)
+            for m in chunks:
+                if m != first:
+                    self._waiting[m] = waiting.pop(m)
         groups: dict[int, tuple[object, list[PassRow]]] = {}
         for batch, row in waiting.values():
             groups.setdefault(id(batch), (batch, []))[1].append(row)
@@ -204,20 +214,26 @@ class SlotEngine:
 
     def _chunked(self, tokens: np.ndarray, chunk: int, num_logits: int, greedy: bool) -> np.ndarray:
         """A prefill as passes of `chunk` tokens, so the batch's other streams decode between them instead of
-        waiting for all of it (chunked prefill); the rest goes at once when no other stream is left. The cache
+        waiting for all of it (chunked prefill); the rest goes at once when no other stream is left. Prefills take
+        turns (first come, first served): one chunk a round. The cache
         holds the same positions as after one pass; the caller commits all of them as usual."""
         start, n, done, hidden = self.length, len(tokens), 0, []
+        with self.scheduler._cv:
+            self.scheduler.tickets += 1
+            ticket = self.scheduler.tickets
         try:
             while n - done > chunk and self._others():
                 row = self.scheduler.submit(self.slot, self.batch, PassRow(
-                    self.slot, tokens[done:done + chunk], np.arange(self.length, self.length + chunk), None, 1, True))
+                    self.slot, tokens[done:done + chunk], np.arange(self.length, self.length + chunk), None, 1, True,
+                    chunk=ticket))
                 if self._hidden:
                     hidden.append(row.hidden)
                 done += chunk
                 self.length += chunk  # the next chunk attends to this one
             rest = tokens[done:]
             row = self.scheduler.submit(self.slot, self.batch, PassRow(
-                self.slot, rest, np.arange(self.length, self.length + len(rest)), None, num_logits, greedy))
+                self.slot, rest, np.arange(self.length, self.length + len(rest)), None, num_logits, greedy,
+                chunk=ticket))
         finally:
             self.length = start
         if self._hidden:

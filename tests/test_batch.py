@@ -181,9 +181,17 @@ def test_streams_with_long_prompts_keep_their_output_with_and_without_chunks(tin
     jobs = [(PROMPTS[0], 90, 0.0), (PROMPTS[3] * 4, 30, 0.0), (PROMPTS[2] * 3, 40, 0.01)]
     want = [alone.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
     batched = gathering(load(tiny_engines, "fp32", "prompt-lookup", parallel=3, prefill_chunk=chunk), 3)
+    run, per_call = batched.batch.run, []
+
+    def counting(rows):  # the chunks of prefills each backend call held
+        per_call.append(sum(1 for r in rows if r.chunk))
+        return run(rows)
+
+    batched.batch.run = counting
     assert run_threads(batched, jobs) == want
     chunks = batched.scheduler.costs_of(batched.batch).cells.get((1, 20), [0, 0])[1]
     assert (chunks > 0) == (chunk > 0)
+    assert max(per_call) == (1 if chunk else 0)  # two prompts read at once take turns, a chunk a round
 
 
 @pytest.mark.parametrize("mode", ["off", "prompt-lookup"])
@@ -460,7 +468,8 @@ def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
 
     rows = main(["--engines", str(tiny_engines), "--prompts", str(write_prompts(tmp_path / "p.jsonl", 4)),
                  "--modes", "off", "--concurrency", "1,2", "--answers", "4",
-                 "--max-new-tokens", "8", "--categories", "chat", "--prefill-chunk", "0,16", "--threads", "1",
+                 "--max-new-tokens", "8", "--lengths", "varied", "--categories", "chat", "--prefill-chunk", "0,16",
+                 "--threads", "1",
                  "--out", str(tmp_path)])
     assert [(r["mode"], r["concurrency"]) for r in rows] == [
         ("single (auto, no --parallel)", 1), ("off", 1), ("off, chunk 0", 2), ("off, chunk 16", 2)]
