@@ -87,6 +87,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--answers", type=int, default=16, help="answers per (mode, concurrency), timed")
+    ap.add_argument("--reps", type=int, default=1, help="runs of every (mode, concurrency), interleaved; the tables "
+                                                        "give their medians")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--lengths", choices=("equal", "varied"), default="equal",
                     help="every answer --max-new-tokens long, or 0.5x-1.5x of it (streams out of step: prefills "
@@ -130,44 +132,49 @@ def main(argv=None) -> list[dict]:
             for c in prompts}
     del plain
 
-    def done(row):
-        answers = row.pop("answers")
-        row["identical"] = f"{sum(want[k] == v for k, v in answers.items())}/{len(answers)}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    single = load(a.engines, "fp32", "auto", options)
-    _run(single, prompts, 1, 1, lengths)
-    done({"mode": "single (auto, no --parallel)", "concurrency": 1,
-          **_run(single, prompts, 1, a.answers, lengths)})
-    del single
-    gc.collect()
+    configs = [("single (auto, no --parallel)", 1, "auto", None, None)]  # (label, C, --speculate, K, chunk)
     chunks = [int(t) for t in a.prefill_chunk.split(",")] if a.prefill_chunk else [None]
     for C in (int(c) for c in a.concurrency.split(",")):
         for name in a.modes.split(","):
             for chunk in chunks if C > 1 else [None]:
-                speculate, k = MODES[name]
-                session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
-                               parallel=C, prefill_chunk=chunk)
-                _run(session, prompts[::-1], C, C, lengths)  # warm-up: pass costs and acceptance measured
-                label = name if len(chunks) == 1 or C == 1 else f"{name}, chunk {session.prefill_chunk}"
-                done({"mode": label, "concurrency": C, "prefill_chunk": getattr(session, "prefill_chunk", None),
-                      **_run(session, prompts, C, a.answers, lengths)})
-                del session
-                gc.collect()  # the last session's engines and caches go before the next one opens
+                label = name if len(chunks) == 1 or C == 1 else f"{name}, chunk {chunk}"
+                configs.append((label, C, *MODES[name], chunk))
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for rep in range(a.reps):  # every configuration once per rep, so the machine's drift reaches all of them
+        for label, C, speculate, k, chunk in configs:
+            session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
+                           parallel=C, prefill_chunk=chunk)
+            _run(session, prompts[::-1], C, C, lengths)  # warm-up: pass costs and acceptance measured
+            r = _run(session, prompts, C, a.answers, lengths)
+            answers = r.pop("answers")
+            r["prefill_chunk"] = getattr(session, "prefill_chunk", None)
+            r["identical"] = sum(want[key] == v for key, v in answers.items())
+            runs.setdefault((label, C), []).append(r)
+            print(json.dumps({"rep": rep + 1, "mode": label, "concurrency": C, **r}), flush=True)
+            del session
+            gc.collect()  # the last session's engines and caches go before the next one opens
+    for (label, C), rs in runs.items():  # the median of each figure over the reps
+        row = {"mode": label, "concurrency": C, "prefill_chunk": rs[0]["prefill_chunk"], "reps": len(rs)}
+        for key in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
+            vals = [r[key] for r in rs if r[key] is not None]
+            row[key] = round(float(np.median(vals)), 1) if vals else None
+        row["tok_s_reps"] = [r["tok_s"] for r in rs]
+        row["identical"] = f"{min(r['identical'] for r in rs)}/{len(prompts)}"
+        rows.append(row)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
             "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "max_new_tokens": a.max_new_tokens, "lengths": a.lengths, "answers": a.answers,
+            "max_new_tokens": a.max_new_tokens, "lengths": a.lengths, "answers": a.answers, "reps": a.reps,
             "command": "python -m specrt.bench.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
-    lines = ["| mode | C | tok/s (all streams) | vs one stream (same mode) | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
-             "| TTFT p99 ms | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | C | tok/s (all streams) | tok/s of each rep | vs one stream (same mode) | ITL p50 ms "
+             "| ITL p99 ms | TTFT p50 ms | TTFT p99 ms | identical, worst rep |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = one.get(r["mode"].split(", chunk")[0])
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tok_s']} | "
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tok_s']} | {' / '.join(map(str, r['tok_s_reps']))} | "
                      + (f"{r['tok_s'] / base:.2f}x" if base else "")
                      + f" | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} "
                        f"| {r['identical']} |")

@@ -460,8 +460,8 @@ def test_a_prompt_that_fills_the_context_is_refused_and_the_batch_goes_on(tiny_e
 
 
 def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
-    """The trade-off bench on the tiny set: a row per (mode, C, chunk), TTFT and ITL columns, every answer identical
-    to one-stream plain decoding."""
+    """The trade-off bench on the tiny set: a row per (mode, C, chunk), the median of 2 reps, TTFT and ITL columns,
+    every answer identical to one-stream plain decoding."""
     from test_bench import write_prompts
 
     from specrt.bench.batch_load import main
@@ -469,10 +469,12 @@ def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
     rows = main(["--engines", str(tiny_engines), "--prompts", str(write_prompts(tmp_path / "p.jsonl", 4)),
                  "--modes", "off", "--concurrency", "1,2", "--answers", "4",
                  "--max-new-tokens", "8", "--lengths", "varied", "--categories", "chat", "--prefill-chunk", "0,16",
-                 "--threads", "1",
+                 "--threads", "1", "--reps", "2",
                  "--out", str(tmp_path)])
     assert [(r["mode"], r["concurrency"]) for r in rows] == [
         ("single (auto, no --parallel)", 1), ("off", 1), ("off, chunk 0", 2), ("off, chunk 16", 2)]
     assert all(r["identical"] == "4/4" and r["ttft_p50_ms"] > 0 and r["itl_p99_ms"] > 0 for r in rows)
+    assert all(r["reps"] == 2 and len(r["tok_s_reps"]) == 2 for r in rows)
+    assert all(r["tok_s"] == round(float(np.median(r["tok_s_reps"])), 1) for r in rows)
     table = (tmp_path / "batch_load.md").read_text()
     assert "TTFT p99 ms" in table and "| off, chunk 16 | 2 |" in table
