@@ -35,8 +35,10 @@ def main(argv=None) -> None:
 
     cache = args.export_cache
     facts = json.loads((cache / "export.json").read_text())
-    fp32 = next(iter(sorted(cache.glob("portable-v*/target-fp32.onnx"))), None)
-    if fp32 is None:
+    from ..export.portable import FORMAT
+
+    fp32 = cache / f"portable-v{FORMAT}" / "target-fp32.onnx"  # the graph today's build quantizes, not an older one
+    if not fp32.exists():
         raise SystemExit(f"error: no portable fp32 graph under {cache}; build it with "
                          "`specrt engines --backend onnxruntime-portable`")
     layer = gemm_layers(onnx.load(str(fp32), load_external_data=False))
