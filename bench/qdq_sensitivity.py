@@ -13,9 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-KINDS = ("qkv", "o", "gateup", "down")  # the portable graph's GEMMs of a layer, in order
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export_cache", type=Path, help="an export's cache folder (engines/.cache/export-...), built "
@@ -27,7 +24,8 @@ def main(argv=None) -> None:
     import onnx
 
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate, gemm_layers, insert_qdq
+    from ..build.quantize import GEMM_KINDS as KINDS
+    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate, float_kind_gemms, gemm_layers, insert_qdq
     from ..interface import LOGITS
     from ..pipeline.parity import prefill_feed
     from ..pipeline.quality import _sequences, measure_quality
@@ -41,14 +39,14 @@ def main(argv=None) -> None:
     if not fp32.exists():
         raise SystemExit(f"error: no portable fp32 graph under {cache}; build it with "
                          "`specrt engines --backend onnxruntime-portable`")
-    layer = gemm_layers(onnx.load(str(fp32), load_external_data=False))
+    model = onnx.load(str(fp32), load_external_data=False)
+    layer = gemm_layers(model)
     layers = list(layer)
-    kind = {n: KINDS[i % 4] for i, n in enumerate(layers)}
     last = max(layer.values())
     entry = provisional_entry(fp32, facts, backend="onnxruntime-portable")
     seqs = _sequences([t for _, t in texts(args.calibration_texts)], cache, facts)
     calib = calibrate(fp32, (prefill_feed(entry, s, 512) for s in seqs))
-    variants = {"none kept": []} | {f"{k} kept": [n for n in layers if kind[n] == k] for k in KINDS}
+    variants = {"none kept": []} | {f"{k} kept": list(float_kind_gemms(model, (k,))) for k in KINDS}
     variants[f"layers 0, 1, {last - 1}, {last} kept"] = [n for n in layers if layer[n] in (0, 1, last - 1, last)]
     with tempfile.TemporaryDirectory() as tmp:
         for label, keep in variants.items():

@@ -21,6 +21,7 @@ import onnx
 from onnx import helper
 
 from ..errors import SpecrtError
+from ..onnx_files import save_with_external_data
 
 PRECISIONS = ("fp32", "int8", "int4", "int4-fp32")
 
@@ -215,11 +216,7 @@ def build_ort_engine(src_onnx: Path, dst_onnx: Path, prec: OrtPrecision,
                 facts["screen"] = screen
         # Weights re-written by onnx rather than kept as ORT saved them: decoding from ORT's own file is
         # slower, for a reason not pinned down (docs/design-notes.md, "Engine weights saved by onnx").
-        onnx.save_model(optimized, str(dst_onnx), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=dst_onnx.name + ".data", size_threshold=1024)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(str(dst_onnx) + ".data", 0o666 & ~umask)  # onnx writes it 0600; engines are meant to be shared
+        save_with_external_data(optimized, dst_onnx, all_tensors_to_one_file=True)
     finally:
         for leftover in (tmp, opt, Path(str(opt) + ".data")) + ((Path(str(tmp) + ".data"),) if quantized else ()):
             if os.path.exists(leftover):

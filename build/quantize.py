@@ -60,6 +60,37 @@ def gemm_layers(model) -> dict[str, int]:
     return out
 
 
+GEMM_KINDS = ("qkv", "o", "gateup", "down")  # a decoder layer's GEMMs in the portable graph, in order
+
+
+def check_float_gemms(kinds: tuple[str, ...]) -> None:
+    """--float-gemms' kinds, checked before any work (one line)."""
+    from ..errors import SpecrtError
+
+    bad = [k for k in kinds if k not in GEMM_KINDS]
+    if bad:
+        raise SpecrtError(f"--float-gemms: unknown GEMM kind '{bad[0]}'; use some of {', '.join(GEMM_KINDS)}")
+    if kinds and set(kinds) == set(GEMM_KINDS):
+        raise SpecrtError("--float-gemms names every GEMM kind, which keeps the whole model in float; build fp16 "
+                          "instead")
+
+
+def float_kind_gemms(model, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """Every layer's GEMMs of the given kinds (mixed precision: kept in float), e.g. ("down",): the down_proj
+    GEMMs, whose inputs hold the outlier activations INT8 loses most on (BENCHMARKS.md, "What do FP8, INT8 and
+    INT4-AWQ cost?")."""
+    check_float_gemms(kinds)
+    layers = gemm_layers(model)
+    seen: dict[int, int] = {}
+    out = []
+    for g, i in layers.items():  # each layer's GEMMs come in GEMM_KINDS' order
+        j = seen.get(i, 0)
+        seen[i] = j + 1
+        if j < len(GEMM_KINDS) and GEMM_KINDS[j] in kinds:
+            out.append(g)
+    return tuple(out)
+
+
 def float_layer_gemms(model, n: int) -> tuple[str, ...]:
     """The GEMMs of the first n and last n decoder layers (mixed precision: kept in float)."""
     from ..errors import SpecrtError
@@ -176,11 +207,10 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     range into the weights, which are quantized per output channel. int4-awq searches that s per activation
     (awq_scale). -> facts: the GEMMs quantized, those kept, the activations left float."""
     import ml_dtypes
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from ..interface import LOGITS
-    from ..onnx_files import load_with_weights
+    from ..onnx_files import load_with_weights, save_with_external_data
 
     qtype, qmax = PRECISIONS[precision]
     weight_only = precision in WEIGHT_ONLY
@@ -258,8 +288,7 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept_inits + new_inits)
     helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, "specrt.precision": precision})
-    onnx.save_model(model, str(out), save_as_external_data=True, location=Path(out).name + ".data",
-                    size_threshold=1024)
+    save_with_external_data(model, Path(out))
     kept = [n for n in gemms if n not in done]
     method = (f"Q/DQ {precision}: weights per output channel, activations per tensor (amax), symmetric"
               if not weight_only else f"Q/DQ {precision}: int4 weights in symmetric blocks along K "

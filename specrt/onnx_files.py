@@ -5,6 +5,7 @@ their recorded offsets instead.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -41,3 +42,13 @@ def load_with_weights(onnx_path: Path) -> onnx.ModelProto:
         if t.name in arrays:
             t.CopyFrom(numpy_helper.from_array(arrays[t.name], t.name))
     return model
+
+
+def save_with_external_data(model: onnx.ModelProto, path: Path, **kwargs) -> None:
+    """onnx.save_model with the weights in path + ".data", readable as the rest of an engine set is (onnx writes
+    that file 0600; engines are meant to be shared, e.g. built by one user and served by another)."""
+    onnx.save_model(model, str(path), save_as_external_data=True, location=Path(path).name + ".data",
+                    size_threshold=1024, **kwargs)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(str(path) + ".data", 0o666 & ~umask)

@@ -258,6 +258,7 @@ def test_heads_of_a_medusa_set_check_too(tmp_path):
     (["--backend", "onnxruntime-portable", "--precisions", "int4-awq", "--quality-floor", "1.5"],
      "--quality-floor 1.5"),
     (["--backend", "onnxruntime-portable", "--precisions", "fp32,fp8", "--float-layers", "-1"], "--float-layers -1"),
+    (["--backend", "onnxruntime-portable", "--precisions", "fp32,int8", "--float-gemms", "up"], "GEMM kind 'up'"),
 ])
 def test_engines_refuses_a_backend_it_cannot_build_in_one_line(tiny_dir, tmp_path, args, says):
     from typer.testing import CliRunner
@@ -465,6 +466,28 @@ def test_float_layers_keep_the_first_and_last_layers_gemms_in_float(tmp_path):
     assert len(quantized) == b["gemms_quantized"] and "layers.1.qkv" in quantized and not quantized & kept
     with pytest.raises(SpecrtError, match="--float-layers 2 keeps all 3 layers"):
         make_engine_set(EngineSetRequest(**{**req.__dict__, "name": "all-float", "float_layers": 2}),
+                        log=lambda m: None)
+    # --float-gemms down: every layer's down_proj (its 4th GEMM) in float, the rest quantized
+    from specrt.build.quantize import gemm_layers
+
+    req = EngineSetRequest(**{**req.__dict__, "name": "down-float", "float_layers": 0, "float_gemms": ("down",)})
+    m = load_manifest(make_engine_set(req, log=lambda m: None))
+    b = m.engine("target", "fp8").build
+    fp32 = onnx.load(str(m.root / m.engine("target", "fp32").file), load_external_data=False)
+    layer = gemm_layers(fp32)
+    downs = {g for j, g in enumerate(layer) if j % 4 == 3}
+    assert b["float_gemms"] == ["down"] and set(b["gemms_kept"]) == downs | {"logits"} and len(downs) == 3
+    assert b["gemms_quantized"] == 9
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in m.root.iterdir():  # every file of the set readable as the rest (onnx writes external data 0600)
+        assert stat.S_IMODE(f.stat().st_mode) & 0o444 == 0o444 & ~umask, f.name
+    with pytest.raises(SpecrtError, match="every GEMM kind"):
+        make_engine_set(EngineSetRequest(**{**req.__dict__, "name": "x", "float_gemms": ("qkv", "o", "gateup",
+                                                                                         "down")}),
                         log=lambda m: None)
 
 

@@ -46,6 +46,7 @@ class EngineSetRequest:
     quality_floor: float | None = None  # Q/DQ: the least top-1 agreement with fp32 on held-out text a build keeps
     #                                     (None: by precision, quality.DEFAULT_FLOORS)
     float_layers: int = 0             # Q/DQ targets: the first and last this many layers keep their GEMMs in float
+    float_gemms: tuple[str, ...] = ()  # Q/DQ targets: every layer's GEMMs of these kinds (qkv, o, gateup, down) too
 
 
 def _say(msg: str) -> None:
@@ -83,6 +84,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
                               "(default 32)")
         if req.float_layers < 0:
             raise SpecrtError(f"--float-layers {req.float_layers} is negative; use 0 (every layer quantized) or more")
+        from ..build.quantize import check_float_gemms
+
+        check_float_gemms(req.float_gemms)
         if req.quality_floor is not None and not 0.0 <= req.quality_floor <= 1.0:
             raise SpecrtError(f"--quality-floor {req.quality_floor} is not a share of tokens; use 0-1 (default: "
                               "0.85, int4-awq 0.70)")
@@ -103,7 +107,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         from .quality import DRAFTING_FORMAT
 
         recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT,
-                   req.float_layers]
+                   req.float_layers, sorted(req.float_gemms)]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()
@@ -151,7 +155,9 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
                 engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend,
                                                                 req.calibration_texts, req.quality_floor,
                                                                 float_layers=req.float_layers if role == "target"
-                                                                else 0)
+                                                                else 0,
+                                                                float_gemms=req.float_gemms if role == "target"
+                                                                else ())
                                           if req.backend in PORTABLE_BACKENDS
                                           else build_engine(role, p, rcache, rfacts, tmp, log))
         if req.medusa_heads is not None:

@@ -53,7 +53,7 @@ def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
 
 def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str,
                           calibration_texts: int = 32, quality_floor: float | None = None,
-                          float_layers: int = 0) -> EngineEntry:
+                          float_layers: int = 0, float_gemms: tuple[str, ...] = ()) -> EngineEntry:
     """<role>-<p> of a portable set: the portable graph (cached per export and graph format; fp8/int8: its Q/DQ
     form, calibrated, its quality against fp32 measured), compiled for TensorRT where asked, linked into tmp,
     checked -> its manifest entry."""
@@ -69,12 +69,12 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
     else:
         from ..build.quantize import FORMAT as QDQ_FORMAT
 
-        mixed = f"-float{float_layers}" if float_layers else ""
+        mixed = (f"-float{float_layers}" if float_layers else "") + "".join(f"-f{k}" for k in float_gemms)
         graph = bdir / f"{role}-{p}-q{QDQ_FORMAT}-cal{calibration_texts}{mixed}.onnx"
         if not graph.is_file():
             provisional = provisional_entry(fp32_graph, facts, backend="onnxruntime-portable")
             build_quantized(fp32_graph, graph, p, cache, facts, provisional, log, calibration_texts,
-                            float_layers=float_layers)
+                            float_layers=float_layers, float_gemms=float_gemms)
         build = {**build, **json.loads(graph.with_suffix(".json").read_text())}
         session_config = dict(QDQ_SESSION)
     if p != "fp32":  # on the CPU, on the very graph a GPU backend compiles

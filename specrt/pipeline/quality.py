@@ -36,23 +36,26 @@ def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
 
 
 def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, facts: dict, entry, log,
-                    calibration_texts: int, lm_head_fp32: bool = True, float_layers: int = 0) -> dict:
+                    calibration_texts: int, lm_head_fp32: bool = True, float_layers: int = 0,
+                    float_gemms: tuple[str, ...] = ()) -> dict:
     """out (+ .data): the Q/DQ graph of fp32_graph at `precision`, calibrated on `calibration_texts` packaged texts
     (stdlib code and doc questions, never the bench's prompts) -> its build facts. float_layers: the first and
-    last that many decoder layers keep their GEMMs in float. Written whole or not at all."""
+    last that many decoder layers keep their GEMMs in float; float_gemms: every layer's GEMMs of these kinds
+    (build.quantize.GEMM_KINDS) too. Written whole or not at all."""
     import onnx
 
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import float_layer_gemms
+    from ..build.quantize import float_kind_gemms, float_layer_gemms
     from ..interface import LOGITS
     from .parity import prefill_feed
 
-    keep = float_layer_gemms(onnx.load(str(fp32_graph), load_external_data=False), float_layers)
+    model = onnx.load(str(fp32_graph), load_external_data=False)
+    keep = tuple(dict.fromkeys(float_layer_gemms(model, float_layers) + float_kind_gemms(model, float_gemms)))
     keep += (LOGITS,) if lm_head_fp32 else ()
     seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
     log(f"calibrating {precision} activations on {len(seqs)} texts")
     info = _write_qdq(fp32_graph, out, precision, (prefill_feed(entry, s, 512) for s in seqs), keep, log)
-    info["calibration_texts"], info["float_layers"] = len(seqs), float_layers
+    info["calibration_texts"], info["float_layers"], info["float_gemms"] = len(seqs), float_layers, list(float_gemms)
     out.with_suffix(".json").write_text(json.dumps(info))
     return info
 
