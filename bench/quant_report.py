@@ -27,6 +27,7 @@ def rows(manifest: Manifest) -> list[dict]:
                     "draft_tau": (q.get("drafting") or {}).get("tau"),
                     "draft_acceptance": (q.get("drafting") or {}).get("acceptance_by_position"),
                     "draft_tau_humaneval": ((q.get("drafting") or {}).get("humaneval") or {}).get("tau"),
+                    "kept_float": _kept_float(e.build or {}),
                     "weights_mib": (e.memory or {}).get("weights_bytes", 0) / 2**20})
     for r in out:  # the share of the fp32 draft's (or heads') tau a quantized one keeps, per prompt set
         ref = next((x for x in out if x["role"] == r["role"] and x["precision"] == "fp32"), None)
@@ -34,6 +35,17 @@ def rows(manifest: Manifest) -> list[dict]:
             base = ref and ref[key]
             r[key + "_kept"] = round(r[key] / base, 3) if base and r[key] is not None else None
     return out
+
+
+def _kept_float(build: dict) -> str | None:
+    """A Q/DQ engine's GEMMs left in float (the build's options and count), None where nothing was quantized."""
+    if "gemms_quantized" not in build:
+        return None
+    kept = build.get("gemms_kept") or []
+    parts = ["+".join(build["float_gemms"])] if build.get("float_gemms") else []
+    parts += [f"first/last {build['float_layers']} layers"] if build.get("float_layers") else []
+    parts += ["lm_head"] if "logits" in kept else []
+    return f"{', '.join(parts) or 'none'} ({len(kept)} of {len(kept) + build['gemms_quantized']})"
 
 
 def write(manifest: Manifest, out: Path) -> Path:
@@ -51,8 +63,8 @@ def write(manifest: Manifest, out: Path) -> Path:
              "position) and on HumanEval problems, their code as a raw prompt (the model writes the body); "
              "(x) the share of the fp32 draft's or heads' tau kept.", "",
              "| engine | backend | top-1 vs fp32 | KL vs fp32 | width-exact | greedy vs torch | greedy on bench | "
-             "draft tau, stdlib | acceptance by position | draft tau, HumanEval | weights MiB |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]
+             "draft tau, stdlib | acceptance by position | draft tau, HumanEval | GEMMs kept in float | weights MiB |",
+             "|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|"]
     kept = lambda r, k: "" if r[k + "_kept"] is None or r["precision"] == "fp32" else \
         f" ({r[k + '_kept']:.0%})"  # noqa: E731
     for r in table:
@@ -63,7 +75,7 @@ def write(manifest: Manifest, out: Path) -> Path:
                      f"{fmt(r['kl_vs_fp32'], '.4f')} | {r['width_exact']} | {fmt(r['greedy_vs_torch'], '.0%')} | "
                      f"{bench} | {fmt(r['draft_tau'], '.3f')}{kept(r, 'draft_tau')} | {acc} | "
                      f"{fmt(r['draft_tau_humaneval'], '.3f')}{kept(r, 'draft_tau_humaneval')} | "
-                     f"{r['weights_mib']:.0f} |")
+                     f"{r['kept_float'] or '–'} | {r['weights_mib']:.0f} |")
     out.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib

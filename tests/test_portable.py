@@ -478,6 +478,10 @@ def test_float_layers_keep_the_first_and_last_layers_gemms_in_float(tmp_path):
     downs = {g for j, g in enumerate(layer) if j % 4 == 3}
     assert b["float_gemms"] == ["down"] and set(b["gemms_kept"]) == downs | {"logits"} and len(downs) == 3
     assert b["gemms_quantized"] == 9
+    from specrt.bench.quant_report import rows
+
+    assert {r["engine"]: r["kept_float"] for r in rows(m)} == {"target-fp32": None,
+                                                               "target-fp8": "down, lm_head (4 of 13)"}
     import os
     import stat
 
