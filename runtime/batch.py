@@ -96,6 +96,12 @@ class Scheduler:
     def costs_of(self, batch) -> BatchCosts:
         return self.costs.setdefault(id(batch), BatchCosts())
 
+    def ticket(self) -> int:
+        """The next chunked prefill's place in line (prefills take turns in this order)."""
+        with self._cv:
+            self.tickets += 1
+            return self.tickets
+
     def join(self, member: int) -> None:
         with self._cv:
             self._joining += 1  # the streams in the batch would otherwise start the next pass before this one is in
@@ -200,13 +206,18 @@ class SlotEngine:
         chunk = self.scheduler.prefill_chunk
         if chunk and n > chunk >= num_logits and positions is None and tree_mask is None and self._others():
             return self._chunked(tokens, chunk, num_logits, greedy)
-        pos = (np.arange(self.length, self.length + n, dtype=np.int64) if positions is None
-               else np.asarray(positions, np.int64))
         mask = None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n)
-        row = self.scheduler.submit(self.slot, self.batch, PassRow(self.slot, tokens, pos, mask, num_logits, greedy))
+        row = self._submit(tokens, positions, mask, num_logits, greedy)
         if self._hidden:
             self.hidden = row.hidden
         return row.out
+
+    def _submit(self, tokens, positions, mask, num_logits: int, greedy: bool, chunk: int = 0) -> PassRow:
+        """One pass of this slot through the scheduler (positions None: the next ones after the cache's)."""
+        pos = (np.arange(self.length, self.length + len(tokens), dtype=np.int64) if positions is None
+               else np.asarray(positions, np.int64))
+        return self.scheduler.submit(self.slot, self.batch,
+                                     PassRow(self.slot, tokens, pos, mask, num_logits, greedy, chunk=chunk))
 
     def _others(self) -> bool:
         """Another stream is in the batch (a chunk of a prefill then lets its passes run between chunks)."""
@@ -215,25 +226,18 @@ class SlotEngine:
     def _chunked(self, tokens: np.ndarray, chunk: int, num_logits: int, greedy: bool) -> np.ndarray:
         """A prefill as passes of `chunk` tokens, so the batch's other streams decode between them instead of
         waiting for all of it (chunked prefill); the rest goes at once when no other stream is left. Prefills take
-        turns (first come, first served): one chunk a round. The cache
-        holds the same positions as after one pass; the caller commits all of them as usual."""
+        turns (first come, first served): one chunk a round. The cache holds the same positions as after one
+        pass; the caller commits all of them as usual."""
         start, n, done, hidden = self.length, len(tokens), 0, []
-        with self.scheduler._cv:
-            self.scheduler.tickets += 1
-            ticket = self.scheduler.tickets
+        ticket = self.scheduler.ticket()
         try:
             while n - done > chunk and self._others():
-                row = self.scheduler.submit(self.slot, self.batch, PassRow(
-                    self.slot, tokens[done:done + chunk], np.arange(self.length, self.length + chunk), None, 1, True,
-                    chunk=ticket))
+                row = self._submit(tokens[done:done + chunk], None, None, 1, True, ticket)
                 if self._hidden:
                     hidden.append(row.hidden)
                 done += chunk
                 self.length += chunk  # the next chunk attends to this one
-            rest = tokens[done:]
-            row = self.scheduler.submit(self.slot, self.batch, PassRow(
-                self.slot, rest, np.arange(self.length, self.length + len(rest)), None, num_logits, greedy,
-                chunk=ticket))
+            row = self._submit(tokens[done:], None, None, num_logits, greedy, ticket)
         finally:
             self.length = start
         if self._hidden:

@@ -27,7 +27,8 @@ from .speculative import MAX_DRAFT_TOKENS, Opener, SpeculativeConfig, draft_entr
 from .tokenizer import Message, TextCodec
 
 # Tokens of a chunk of a prefill while other streams decode: each of their tokens waits for at most one chunk;
-# a smaller chunk costs the prefilling stream more rounds (BENCHMARKS.md, "How do several streams share the CPU?")
+# a smaller chunk costs the prefilling stream more rounds (BENCHMARKS.md, "Does chunked prefill keep the other
+# streams flowing?")
 PREFILL_CHUNK = 128
 
 
@@ -75,7 +76,7 @@ class BatchSession:
         check_prefill_chunk(prefill_chunk)
         self.manifest, self.precision, self.mode, self.parallel = manifest, precision, mode, parallel
         self.scheduler = Scheduler()
-        self.scheduler.prefill_chunk = self.prefill_chunk = prefill_chunk
+        self.scheduler.prefill_chunk = prefill_chunk
         self._batches: dict[str, object] = {}
         self._heads = None
         entry = manifest.engine("target", precision)
@@ -97,6 +98,10 @@ class BatchSession:
         # is slow to read one (speech synthesis between deltas) does not hold up the batch, whose next pass waits
         # for every stream. False: the caller's own thread runs it (the server's workers, which never wait).
         self.detach = True
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.scheduler.prefill_chunk
 
     def batch_of(self, entry, options: EngineOptions):
         """The batch engine of a manifest entry (the target's, a draft model's), opened once."""

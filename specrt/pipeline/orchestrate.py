@@ -151,13 +151,10 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
     try:
         engines = {}
         for role, rcache, rfacts, precs in roles:
+            mixed = dict(float_layers=req.float_layers, float_gemms=req.float_gemms) if role == "target" else {}
             for p in precs:
                 engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend,
-                                                                req.calibration_texts, req.quality_floor,
-                                                                float_layers=req.float_layers if role == "target"
-                                                                else 0,
-                                                                float_gemms=req.float_gemms if role == "target"
-                                                                else ())
+                                                                req.calibration_texts, req.quality_floor, **mixed)
                                           if req.backend in PORTABLE_BACKENDS
                                           else build_engine(role, p, rcache, rfacts, tmp, log))
         if req.medusa_heads is not None:
