@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .control import Acceptance, PassCost, Round
-from .engine import KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
+from .engine import KVSnapshot, check_pass, tree_moves
 
 
 @dataclass(eq=False)
@@ -267,10 +267,10 @@ class SlotEngine:
         self._hidden = True
 
     def save_prefix(self, length: int) -> KVSnapshot:
-        return snapshot_views(self.batch.views(self.slot), min(length, self.length))
+        return self.batch.snapshot(self.slot, min(length, self.length))
 
     def load_prefix(self, snapshot: KVSnapshot) -> None:
-        restore_views(self.batch.views(self.slot), snapshot)
+        self.batch.restore(self.slot, snapshot)
         self.length = snapshot.length
 
 
@@ -313,14 +313,15 @@ class LoadPlanner:
 
     def _common(self, active: dict, cost) -> dict[int, int]:
         B, tables = len(active), {m: c.table() for m, c in active.items()}
-        best_w, best = 1, self.MARGIN * B / cost(B, 1)
+        runs_at = getattr(self.batch, "pass_width", lambda w: w)  # a backend that pads to its buckets
+        best_w, best = 1, self.MARGIN * B / cost(B, runs_at(1))
         for W in range(2, self.max_width + 1):
             gain = draft = 0.0
             for m, c in active.items():
                 k = c.fits(W)
                 gain += tables[m][k]
                 draft += c.d * k
-            rate = gain / (cost(B, W) + draft)
+            rate = gain / (cost(B, runs_at(W)) + draft)
             if rate > best:
                 best_w, best = W, rate
         return {m: c.fits(best_w) for m, c in active.items()}

@@ -108,22 +108,8 @@ class PassInputs:
         else:
             buf = self
         t, p = buf._tokens[:W], buf._positions[:W]
-        t[:n] = tokens
-        t[n:] = 0
-        if positions is None:
-            p[:n] = np.arange(length, length + n)
-        else:
-            p[:n] = positions
-        p[n:] = p[n - 1]  # any position the RoPE table has
         mask = buf._mask[: W * capacity].reshape(W, capacity)
-        mask.fill(-np.inf)
-        mask[:n, :length] = 0.0
-        block = mask[:n, length:length + n]
-        np.copyto(block, buf._causal[:n, :n])
-        if tree_mask is not None:
-            block += np.asarray(tree_mask, np.float32).reshape(n, n)
-        pads = np.arange(n, W)
-        mask[pads, length + pads] = 0.0
+        fill_row(length, tokens, positions, tree_mask, t, p, mask, buf._causal)
         captured = W <= self.buckets.widths[-1]  # a wider prefill is not captured: no need to pad its logits
         rows = buf._rows[: W if self.buckets.pad_logits and captured else num_logits]
         rows[:num_logits] = np.arange(n - num_logits, n)
@@ -131,11 +117,36 @@ class PassInputs:
         return Pass(t, p, mask, length, rows, W, capacity)
 
 
-def relayout(buffer: np.ndarray, heads: int, head_dim: int, old: int, new: int, length: int) -> np.ndarray:
-    """View a flat cache buffer as [1, heads, new, head_dim], keeping the first `length` positions of each head
-    from its [1, heads, old, head_dim] layout (the buffers overlap: the rows are copied out first)."""
-    view = buffer[: heads * new * head_dim].reshape(1, heads, new, head_dim)
+def fill_row(length: int, tokens: np.ndarray, positions: np.ndarray | None, tree_mask: np.ndarray | None,
+             t: np.ndarray, p: np.ndarray, mask: np.ndarray, causal: np.ndarray | None = None) -> None:
+    """One sequence's padded inputs in place: t [W] tokens, p [W] positions, mask [W, C] over a cache holding
+    `length` positions, for the n = len(tokens) tokens (n = 0: a row of pads only, for a batch slot with no pass
+    this round). causal: a [>= n, >= n] upper-triangular -inf block to copy (PassInputs keeps one)."""
+    n, W = len(tokens), len(t)
+    t[:n] = tokens
+    t[n:] = 0
+    if positions is None:
+        p[:n] = np.arange(length, length + n)
+    else:
+        p[:n] = positions
+    p[n:] = p[n - 1] if n else max(length - 1, 0)  # any position the RoPE table has
+    mask.fill(-np.inf)
+    mask[:n, :length] = 0.0
+    block = mask[:n, length:length + n]
+    np.copyto(block, causal[:n, :n] if causal is not None else np.triu(np.full((n, n), -np.inf, np.float32), 1))
+    if tree_mask is not None:
+        block += np.asarray(tree_mask, np.float32).reshape(n, n)
+    pads = np.arange(n, W)
+    mask[pads, length + pads] = 0.0
+
+
+def relayout(buffer: np.ndarray, heads: int, head_dim: int, old: int, new: int, length: int,
+             batch: int = 1) -> np.ndarray:
+    """View a flat cache buffer as [batch, heads, new, head_dim], keeping the first `length` positions of each
+    (sequence, head) from its [batch, heads, old, head_dim] layout (the buffers overlap: the rows are copied out
+    first)."""
+    view = buffer[: batch * heads * new * head_dim].reshape(batch, heads, new, head_dim)
     if length and old != new:
-        kept = buffer[: heads * old * head_dim].reshape(1, heads, old, head_dim)[:, :, :length].copy()
+        kept = buffer[: batch * heads * old * head_dim].reshape(batch, heads, old, head_dim)[:, :, :length].copy()
         view[:, :, :length] = kept
     return view

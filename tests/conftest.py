@@ -32,6 +32,15 @@ def tiny_engines(tiny_dir, tmp_path_factory) -> Path:
     return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny", ("fp32", "int4"), 256, out), log=lambda m: None)
 
 
+@pytest.fixture(scope="session")
+def portable_engines(tiny_dir, tiny_engines) -> Path:
+    """fp32 + fp16 portable sets of the tiny Llama, beside tiny_engines (one export cache)."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-portable", ("fp32", "fp16"), 256,
+                                            tiny_engines.parent, backend="onnxruntime-portable"), log=lambda m: None)
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -372,7 +372,7 @@ def test_the_server_with_parallel_streams_answers_each_as_alone_and_cancels_one(
 
 
 def test_parallel_on_a_backend_that_cannot_batch_is_one_line(tiny_engines, tmp_path):
-    """A backend without batch engines (the portable graph today) refuses --parallel with the fix."""
+    """A backend without batch engines (the reference backend, the GPU ones) refuses --parallel with the fix."""
     import json as _json
     import shutil
 

@@ -19,15 +19,6 @@ TABLE = json.loads((Path(__file__).parent / "data" / "onnx_tensorrt_operators.js
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n", "Hello, how are you today?"]
 
 
-@pytest.fixture(scope="module")
-def portable_engines(tiny_dir, tiny_engines) -> Path:
-    """fp32 + fp16 portable sets of the tiny Llama, beside tiny_engines (one export cache)."""
-    from specrt.pipeline import EngineSetRequest, make_engine_set
-
-    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-portable", ("fp32", "fp16"), 256,
-                                            tiny_engines.parent, backend="onnxruntime-portable"), log=lambda m: None)
-
-
 def _engine(root: Path, precision: str = "fp32", buckets: Buckets | None = None):
     m = load_manifest(root)
     e = open_engine(m.root, m.engine("target", precision))

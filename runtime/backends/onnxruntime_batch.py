@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
                           POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
-from ..engine import EngineOptions
+from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
 from .onnxruntime_cpu import SCREEN_MAX_ROWS, entry_config, open_session, session_options
 
 
@@ -113,6 +113,12 @@ class OrtBatchEngine:
     def views(self, slot: int) -> list[np.ndarray]:
         """The slot's cache, [1, kv_heads, capacity, head_dim] per (layer, key|value): the single engine's layout."""
         return [self.cache[i, j, slot:slot + 1] for i in range(self.cache.shape[0]) for j in range(len(KV_KINDS))]
+
+    def snapshot(self, slot: int, length: int) -> KVSnapshot:
+        return snapshot_views(self.views(slot), length)
+
+    def restore(self, slot: int, snapshot: KVSnapshot) -> None:
+        restore_views(self.views(slot), snapshot)
 
     def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
         self.cache[:, :, slot, :, dst] = self.cache[:, :, slot, :, src]

@@ -35,6 +35,13 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
                           name=entry.name)
 
 
+def open_batch(root: Path, entry, options: EngineOptions, slots: int):
+    """Several streams at once over the portable graph (runtime/backends/onnxruntime_portable_batch.py)."""
+    from .onnxruntime_portable_batch import open_batch as _open
+
+    return _open(root, entry, options, slots)
+
+
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> OrtHeads:
     """Medusa heads: their graph is standard ops already, the same on every backend."""
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
