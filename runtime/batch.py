@@ -46,9 +46,10 @@ class PassRow:
 
 
 class BatchCosts:
-    """Seconds of a pass of B rows at width W (ONNX Runtime CPU: B rows of one token, or one row of W): each (B, W)
-    cell's average once `trust` passes back it, else a line fitted over the passes of its kind, one row by width and
-    one-token rows by count (control.PassCost; the two grow at different rates). Prefills (wider than
+    """Seconds of a pass of B rows at width W (ONNX Runtime CPU: B rows of one token, or one row of W; the portable
+    graph: B rows padded to W): each (B, W) cell's average once `trust` passes back it, else a line fitted over the
+    passes of its kind, one row by width and one-token rows by count (control.PassCost; the two grow at different
+    rates), both for a padded batch. Prefills (wider than
     `max_width`) are left out of the lines: their cost says nothing about a decode pass."""
 
     def __init__(self, max_width: int = 64, max_rows: int = 64, trust: int = 6, rate: float = 0.2):
@@ -65,7 +66,9 @@ class BatchCosts:
             return self.by_width(W)
         if W == 1:
             return self.by_rows(B)
-        return self.by_rows(B) * self.by_width(W) / self.by_width(1)  # a padded batch: both
+        # a padded batch: its rows scaled as a row's width scales it, and no less than its B * W tokens as one-token
+        # rows (where the pass is compute-bound every token costs about what a row does)
+        return max(self.by_rows(B) * self.by_width(W) / self.by_width(1), self.by_rows(B * W))
 
     def observe(self, B: int, W: int, seconds: float) -> None:
         if B == 1 and W <= self.max_width:

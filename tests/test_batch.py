@@ -304,6 +304,11 @@ def test_batch_costs_fit_rows_and_width_apart_and_leave_prefills_out():
         c.observe(B, W, t)
     assert c(1, 5) == pytest.approx(0.014, abs=1e-3)   # one row, by width: the prefill did not pull it up
     assert c(8, 1) == pytest.approx(0.0135, abs=1e-3)  # one-token rows, by count
+    assert c(4, 2) == pytest.approx(c(8, 1))            # a padded batch no cheaper than its tokens as rows
+    wide = BatchCosts()  # a row's width is dear, rows are cheap
+    for B, W, t in [(1, 1, 0.010), (1, 2, 0.020), (1, 3, 0.030), (2, 1, 0.0105), (4, 1, 0.0115)] * 2:
+        wide.observe(B, W, t)
+    assert wide(2, 2) == pytest.approx(0.021, abs=1e-3)  # ... nor than its rows scaled as a row's width scales it
     for _ in range(c.trust):
         c.observe(8, 1, 0.02)
     assert c(8, 1) == pytest.approx(0.02)              # a cell with enough passes of its own is its average
