@@ -1,6 +1,7 @@
 """Which GEMMs, kept in float, buy back an FP8 engine's accuracy: the portable fp32 graph of an export, FP8 Q/DQ
 inserted with one group of GEMMs (by kind, or the first and last layers) left unquantized each time, each measured
-against fp32 as the build measures it (teacher-forced top-1 and KL on held-out stdlib code).
+against fp32 as the build measures it (teacher-forced top-1 and KL on held-out stdlib code). The last variant
+quantizes the weights alone, every activation left float: the ceiling of any treatment of the activations.
 
     python -m specrt.bench.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
 """
@@ -13,12 +14,37 @@ import tempfile
 import time
 from pathlib import Path
 
+def drop_activation_qdq(path: Path) -> None:
+    """The Q/DQ graph at path with its activations' QuantizeLinear/DequantizeLinear pairs removed (weights stay
+    quantized): each GEMM reads its float input again."""
+    from ..onnx_files import load_with_weights, save_with_external_data
+
+    model = load_with_weights(path)
+    nodes = list(model.graph.node)
+    quantized = {n.output[0]: n.input[0] for n in nodes if n.op_type == "QuantizeLinear"}  # weights have none
+    pairs = {n.output[0]: quantized[n.input[0]] for n in nodes
+             if n.op_type == "DequantizeLinear" and n.input[0] in quantized}
+    kept = [n for n in nodes if n.op_type != "QuantizeLinear" and n.output[0] not in pairs]
+    for node in kept:
+        for i, name in enumerate(node.input):
+            node.input[i] = pairs.get(name, name)
+    used = {name for n in kept for name in n.input}
+    inits = [t for t in model.graph.initializer if t.name in used]  # the activations' scales go with their Q/DQ
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(inits)
+    save_with_external_data(model, path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export_cache", type=Path, help="an export's cache folder (engines/.cache/export-...), built "
                     "with `specrt engines --backend onnxruntime-portable`")
     ap.add_argument("--precision", default="fp8", choices=("fp8", "int8"))
     ap.add_argument("--calibration-texts", type=int, default=32)
+    ap.add_argument("--variants", default="", metavar="PREFIX[,PREFIX...]",
+                    help="run only the variants whose label starts with one of these (e.g. 'weights only,none')")
     args = ap.parse_args(argv)
 
     import onnx
@@ -48,12 +74,21 @@ def main(argv=None) -> None:
     calib = calibrate(fp32, (prefill_feed(entry, s, 512) for s in seqs))
     variants = {"none kept": []} | {f"{k} kept": list(float_kind_gemms(model, (k,))) for k in KINDS}
     variants[f"layers 0, 1, {last - 1}, {last} kept"] = [n for n in layers if layer[n] in (0, 1, last - 1, last)]
+    variants["weights only (every activation float)"] = []
+    labels = list(variants)
+    if args.variants:
+        wanted = tuple(v.strip() for v in args.variants.split(","))
+        variants = {k: v for k, v in variants.items() if k.startswith(wanted)}
+        if not variants:
+            raise SystemExit(f"error: no variant starts with {args.variants!r}; the labels: {', '.join(labels)}")
     with tempfile.TemporaryDirectory() as tmp:
         for label, keep in variants.items():
             t = time.time()
             out = Path(tmp) / "variant.onnx"
             insert_qdq(fp32, out, args.precision, calib, keep=(*keep, LOGITS),
                        smooth=SMOOTHQUANT_ALPHA if args.precision == "int8" else None)
+            if label.startswith("weights only"):
+                drop_activation_qdq(out)
             q = measure_quality(out, fp32, facts, "onnxruntime-portable", args.precision, cache)
             print(json.dumps({"variant": label, "gemms_kept": len(keep) + 1, "of": len(layers) + 1,
                               "top1": q["top1"], "kl": q["kl"], "seconds": round(time.time() - t)}), flush=True)

@@ -283,7 +283,9 @@ class LoadPlanner:
 
     Backends that pad every row to the round's widest (`wide_rows_alone` False): one width W for the batch,
 
-        max_W  sum_s E_s(k_s(W)) / (t(B, W) + sum_s d_s k_s(W)),   k_s(W) = stream s's longest draft that fits W.
+        max_W  sum_s E_s(k_s(W)) / (t(B, W) + sum_s d_s k_s(W)),   k_s(W) = stream s's longest draft that fits W,
+
+    W at most twice the widest pass of B rows measured so far (a plan widens as its costs are measured).
 
     Backends that batch one-token rows only (ONNX Runtime CPU's GroupQueryAttention): a stream s that drafts k runs
     its own pass of width w_s(k) while the other B - 1 share a one-token pass, and at most one stream drafts a round
@@ -318,7 +320,11 @@ class LoadPlanner:
         B, tables = len(active), {m: c.table() for m, c in active.items()}
         runs_at = getattr(self.batch, "pass_width", lambda w: w)  # a backend that pads to its buckets
         best_w, best = 1, self.MARGIN * B / cost(B, runs_at(1))
-        for W in range(2, self.max_width + 1):
+        # widen a step at a time: at most twice the widest pass of this many rows measured so far, since a cost
+        # extrapolated far past what was measured can be off by half (and one wrong wide pass costs many rounds)
+        widest = max((W for (b, W), (_, n) in cost.cells.items() if b == B and n and W <= self.max_width),
+                     default=1)
+        for W in range(2, min(self.max_width, 2 * widest) + 1):
             gain = draft = 0.0
             for m, c in active.items():
                 k = c.fits(W)

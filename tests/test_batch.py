@@ -291,6 +291,19 @@ def test_load_planner_when_wide_rows_run_alone():
     assert sum(c.k(0) > 0 for c in controls) >= 1
 
 
+def test_load_planner_widens_a_step_at_a_time():
+    """Padded batches of 4 rows measured at widths 1 and 2 only, and drafts almost always kept: the plan goes no
+    wider than twice the widest measured pass (4), however cheap the lines make a wider one look."""
+    costs = {(4, 1): 0.010, (4, 2): 0.0105} | {(1, W): 0.010 + 0.0002 * (W - 1) for W in range(1, 10)}
+    planner, controls = _planner(costs, 4, alpha=0.95)
+    ks = [c.k(0) for c in controls]
+    assert max(ks) == controls[0].fits(4) == 3
+    for _ in range(planner.scheduler.costs_of(planner.batch).trust):  # width 4 measured: up to 8 now
+        planner.scheduler.costs_of(planner.batch).observe(4, 4, 0.011)
+    planner.scheduler.passes += 1  # a new round: a new plan
+    assert max(c.k(0) for c in controls) == 7
+
+
 def test_load_planner_follows_acceptance():
     """Same costs, a stream whose drafts are never kept gets K = 0 alone."""
     costs = {(1, W): 0.010 + 0.002 * (W - 1) for W in range(1, 10)}

@@ -4,6 +4,7 @@ standard ONNX ops inside onnx-tensorrt's operator table, and `specrt engines --b
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -417,6 +418,27 @@ def test_the_fp8_sensitivity_scan_keeps_each_group_in_float(portable_engines, ca
     n = rows[0]["of"]
     assert rows[0]["gemms_kept"] == 1 and all(r["gemms_kept"] == 1 + (n - 1) // 4 for r in rows[1:5])
     assert all(0 < r["top1"] <= 1 and r["kl"] >= 0 for r in rows)
+    assert rows[-1]["variant"].startswith("weights only") and rows[-1]["kl"] < rows[0]["kl"]  # activations float
+
+
+def test_dropping_activation_qdq_leaves_the_weights_quantized(quantized_engines, tmp_path):
+    import shutil
+
+    from specrt.bench.qdq_sensitivity import drop_activation_qdq
+
+    m = load_manifest(quantized_engines)
+    src = m.root / m.engine("target", "fp8").file
+    out = tmp_path / src.name  # its weights' file keeps the name the graph records
+    shutil.copy(src, out)
+    shutil.copy(str(src) + ".data", str(out) + ".data")
+    before = collections.Counter(n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node)
+    drop_activation_qdq(out)
+    after = collections.Counter(n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node)
+    assert before["QuantizeLinear"] > 0 and after["QuantizeLinear"] == 0
+    assert after["DequantizeLinear"] == before["DequantizeLinear"] - before["QuantizeLinear"] == after["MatMul"] - 1
+    import onnxruntime as ort
+
+    ort.InferenceSession(str(out))  # still a graph
 
 
 def test_int4_blocks_and_awq_scales_on_outlier_channels():
