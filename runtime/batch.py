@@ -49,8 +49,8 @@ class BatchCosts:
     """Seconds of a pass of B rows at width W (ONNX Runtime CPU: B rows of one token, or one row of W; the portable
     graph: B rows padded to W): each (B, W) cell's average once `trust` passes back it, else a line fitted over the
     passes of its kind, one row by width and one-token rows by count (control.PassCost; the two grow at different
-    rates), both for a padded batch. Prefills (wider than
-    `max_width`) are left out of the lines: their cost says nothing about a decode pass."""
+    rates), both for a padded batch. Prefills (wider than `max_width`) are left out of the lines: their cost says
+    nothing about a decode pass."""
 
     def __init__(self, max_width: int = 64, max_rows: int = 64, trust: int = 6, rate: float = 0.2):
         self.by_width = PassCost(0.1, max_width, trust=10 ** 9)   # B = 1, W = 1..max_width
