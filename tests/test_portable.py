@@ -405,6 +405,28 @@ def test_a_quantized_draft_keeps_the_fp32_targets_greedy_output(quantized_engine
         assert sum(b.stats.drafted_by_position) > 0  # it drafted
 
 
+def test_a_draft_model_batches_beside_its_target_on_the_portable_backend(quantized_engines):
+    """--parallel with --speculate draft on a portable set: target and draft each run as one batch engine, and
+    every stream's greedy output is the target's plain output."""
+    from dataclasses import replace
+
+    from test_batch import GREEDY, gathering, run_threads
+
+    from specrt.runtime.session import load
+    from specrt.runtime.speculative import SpeculativeConfig
+
+    m = load_manifest(quantized_engines)
+    only = replace(m, engines={k: e for k, e in m.engines.items() if k in ("target-fp32", "draft-fp32")})
+    plain = load(only, "fp32", "off")
+    jobs = [(PROMPTS[0], 40, 0.0), (PROMPTS[1], 30, 0.0), (PROMPTS[2], 36, 0.005)]
+    want = [plain.generate(p, max_new_tokens=n, sampling=GREEDY, ignore_eos=True).token_ids for p, n, _ in jobs]
+    batched = gathering(load(only, "fp32", "draft", config=SpeculativeConfig(draft_tokens=3), parallel=3), 3)
+    assert run_threads(batched, jobs) == want
+    draft = batched._batches["draft-fp32"]
+    assert type(draft).__name__ == "PortableBatchEngine"
+    assert any(B > 1 for B, _ in batched.scheduler.costs_of(draft).cells)  # the draft's rows went together too
+
+
 def test_the_fp8_sensitivity_scan_keeps_each_group_in_float(portable_engines, capsys):
     import json
 
