@@ -55,6 +55,15 @@ def screen_rows(onnx_path: Path) -> bytes | None:
     return model.SerializeToString()
 
 
+def grown(owner, name: str, size: int, dtype) -> np.ndarray:
+    """owner.<name>: a flat output buffer reused across passes, replaced by a larger one when it is too small."""
+    buf = getattr(owner, name)
+    if buf.size < size:
+        buf = np.empty(size, dtype)
+        setattr(owner, name, buf)
+    return buf
+
+
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtBatchEngine":
     config, note = entry_config(entry, options)
     return OrtBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
@@ -123,13 +132,6 @@ class OrtBatchEngine:
     def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
         self.cache[:, :, slot, :, dst] = self.cache[:, :, slot, :, src]
 
-    def _out(self, name: str, size: int, dtype) -> np.ndarray:
-        buf = getattr(self, name)
-        if buf.size < size:
-            buf = np.empty(size, dtype)
-            setattr(self, name, buf)
-        return buf
-
     def run(self, rows) -> list[tuple[float, int, int]]:
         """Every row's pass (runtime/batch.py's PassRow): the one-token rows of slots that hold a context together,
         the others alone. Returns (seconds, rows, width) of each call."""
@@ -179,15 +181,15 @@ class OrtBatchEngine:
         io.bind_cpu_input(SEQLENS_K, np.ascontiguousarray(seqlens, np.int32))
         io.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array(total, np.int32))
         io.bind_cpu_input(NUM_LOGITS_TO_KEEP, np.array(keep, np.int64))
-        logits = self._out("_logits", B * keep * self.vocab_size, np.float32)
+        logits = grown(self, "_logits", B * keep * self.vocab_size, np.float32)
         io.bind_output(LOGITS, "cpu", 0, np.float32, [B, keep, self.vocab_size], logits.ctypes.data)
         self._shape = (B, keep)
         if self._has_screen:
             io.bind_cpu_input(APPROX_INPUT, self._flags[approx])
-            greedy = self._out("_greedy", B * keep, np.int64)
+            greedy = grown(self, "_greedy", B * keep, np.int64)
             io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [B, keep], greedy.ctypes.data)
         if self.with_hidden:
-            hidden = self._out("_hidden", B * W * self.hidden_size, np.float32)
+            hidden = grown(self, "_hidden", B * W * self.hidden_size, np.float32)
             io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [B, W, self.hidden_size], hidden.ctypes.data)
         self._hshape = (B, W)
         self.session.run_with_iobinding(io)

@@ -29,6 +29,7 @@ from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_ID
                           PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, present_name)
 from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
 from ..static_shapes import Buckets, PassInputs, fill_row, relayout
+from .onnxruntime_batch import grown
 from .onnxruntime_cpu import TAKING_TURNS, open_session, session_options
 
 # Rows up to this many tokens share the round's call (a draft's verification: 1 + MAX_DRAFT_TOKENS at most)
@@ -139,13 +140,6 @@ class PortableBatchEngine:
                 for view in layer:
                     view[slot, :, dst] = view[slot, :, src]
 
-    def _out(self, name: str, size: int, dtype) -> np.ndarray:
-        buf = getattr(self, name)
-        if buf.size < size:
-            buf = np.empty(size, dtype)
-            setattr(self, name, buf)
-        return buf
-
     def run(self, rows) -> list[tuple[float, int, int]]:
         """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one call padded to the
         widest of them, wider rows alone. Returns (seconds, rows, width) of each call."""
@@ -204,12 +198,12 @@ class PortableBatchEngine:
         io.bind_cpu_input(ATTENTION_MASK, mask)
         io.bind_cpu_input(WRITE_INDICES, write)
         io.bind_cpu_input(LOGITS_INDICES, logits_rows)
-        logits = self._out("_logits", B * N * self.vocab_size, np.float32)
-        greedy = self._out("_greedy", B * N, np.int64)
+        logits = grown(self, "_logits", B * N * self.vocab_size, np.float32)
+        greedy = grown(self, "_greedy", B * N, np.int64)
         io.bind_output(LOGITS, "cpu", 0, np.float32, [B, N, self.vocab_size], logits.ctypes.data)
         io.bind_output(GREEDY_TOKENS, "cpu", 0, np.int64, [B, N], greedy.ctypes.data)
         if self.with_hidden:
-            hidden = self._out("_hidden", B * W * self._hidden_size, np.float32)
+            hidden = grown(self, "_hidden", B * W * self._hidden_size, np.float32)
             io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [B, W, self._hidden_size], hidden.ctypes.data)
         self._shape = (B, W, N)
         self.session.run_with_iobinding(io)
