@@ -147,3 +147,27 @@ def test_a_follow_up_turn_on_the_portable_batch_reuses_its_slot(portable_engines
     again = batched.generate(follow, max_new_tokens=20, sampling=GREEDY, ignore_eos=True)
     assert again.stats.cached_tokens > 0
     assert again.token_ids == fresh.token_ids
+
+
+def test_a_seeded_sampled_stream_on_the_portable_batch_keeps_its_output(portable_engines):
+    """Sampled rows read their logits from the batched call: a seeded request gives the same tokens alone and
+    beside another stream."""
+    from specrt.runtime.sampling import SamplingParams
+
+    s = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    want = load(portable_engines, "fp32", "prompt-lookup").generate(PROMPTS[2], max_new_tokens=24, sampling=s,
+                                                                    ignore_eos=True).token_ids
+    batched = gathering(load(portable_engines, "fp32", "prompt-lookup", parallel=2), 2)
+    out = [None, None]
+
+    def one(i):
+        out[i] = batched.generate(PROMPTS[2] if i == 0 else PROMPTS[1], max_new_tokens=24, sampling=s,
+                                  ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[0] == want
+    assert any(B > 1 for B, _ in batched.scheduler.costs_of(batched.batch).cells)
