@@ -216,12 +216,12 @@ def test_fixed_k_in_a_batch_is_exact(tiny_engines):
     assert run_threads(load(tiny_engines, "fp32", "prompt-lookup", config=cfg, parallel=3), jobs) == want
 
 
-def test_sampled_streams_in_a_batch_keep_their_seeded_output(tiny_engines):
-    """A seeded sampled request gives the same tokens alone and in a batch (each stream has its own generator)."""
+def seeded_alone_and_batched(root, parallel_session=None):
+    """A seeded sampled request on PROMPTS[2], alone and beside another stream: (its tokens alone, in the batch)."""
     s = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    alone = load(tiny_engines, "fp32", "prompt-lookup")
-    want = alone.generate(PROMPTS[2], max_new_tokens=24, sampling=s, ignore_eos=True).token_ids
-    batched = load(tiny_engines, "fp32", "prompt-lookup", parallel=2)
+    want = load(root, "fp32", "prompt-lookup").generate(PROMPTS[2], max_new_tokens=24, sampling=s,
+                                                        ignore_eos=True).token_ids
+    batched = parallel_session or load(root, "fp32", "prompt-lookup", parallel=2)
     out = [None, None]
 
     def one(i):
@@ -233,7 +233,13 @@ def test_sampled_streams_in_a_batch_keep_their_seeded_output(tiny_engines):
         t.start()
     for t in threads:
         t.join(60)
-    assert out[0] == want
+    return want, out[0]
+
+
+def test_sampled_streams_in_a_batch_keep_their_seeded_output(tiny_engines):
+    """A seeded sampled request gives the same tokens alone and in a batch (each stream has its own generator)."""
+    want, got = seeded_alone_and_batched(tiny_engines)
+    assert got == want
 
 
 class FakeBatch:

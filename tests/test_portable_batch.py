@@ -14,7 +14,7 @@ from specrt.runtime.batch import Scheduler, SlotEngine
 from specrt.runtime.engine import EngineOptions, open_engine
 from specrt.runtime.session import load
 from specrt.runtime.speculative import SpeculativeConfig, tree_inputs
-from test_batch import GREEDY, PROMPTS, gathering, run_threads
+from test_batch import GREEDY, PROMPTS, gathering, run_threads, seeded_alone_and_batched
 
 
 def _batch(root, slots: int):
@@ -152,22 +152,7 @@ def test_a_follow_up_turn_on_the_portable_batch_reuses_its_slot(portable_engines
 def test_a_seeded_sampled_stream_on_the_portable_batch_keeps_its_output(portable_engines):
     """Sampled rows read their logits from the batched call: a seeded request gives the same tokens alone and
     beside another stream."""
-    from specrt.runtime.sampling import SamplingParams
-
-    s = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    want = load(portable_engines, "fp32", "prompt-lookup").generate(PROMPTS[2], max_new_tokens=24, sampling=s,
-                                                                    ignore_eos=True).token_ids
     batched = gathering(load(portable_engines, "fp32", "prompt-lookup", parallel=2), 2)
-    out = [None, None]
-
-    def one(i):
-        out[i] = batched.generate(PROMPTS[2] if i == 0 else PROMPTS[1], max_new_tokens=24, sampling=s,
-                                  ignore_eos=True).token_ids
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert out[0] == want
+    want, got = seeded_alone_and_batched(portable_engines, batched)
+    assert got == want
     assert any(B > 1 for B, _ in batched.scheduler.costs_of(batched.batch).cells)
