@@ -15,12 +15,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
-                          POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK, past_name, present_name)
+                          POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK)
 from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
-from .onnxruntime_cpu import SCREEN_MAX_ROWS, entry_config, open_session, session_options
+from .onnxruntime_cpu import SCREEN_MAX_ROWS, bind_in_place, entry_config, open_session, session_options
 
 
 def screen_rows(onnx_path: Path) -> bytes | None:
@@ -109,11 +108,7 @@ class OrtBatchEngine:
 
     def _bind(self, rows: slice):
         io = self.session.io_binding()
-        for i in range(self.cache.shape[0]):
-            for j, kind in enumerate(KV_KINDS):
-                value = ort.OrtValue.ortvalue_from_numpy(self.cache[i, j, rows])
-                io.bind_ortvalue_input(past_name(i, kind), value)
-                io.bind_ortvalue_output(present_name(i, kind), value)
+        bind_in_place(io, self.cache[:, :, rows])
         return io
 
     def enable_hidden(self) -> None:

@@ -31,6 +31,16 @@ SCREEN_MAX_ROWS = 6
 TAKING_TURNS = {"session.force_spinning_stop": "1"}
 
 
+def bind_in_place(io, layers) -> None:
+    """Bind each cache buffer as both its layer's past input and present output: one OrtValue, so the graph writes
+    the new positions into it in place. layers: per layer, its [key, value] arrays."""
+    for i, layer in enumerate(layers):
+        for kind, view in zip(KV_KINDS, layer):
+            value = ort.OrtValue.ortvalue_from_numpy(view)
+            io.bind_ortvalue_input(past_name(i, kind), value)
+            io.bind_ortvalue_output(present_name(i, kind), value)
+
+
 def open_session(onnx_path: Path, options: ort.SessionOptions, graph: bytes | None = None) -> ort.InferenceSession:
     """A CPU session for onnx_path (or for `graph`, a serialized variant of it); a corrupt or incomplete engine file
     is a one-line SpecrtError, not ORT's traceback (ORT raises its own exception types: InvalidProtobuf, Fail,
@@ -186,11 +196,7 @@ class OrtEngine:
         if self.length:  # old and new layouts share memory: copy out first
             cache[..., : self.length, :] = self.cache[..., : self.length, :].copy()
         self.cache, self.capacity = cache, cap
-        for i in range(layers):
-            for j, kind in enumerate(KV_KINDS):
-                buf = ort.OrtValue.ortvalue_from_numpy(cache[i, j])
-                self._io.bind_ortvalue_input(past_name(i, kind), buf)
-                self._io.bind_ortvalue_output(present_name(i, kind), buf)
+        bind_in_place(self._io, cache)
 
     def enable_hidden(self) -> None:
         """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""
@@ -334,10 +340,7 @@ class OrtEagleHead:
         self.cache = [relayout(buf, self._heads, self._head_dim, self.capacity, capacity, keep)
                       for buf in self._buffers]
         self.capacity = capacity
-        for kind, view in zip(KV_KINDS, self.cache):
-            value = ort.OrtValue.ortvalue_from_numpy(view)
-            self._io.bind_ortvalue_input(past_name(0, kind), value)
-            self._io.bind_ortvalue_output(present_name(0, kind), value)
+        bind_in_place(self._io, [self.cache])
 
     def reserve(self, slots: int, keep: int | None = None) -> None:
         """Lay the cache out for at least `slots` slots (keeping the first `keep`, default the real positions):

@@ -12,15 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from ...errors import SpecrtError
 from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
-                          PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, present_name)
+                          PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES)
 from ..engine import EngineOptions, KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
 from ..hugepages import advise_huge_pages, anonymous_mappings
 from ..static_shapes import Buckets, PassInputs, relayout
-from .onnxruntime_cpu import TAKING_TURNS, OrtHeads, open_session, session_options
+from .onnxruntime_cpu import TAKING_TURNS, OrtHeads, bind_in_place, open_session, session_options
 
 MAX_PASS_TOKENS = 64
 
@@ -92,11 +91,7 @@ class PortableEngine:
         self.cache = [[relayout(buf, self._heads, self._head_dim, old, capacity, self.length) for buf in layer]
                       for layer in self._buffers]
         self.capacity = capacity
-        for i, layer in enumerate(self.cache):
-            for kind, view in zip(KV_KINDS, layer):
-                value = ort.OrtValue.ortvalue_from_numpy(view)
-                self._io.bind_ortvalue_input(past_name(i, kind), value)
-                self._io.bind_ortvalue_output(present_name(i, kind), value)
+        bind_in_place(self._io, self.cache)
 
     def reserve(self, positions: int) -> None:
         """Lay the cache out for the committed positions plus the widest pad, whatever `positions` asks: the CPU

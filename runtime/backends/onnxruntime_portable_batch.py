@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from ...errors import SpecrtError
 from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
-                          PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, present_name)
+                          PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES)
 from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
 from ..static_shapes import Buckets, PassInputs, fill_row, relayout
 from .onnxruntime_batch import grown
-from .onnxruntime_cpu import TAKING_TURNS, open_session, session_options
+from .onnxruntime_cpu import TAKING_TURNS, bind_in_place, open_session, session_options
 
 # Rows up to this many tokens share the round's call (a draft's verification: 1 + MAX_DRAFT_TOKENS at most)
 BATCH_WIDTH = 33
@@ -99,11 +98,7 @@ class PortableBatchEngine:
 
     def _bind(self, rows: slice):
         io = self.session.io_binding()
-        for i, layer in enumerate(self.cache):
-            for kind, view in zip(KV_KINDS, layer):
-                value = ort.OrtValue.ortvalue_from_numpy(view[rows])
-                io.bind_ortvalue_input(past_name(i, kind), value)
-                io.bind_ortvalue_output(present_name(i, kind), value)
+        bind_in_place(io, [[view[rows] for view in layer] for layer in self.cache])
         return io
 
     def _fit(self, need: int) -> None:
