@@ -98,6 +98,10 @@ def bench_serve(
     in_process: bool = typer.Option(True, "--in-process/--no-in-process",
                                     help="With --engines: first run the single-stream prompts in this process "
                                          "(load(...).stream(...)), the baseline of the server-overhead figures."),
+    overhead_reps: int = typer.Option(1, "--overhead-reps",
+                                      help="Run the single-stream pair (in-process baseline, then `specrt serve` "
+                                           "at C=1) this many times, interleaved, and judge the server-overhead "
+                                           "goals on the medians; the other loads run once."),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency",
                                     help="Comma-separated concurrencies: C clients in a closed loop, each sending "
                                          "the next prompt when its answer has ended."),
@@ -171,7 +175,8 @@ def bench_serve(
                                   f"{flag} '--cache-ram 0'") from None
 
         cfg = ServeBenchConfig(engines=engines_dir, urls=tuple(url), llamacpp=llamacpp, in_process=in_process,
-                               prompts=prompts or DEFAULT_PROMPTS, num_prompts=num_prompts,
+                               overhead_reps=overhead_reps, prompts=prompts or DEFAULT_PROMPTS,
+                               num_prompts=num_prompts,
                                concurrency=parse_concurrency(concurrency), max_tokens=max_tokens,
                                conversations=conversations, turn_max_tokens=turn_max_tokens, ignore_eos=ignore_eos,
                                min_tokens=min_tokens, speculate=speculate, precision=precision, threads=threads,
@@ -186,8 +191,10 @@ def bench_serve(
             typer.echo("\n" + "\n".join(multiturn_table(res)))
         o = res["summary"]["overhead"]
         if o:
+            n = len(o["pairs"])
             typer.echo(f"\nserver / in-process: tok/s {o['tok_s_ratio']:.3f}x, TTFT p50 "
-                       f"{o['ttft_diff_ms']:+.1f} ms; identical answers {o['identical_texts']}/{o['prompts']}")
+                       f"{o['ttft_diff_ms']:+.1f} ms" + (f" (medians of {n} pairs)" if n > 1 else "")
+                       + f"; identical answers {o['identical_texts']}/{o['prompts']}")
         for r in res["summary"]["versus"]:
             typer.echo(f"C={r['concurrency']}: TTFT p50 {r['ttft_p50_ms'][0]:.1f} vs {r['ttft_p50_ms'][1]:.1f} ms, "
                        f"ITL p99 {r['itl_p99_ms'][0]:.2f} vs {r['itl_p99_ms'][1]:.2f} ms ({r['ours']} vs "

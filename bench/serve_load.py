@@ -74,6 +74,7 @@ class ServeBenchConfig:
     urls: tuple[str, ...] = ()               # running servers: "URL" or "NAME=URL"
     llamacpp: bool = False                   # also launch llama-cpp-python's server on the set's GGUF
     in_process: bool = True                  # with engines: the in-process baseline
+    overhead_reps: int = 1                   # (in-process, `specrt serve`) single-stream pairs, interleaved
     prompts: Path = DEFAULT_PROMPTS
     num_prompts: int = DEFAULT_NUM_PROMPTS
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
@@ -129,13 +130,14 @@ def select_cases(path: Path, n: int) -> list[PromptCase]:
     return order[:n]
 
 
-def tagged(case: PromptCase, concurrency: int) -> list[dict]:
-    """The case's messages, the first one's content starting with "[C=<concurrency>] ": every concurrency level
-    sends different prompts, so a server's prefix cache (ours keeps many sequences, --cache-ram) cannot serve a
-    level from an earlier one's requests; what all requests share (the template, a default system prompt) stays
-    shared. The in-process baseline sends C=1's."""
+def tagged(case: PromptCase, concurrency: int, rep: int = 0) -> list[dict]:
+    """The case's messages, the first one's content starting with "[C=<concurrency>] " ("[C=1 r=<rep+1>] " for
+    the repeated overhead pairs): every level and repetition sends different prompts, so a server's prefix cache
+    (ours keeps many sequences, --cache-ram) cannot serve one from an earlier one's requests; what all requests
+    share (the template, a default system prompt) stays shared. The in-process baseline sends C=1's."""
     msgs = [{"role": r, "content": c} for r, c in case.messages]
-    msgs[0]["content"] = f"[C={concurrency}] " + msgs[0]["content"]
+    tag = f"C={concurrency}" + (f" r={rep + 1}" if rep else "")
+    msgs[0]["content"] = f"[{tag}] " + msgs[0]["content"]
     return msgs
 
 
@@ -225,17 +227,17 @@ def _error_text(raw: str) -> str:
 
 
 async def closed_loop(client, target: Target, cases: list[PromptCase], concurrency: int,
-                      cfg: ServeBenchConfig) -> list[dict]:
+                      cfg: ServeBenchConfig, rep: int = 0) -> list[dict]:
     """Every case once, by `concurrency` workers each taking the next case when its last request has ended."""
     todo, out = iter(cases), []
     t0 = time.perf_counter()
 
     async def worker():
         for case in todo:   # one shared iterator: each case is taken by exactly one worker
-            msgs = tagged(case, concurrency)
+            msgs = tagged(case, concurrency, rep)
             rec = await request(client, target, msgs, cfg.max_tokens, cfg.ignore_eos, cfg.min_tokens)
             out.append({"server": target.name, "shape": "prompts", "concurrency": concurrency, "case": case.id,
-                        "conversation": None, "turn": None, "messages": msgs, **rec})
+                        "rep": rep, "conversation": None, "turn": None, "messages": msgs, **rec})
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     for r in out:
@@ -258,7 +260,7 @@ async def multiturn(client, target: Target, cfg: ServeBenchConfig) -> list[dict]
     return out
 
 
-async def _drive(target: Target, cases: list[PromptCase], cfg: ServeBenchConfig, log) -> list[dict]:
+async def _drive(target: Target, cases: list[PromptCase], cfg: ServeBenchConfig, log, rep: int = 0) -> list[dict]:
     import httpx
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key and target.kind == "url" else {}
@@ -267,23 +269,25 @@ async def _drive(target: Target, cases: list[PromptCase], cfg: ServeBenchConfig,
                                  limits=limits) as client:
         await request(client, target, WARMUP, WARMUP_TOKENS, cfg.ignore_eos, cfg.min_tokens)
         out = []
-        for c in cfg.concurrency:
-            recs = await closed_loop(client, target, cases, c, cfg)
+        for c in cfg.concurrency if rep == 0 else (1,):
+            recs = await closed_loop(client, target, cases, c, cfg, rep)
             wall = max(r["t_end"] for r in recs)
             log(f"{target.name}: {len(recs)} prompts at concurrency {c} in {wall:.1f} s, "
-                f"{sum(r['completion_tokens'] for r in recs) / wall:.1f} tok/s")
+                f"{sum(r['completion_tokens'] for r in recs) / wall:.1f} tok/s"
+                + (f" (overhead pair {rep + 1})" if rep else ""))
             out += recs
-        if cfg.conversations:
+        if cfg.conversations and rep == 0:
             recs = await multiturn(client, target, cfg)
             log(f"{target.name}: {cfg.conversations} conversation(s) x {len(recs) // cfg.conversations} turns")
             out += recs
     return out
 
 
-def drive(target: Target, cases: list[PromptCase], cfg: ServeBenchConfig, log=print) -> list[dict]:
-    """Every load shape against one server; a failing server raises a one-line SpecrtError naming it."""
+def drive(target: Target, cases: list[PromptCase], cfg: ServeBenchConfig, log=print, rep: int = 0) -> list[dict]:
+    """Every load shape against one server (rep > 0: the prompts at concurrency 1 alone, tagged with the
+    repetition); a failing server raises a one-line SpecrtError naming it."""
     try:
-        return asyncio.run(_drive(target, cases, cfg, log))
+        return asyncio.run(_drive(target, cases, cfg, log, rep))
     except _Fail as e:
         raise SpecrtError(f"server '{target.name}' ({target.url}) {e}" + _log_hint(target)) from None
 
@@ -296,7 +300,7 @@ def _log_hint(target: Target) -> str:
 # ---------------------------------------------------------------- the in-process baseline
 
 
-def in_process(cfg: ServeBenchConfig, cases: list[PromptCase], log=print) -> list[dict]:
+def in_process(cfg: ServeBenchConfig, cases: list[PromptCase], log=print, rep: int = 0) -> list[dict]:
     """The prompts, one at a time, through load(...).stream(...) in this process: the same deltas the server
     streams, without HTTP (the server's KV reuse on, as `specrt serve` sets it); figures as `request`'s."""
     from ..runtime.engine import EngineOptions
@@ -329,12 +333,13 @@ def in_process(cfg: ServeBenchConfig, cases: list[PromptCase], log=print) -> lis
         one(WARMUP, WARMUP_TOKENS, cfg.ignore_eos)
         out, t0 = [], time.perf_counter()
         for case in cases:
-            msgs = tagged(case, 1)
+            msgs = tagged(case, 1, rep)
             rec = one(msgs, cfg.max_tokens, cfg.ignore_eos)
-            out.append({"server": "in-process", "shape": "prompts", "concurrency": 1, "case": case.id,
+            out.append({"server": "in-process", "shape": "prompts", "concurrency": 1, "case": case.id, "rep": rep,
                         "conversation": None, "turn": None, "messages": msgs, **rec,
                         "t_start": rec["t_start"] - t0, "t_end": rec["t_end"] - t0})
-        log(f"in-process: {len(out)} prompts in {out[-1]['t_end']:.1f} s (--speculate {mode})")
+        log(f"in-process: {len(out)} prompts in {out[-1]['t_end']:.1f} s (--speculate {mode})"
+            + (f" (overhead pair {rep + 1})" if rep else ""))
         return out
     finally:
         held.clear()
@@ -490,6 +495,11 @@ def plan(cfg: ServeBenchConfig) -> Plan:
         raise SpecrtError(f"--concurrency must hold positive integers, got {cfg.concurrency}")
     if cfg.threads < 0:
         raise SpecrtError(f"--threads must be >= 0 (0 = all cores), got {cfg.threads}")
+    if cfg.overhead_reps < 1:
+        raise SpecrtError(f"--overhead-reps must be >= 1, got {cfg.overhead_reps}")
+    if cfg.overhead_reps > 1 and (cfg.engines is None or not cfg.in_process or 1 not in cfg.concurrency):
+        raise SpecrtError("--overhead-reps repeats the single-stream pair of the in-process baseline and the "
+                          "launched `specrt serve`: it needs --engines, --in-process and 1 in --concurrency")
     targets = [parse_url(u) for u in cfg.urls]
     names = [t.name for t in targets] + (["specrt"] if cfg.engines else []) + (["llamacpp"] if cfg.llamacpp else [])
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -545,6 +555,10 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
             log(f"starting specrt serve on {t.url} (--speculate {cfg.speculate}, --precision {cfg.precision})")
             with launched(t, specrt_command(cfg, port), cfg.start_timeout_s):
                 records += drive(t, p.cases, cfg, log)
+                # the overhead pairs again, each baseline right before its server run (the server idles meanwhile)
+                for rep in range(1, cfg.overhead_reps if cfg.in_process else 1):
+                    records += in_process(cfg, p.cases, log, rep)
+                    records += drive(t, p.cases, cfg, log, rep)
             servers.append(t)
         if cfg.llamacpp:
             t = Target("llamacpp", "", "llamacpp", log=logs / "llamacpp.log")
@@ -571,6 +585,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
             "ignore_eos": cfg.ignore_eos, "min_tokens": cfg.min_tokens, "speculate": cfg.speculate,
             "precision": cfg.precision, "threads": threads, "cpu": cpu_model(), "cores": os.cpu_count(),
             "platform": platform.platform(), "in_process": cfg.engines is not None and cfg.in_process,
+            "overhead_reps": cfg.overhead_reps,
             "versions": {**_versions(), **_more_versions()}, "bench_s": round(time.perf_counter() - t_bench, 1)}
     return {"meta": meta, "notes": p.notes,
             "servers": [{"name": t.name, "kind": t.kind, "url": t.url, "model": t.model, "command": t.command}

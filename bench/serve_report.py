@@ -64,7 +64,7 @@ def summarize(res: dict) -> dict:
     recs, meta = res["records"], res["meta"]
     prompts, turns, conv = [], [], []
     for s in _order(res):
-        mine = [r for r in recs if r["server"] == s]
+        mine = [r for r in recs if r["server"] == s and r.get("rep", 0) == 0]   # repeated pairs: overhead() only
         for c in sorted({r["concurrency"] for r in mine if r["shape"] == "prompts"}):
             rs = [r for r in mine if r["shape"] == "prompts" and r["concurrency"] == c]
             prompts.append(prompt_row(s, c, rs, meta["max_tokens"]))
@@ -93,23 +93,38 @@ def _launched(res: dict, kind: str) -> str | None:
 
 
 def overhead(res: dict, rows: list[dict]) -> dict | None:
-    """`specrt serve` on loopback against the in-process API, single stream, the same prompts."""
+    """`specrt serve` on loopback against the in-process API, single stream, the same prompts; with
+    --overhead-reps N, one figure per (baseline, server) pair and the goals judged on the medians of the N."""
     ours = _launched(res, "specrt")
     cell = {(r["server"], r["concurrency"]): r for r in rows}
-    a, b = cell.get((ours, 1)), cell.get(("in-process", 1))
-    if a is None or b is None:
+    if cell.get((ours, 1)) is None or cell.get(("in-process", 1)) is None:
         return None
-    by_case = lambda s: {r["case"]: r for r in res["records"]  # noqa: E731
-                         if r["server"] == s and r["shape"] == "prompts" and r["concurrency"] == 1}
-    sv, ip = by_case(ours), by_case("in-process")
-    paired = [sv[c]["ttft_s"] - ip[c]["ttft_s"] for c in sv if c in ip
-              and sv[c]["ttft_s"] is not None and ip[c]["ttft_s"] is not None]
-    ratio = a["tok_s_in_requests"] / b["tok_s_in_requests"]
-    diff = a["ttft_p50_ms"] - b["ttft_p50_ms"] if None not in (a["ttft_p50_ms"], b["ttft_p50_ms"]) else None
-    return {"server": ours, "tok_s_server": a["tok_s_in_requests"], "tok_s_in_process": b["tok_s_in_requests"],
-            "tok_s_ratio": ratio, "ttft_p50_ms_server": a["ttft_p50_ms"], "ttft_p50_ms_in_process": b["ttft_p50_ms"],
-            "ttft_diff_ms": diff, "ttft_paired_diff_ms": _median(paired) * 1e3 if paired else None,
-            "identical_texts": sum(sv[c]["text"] == ip[c]["text"] for c in sv if c in ip), "prompts": len(sv),
+    pairs = []
+    for rep in sorted({r.get("rep", 0) for r in res["records"] if r["server"] == "in-process"}):
+        by_case = lambda s: {r["case"]: r for r in res["records"]  # noqa: E731
+                             if r["server"] == s and r["shape"] == "prompts" and r["concurrency"] == 1
+                             and r.get("rep", 0) == rep}
+        sv, ip = by_case(ours), by_case("in-process")
+        if not sv or not ip:
+            continue
+        a, b = prompt_row(ours, 1, list(sv.values()), 0), prompt_row("in-process", 1, list(ip.values()), 0)
+        paired = [sv[c]["ttft_s"] - ip[c]["ttft_s"] for c in sv if c in ip
+                  and sv[c]["ttft_s"] is not None and ip[c]["ttft_s"] is not None]
+        pairs.append({"tok_s_server": a["tok_s_in_requests"], "tok_s_in_process": b["tok_s_in_requests"],
+                      "tok_s_ratio": a["tok_s_in_requests"] / b["tok_s_in_requests"],
+                      "ttft_p50_ms_server": a["ttft_p50_ms"], "ttft_p50_ms_in_process": b["ttft_p50_ms"],
+                      "ttft_diff_ms": (a["ttft_p50_ms"] - b["ttft_p50_ms"]
+                                       if None not in (a["ttft_p50_ms"], b["ttft_p50_ms"]) else None),
+                      "ttft_paired_diff_ms": _median(paired) * 1e3 if paired else None,
+                      "identical_texts": sum(sv[c]["text"] == ip[c]["text"] for c in sv if c in ip),
+                      "prompts": len(sv)})
+    med = lambda k: _median([p[k] for p in pairs if p[k] is not None])  # noqa: E731
+    ratio, diff = med("tok_s_ratio"), med("ttft_diff_ms")
+    return {"server": ours, "pairs": pairs, "tok_s_server": med("tok_s_server"),
+            "tok_s_in_process": med("tok_s_in_process"), "tok_s_ratio": ratio,
+            "ttft_p50_ms_server": med("ttft_p50_ms_server"), "ttft_p50_ms_in_process": med("ttft_p50_ms_in_process"),
+            "ttft_diff_ms": diff, "ttft_paired_diff_ms": med("ttft_paired_diff_ms"),
+            "identical_texts": sum(p["identical_texts"] for p in pairs), "prompts": sum(p["prompts"] for p in pairs),
             "goal_tok_s_met": ratio >= GOAL_TOK_S_RATIO,
             "goal_ttft_met": diff is not None and diff <= GOAL_TTFT_MS}
 
@@ -193,8 +208,11 @@ def markdown(res: dict) -> str:
            "chunks, all requests pooled; TPOT: per request (e2e - TTFT) / (tokens - 1), the median; tok/s: all "
            "tokens / the wall time of the loop; tokens from `usage` (* = counted as content chunks: no usage in "
            "the stream), (at max) = requests that made exactly max_tokens",
-           "- one server at a time; the in-process baseline (`load(...).stream(...)`, KV reuse on as in `specrt "
-           "serve`) ran before any server started" if meta["in_process"] else "- one server at a time"]
+           ("- one server at a time; the in-process baseline (`load(...).stream(...)`, KV reuse on as in `specrt "
+            "serve`) ran before any server started"
+            + (f", and before each of the {meta['overhead_reps'] - 1} repeated single-stream runs of `specrt serve` "
+               "(the server loaded and idle meanwhile)" if meta.get("overhead_reps", 1) > 1 else "")
+            if meta["in_process"] else "- one server at a time")]
     for s in res["servers"]:
         how = s["url"]
         if s["command"]:  # [python, -m, module, ...]
@@ -213,7 +231,11 @@ def markdown(res: dict) -> str:
                        f"{_f(c['cached_later_mean'], '{:.0f}')}")
     o = sm["overhead"]
     if o:
+        n = len(o["pairs"])
+        how = (f"the medians of {n} pairs, each baseline run right before its server run (the first pair's the "
+               "tables' rows)" if n > 1 else "one pair")
         out += ["", f"## Server overhead: `{o['server']}` on loopback against the in-process API, single stream", "",
+                f"Figures: {how}.", "",
                 f"- tok/s (tokens / time in requests): server {o['tok_s_server']:.1f}, in-process "
                 f"{o['tok_s_in_process']:.1f}: **{o['tok_s_ratio']:.3f}x** (goal >= {GOAL_TOK_S_RATIO}x: "
                 f"{'met' if o['goal_tok_s_met'] else 'NOT met'})",
@@ -222,6 +244,13 @@ def markdown(res: dict) -> str:
                 f"{_f(o['ttft_paired_diff_ms'], '{:+.1f}')} ms; goal <= +{GOAL_TTFT_MS:g} ms: "
                 f"{'met' if o['goal_ttft_met'] else 'NOT met'})",
                 f"- answers identical to the in-process ones: {o['identical_texts']}/{o['prompts']}"]
+        if n > 1:
+            out += ["", "| pair | tok/s server | tok/s in-process | ratio | TTFT p50 ms server | in-process | "
+                    "difference ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
+            for i, p in enumerate(o["pairs"], 1):
+                out.append(f"| {i} | {p['tok_s_server']:.1f} | {p['tok_s_in_process']:.1f} | "
+                           f"{p['tok_s_ratio']:.3f}x | {_f(p['ttft_p50_ms_server'])} | "
+                           f"{_f(p['ttft_p50_ms_in_process'])} | {_f(p['ttft_diff_ms'], '{:+.1f}')} |")
     if sm["versus"]:
         vs = sm["versus"]
         out += ["", f"## `{vs[0]['ours']}` against llama-cpp-python's server (`{vs[0]['peer']}`), same prompts", "",

@@ -143,6 +143,27 @@ def test_summary_arithmetic():
     assert o["ttft_diff_ms"] == pytest.approx(50.0) and o["ttft_paired_diff_ms"] == pytest.approx(50.0)
     assert o["identical_texts"] == 2 and not o["goal_tok_s_met"] and not o["goal_ttft_met"]
 
+    # --overhead-reps: two more pairs; the tables keep the first pair's rows, the goals take the medians
+    def again(rep, server_e2e, server_ttft):
+        out = []
+        for r in res["records"][:4]:
+            r2 = dict(r, rep=rep)
+            if r["server"] == "a":
+                r2.update(e2e_s=server_e2e[r["case"]], ttft_s=server_ttft)
+            out.append(r2)
+        return out
+
+    res["records"] += again(1, {"p": 1.0, "q": 0.85}, 0.05) + again(2, {"p": 1.0, "q": 0.8}, 0.1)
+    sm2 = summarize(res)
+    assert sm2["prompts"] == sm["prompts"]
+    o2 = sm2["overhead"]
+    assert [p["tok_s_ratio"] for p in o2["pairs"]] == pytest.approx([1.85 / 2.0, 1.0, 1.85 / 1.8])
+    assert o2["tok_s_ratio"] == pytest.approx(1.0) and o2["goal_tok_s_met"]
+    # TTFT p50 of the pairs: server 200 / 50 / 100 ms against 150 ms in-process each time
+    assert [p["ttft_diff_ms"] for p in o2["pairs"]] == pytest.approx([50.0, -100.0, -50.0])
+    assert o2["ttft_diff_ms"] == pytest.approx(-50.0) and o2["goal_ttft_met"]
+    assert o2["identical_texts"] == 6 and o2["prompts"] == 6
+
 
 def test_report_files(measured, tmp_path):
     cfg, _, target, recs, base = measured
@@ -221,6 +242,9 @@ def test_cli_bad_input(live, tiny_engines, tmp_path):
         (("--llamacpp", "--url", live), ["--llamacpp", "--engines"]),
         (("--engines", tmp_path / "nope"), ["not found"]),
         (("--url", live, "--num-prompts", "0"), ["--num-prompts must be >= 1"]),
+        (("--url", live, "--overhead-reps", "0"), ["--overhead-reps must be >= 1"]),
+        (("--url", live, "--overhead-reps", "3"), ["--overhead-reps", "needs --engines"]),
+        (("--engines", tiny_engines, "--overhead-reps", "2", "--concurrency", "2"), ["1 in --concurrency"]),
         (("--url", live, "--num-prompts", "1", "--concurrency", "1", "--conversations", "0", "--max-tokens",
           "100000"), ["HTTP 400", live]),
     ]
@@ -235,14 +259,19 @@ def test_cli_launches_specrt_serve_and_writes_the_report(tiny_engines, tmp_path)
     """The whole command: the in-process baseline, then `specrt serve` launched as a subprocess and stopped."""
     r = bench_serve("--engines", tiny_engines, "--prompts", write_prompts(tmp_path / "p.jsonl"), "--num-prompts", 3,
                     "--concurrency", "1,2", "--max-tokens", 8, "--conversations", 0, "--threads", 1,
-                    "--speculate", "off", "--out", tmp_path / "o")
+                    "--speculate", "off", "--overhead-reps", 2, "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr
     assert "| specrt | 2 | 3 |" in r.stdout and "server / in-process: tok/s" in r.stdout
+    assert "(medians of 2 pairs)" in r.stdout
     res = json.loads((tmp_path / "o" / "results.json").read_text())
     assert [s["name"] for s in res["servers"]] == ["specrt"] and "--speculate" in res["servers"][0]["command"]
-    assert res["summary"]["overhead"]["identical_texts"] == 3
-    assert {(r["server"], r["concurrency"]) for r in res["records"]} == {("in-process", 1), ("specrt", 1),
-                                                                         ("specrt", 2)}
+    assert res["summary"]["overhead"]["identical_texts"] == 6 and len(res["summary"]["overhead"]["pairs"]) == 2
+    assert {(r["server"], r["concurrency"], r["rep"]) for r in res["records"]} == {
+        ("in-process", 1, 0), ("specrt", 1, 0), ("specrt", 2, 0), ("in-process", 1, 1), ("specrt", 1, 1)}
+    # the second pair sent prompts of its own, so the server's prefix cache did not answer them from the first's
+    second = [r for r in res["records"] if r["rep"] == 1]
+    assert len(second) == 6 and all(r["cached_tokens"] < r["prompt_tokens"] // 2 for r in second)
+    assert "| pair |" in (tmp_path / "o" / "report.md").read_text()
     assert all(r["completion_tokens"] == 8 for r in res["records"])
     assert (tmp_path / "o" / "specrt.log").is_file() and (tmp_path / "o" / "report.md").is_file()
     with socket.socket() as s:   # the launched server is gone
