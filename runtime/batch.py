@@ -277,6 +277,21 @@ class SlotEngine:
         self.length = snapshot.length
 
 
+class _Memo:
+    """One plan's pass costs: every stream asks for the same few (rows, width) cells, and a fitted cell is not free
+    (the plan runs on every round, under the GIL every stream's loop needs)."""
+
+    def __init__(self, cost: BatchCosts):
+        self.cost, self.cells, self.seen = cost, cost.cells, {}
+
+    def __call__(self, B: int, W: int) -> float:
+        key = (B, W)
+        t = self.seen.get(key)
+        if t is None:
+            t = self.seen[key] = self.cost(B, W)
+        return t
+
+
 class LoadPlanner:
     """Chooses every stream's draft length for the round, to maximise the batch's tokens per second from its
     measured pass costs t(B, W) (rows, width) and each stream's acceptance (LoadK.expected) and draft cost.
@@ -310,7 +325,7 @@ class LoadPlanner:
         if self._made_at != self.scheduler.passes or member not in self._plan:
             active = {m: c for m, c in self.members.items() if m in self.scheduler.active}
             active.setdefault(member, self.members[member])
-            cost = self.scheduler.costs_of(self.batch)
+            cost = _Memo(self.scheduler.costs_of(self.batch))
             self._plan = (self._alone(active, cost) if getattr(self.batch, "wide_rows_alone", False)
                           else self._common(active, cost))
             self._made_at = self.scheduler.passes
