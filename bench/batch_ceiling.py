@@ -3,6 +3,11 @@ each with its own cache row and length, the GroupQueryAttention graph's per-row 
 Pass cost only: no drafting, no scheduling, random cache contents.
 
     python -m specrt.bench.batch_ceiling --engines engines/smollm2-135m --batches 1,2,4,8
+
+--with-prefills also times the prefill of each prompt batch_load's closed loop sends (alone, the best of 2) and
+gives the ceiling of that loop's throughput against one stream: (prefills + tokens x t(1)) / (prefills + tokens /
+C x t(C)), since on a CPU a prefill costs the same batched or not (compute-bound) while a decode pass of C rows
+costs little more than one.
 """
 
 from __future__ import annotations
@@ -22,7 +27,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--context", type=int, default=300, help="tokens of context per sequence")
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     ap.add_argument("--passes", type=int, default=25, help="timed passes per batch size (the first 5 warm up)")
+    ap.add_argument("--with-prefills", action="store_true",
+                    help="also the closed loop's ceiling with its prompts' prefills counted (batch_load's prompts)")
+    ap.add_argument("--answers", type=int, default=16, help="with --with-prefills: batch_load's --answers")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="with --with-prefills: tokens per answer")
+    ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit",
+                    help="with --with-prefills: batch_load's --categories")
+    ap.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "default.jsonl"),
+                    help="with --with-prefills: the prompt set")
     a = ap.parse_args(argv)
+    if a.with_prefills and 1 not in [int(b) for b in a.batches.split(",")]:
+        ap.error("--with-prefills needs 1 in --batches (the one-stream pass cost)")
 
     import onnxruntime as ort
 
@@ -69,7 +84,41 @@ def main(argv=None) -> list[dict]:
         rows.append({"batch": B, "pass_ms": round(s * 1000, 2), "aggregate_tok_s": round(B / s, 1),
                      "vs_one_stream": round(one * B / s, 2)})
         print(json.dumps(rows[-1]))
+    if a.with_prefills:
+        rows += with_prefills(a, {r["batch"]: r["pass_ms"] / 1000 for r in rows})
     return rows
+
+
+def with_prefills(a, pass_s: dict[int, float]) -> list[dict]:
+    from ..runtime.engine import EngineOptions
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.session import load
+    from ..runtime.tokenizer import Message
+    from .batch_load import prompt_set
+
+    session = load(a.engines, "fp32", "off", EngineOptions(threads=a.threads))
+    greedy = SamplingParams(temperature=0.0)
+    session.generate([Message("user", "hi")], max_new_tokens=2, sampling=greedy)  # warm-up
+    prefill = []
+    for case in prompt_set(Path(a.prompts), a.categories, a.answers):
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            for _ in session.stream([Message(r, c) for r, c in case.messages], max_new_tokens=1, sampling=greedy,
+                                    ignore_eos=True):
+                pass
+            best = min(best, time.perf_counter() - t)
+        prefill.append(best)
+    tokens, pre = len(prefill) * a.max_new_tokens, sum(prefill)
+    alone = pre + tokens * pass_s[1]
+    out = []
+    for C, t in sorted(pass_s.items()):
+        loop = pre + tokens / C * t
+        out.append({"concurrency": C, "prompts": len(prefill), "prefill_s": round(pre, 4),
+                    "decode_s": round(tokens / C * t, 4), "loop_s": round(loop, 4),
+                    "ceiling_vs_one_stream": round(alone / loop, 2)})
+        print(json.dumps(out[-1]))
+    return out
 
 
 if __name__ == "__main__":

@@ -81,6 +81,16 @@ def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: dict[
             "wall_s": round(wall, 2), "answers": out}
 
 
+def prompt_set(path: Path, categories: str, answers: int) -> list:
+    """The first `answers` prompts of the set, the categories in turn (so any first n prompts mix them)."""
+    from .prompts import CATEGORIES, load_prompts, select
+
+    cats = tuple(c for c in categories.split(",") if c in CATEGORIES)
+    prompts = select(load_prompts(path), categories=cats, per_category=max(4, -(-answers // len(cats))))
+    rank = {c.id: sum(1 for d in prompts[:i] if d.category == c.category) for i, c in enumerate(prompts)}
+    return sorted(prompts, key=lambda c: rank[c.id])[:answers]
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="engines/smollm2-135m")
@@ -108,21 +118,13 @@ def main(argv=None) -> list[dict]:
     from ..runtime.engine import EngineOptions
     from ..runtime.session import load
     from ..runtime.speculative import SpeculativeConfig
-    from .prompts import CATEGORIES, load_prompts, select
-
-    cats = tuple(c for c in a.categories.split(",") if c in CATEGORIES)
-    prompts = select(load_prompts(Path(a.prompts)), categories=cats,
-                     per_category=max(4, -(-a.answers // len(cats))))
+    prompts = prompt_set(Path(a.prompts), a.categories, a.answers)
     options = EngineOptions(threads=a.threads)
     rows = []
     plain = load(a.engines, "fp32", "off", options)  # the reference answers: plain decoding, one stream
     from ..runtime.sampling import SamplingParams
     from ..runtime.tokenizer import Message
 
-    rank: dict[str, int] = {}
-    for c in prompts:  # categories in turn, so any first n prompts mix them
-        rank[c.id] = sum(1 for d in prompts[:prompts.index(c)] if d.category == c.category)
-    prompts = sorted(prompts, key=lambda c: rank[c.id])[:a.answers]
     # varied: answers of 0.5x to 1.5x --max-new-tokens (golden-ratio steps), so streams fall out of step and one's
     # prefill lands while the others decode, as requests arriving at their own times do
     lengths = {c.id: (a.max_new_tokens if a.lengths == "equal" else max(1, round(a.max_new_tokens * (

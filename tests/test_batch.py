@@ -502,3 +502,24 @@ def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
     assert all(r["tok_s"] == round(float(np.median(r["tok_s_reps"])), 1) for r in rows)
     table = (tmp_path / "batch_load.md").read_text()
     assert "TTFT p99 ms" in table and "| off, chunk 16 | 2 |" in table
+
+
+def test_batch_ceiling_with_prefills_is_the_closed_loops_arithmetic(tiny_engines, tmp_path):
+    """The ceiling bench on the tiny set: the pass costs by rows, then the closed loop's ceiling with the prompts'
+    prefills counted, (prefills + tokens t(1)) / (prefills + tokens / C t(C))."""
+    from test_bench import write_prompts
+
+    from specrt.bench.batch_ceiling import main
+
+    rows = main(["--engines", str(tiny_engines), "--batches", "1,2", "--context", "40", "--threads", "1",
+                 "--passes", "8", "--with-prefills", "--answers", "3", "--max-new-tokens", "10", "--categories",
+                 "chat", "--prompts", str(write_prompts(tmp_path / "p.jsonl", 4))])
+    passes, loop = rows[:2], rows[2:]
+    assert [r["batch"] for r in passes] == [1, 2] and [r["concurrency"] for r in loop] == [1, 2]
+    t = {r["batch"]: r["pass_ms"] / 1000 for r in passes}
+    pre = loop[0]["prefill_s"]
+    assert loop[0]["prompts"] == 3 and pre > 0 and loop[0]["ceiling_vs_one_stream"] == 1.0
+    assert loop[1]["decode_s"] == pytest.approx(30 / 2 * t[2], rel=0.01)
+    assert loop[1]["ceiling_vs_one_stream"] == pytest.approx((pre + 30 * t[1]) / (pre + 15 * t[2]), abs=0.01)
+    with pytest.raises(SystemExit):  # the one-stream cost is the baseline
+        main(["--engines", str(tiny_engines), "--batches", "2", "--with-prefills"])
