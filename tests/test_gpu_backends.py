@@ -440,3 +440,28 @@ def test_device_memory_round_trip_on_a_gpu():
         np.testing.assert_array_equal(out, host)
     finally:
         m.close()
+
+
+def test_a_wheel_carried_in_parts_is_joined_and_checked(tmp_path):
+    """tests/gpu/carry.py: parts that fit a call, joined back bit for bit; a missing or damaged part is named."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("carry", Path(__file__).parent / "gpu" / "carry.py")
+    carry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(carry)
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    wheel.write_bytes(os.urandom(10_000))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    m = carry.split(wheel, parts, 3_000)
+    assert [p["bytes"] for p in m["parts"]] == [3000, 3000, 3000, 1000]
+    joined = carry.assemble(parts, tmp_path / "there")
+    assert joined.read_bytes() == wheel.read_bytes() and joined.name == wheel.name
+    (parts / "part-02").write_bytes(b"x" * 3000)
+    with pytest.raises(SystemExit, match="part-02 is damaged"):
+        carry.assemble(parts, tmp_path / "there")
+    (parts / "part-02").unlink()
+    with pytest.raises(SystemExit, match="part-02 is missing"):
+        carry.assemble(parts, tmp_path / "there")
+    assert 0 < carry.travelling_bytes() < 64 << 20   # what travels with every call leaves room for parts
