@@ -21,7 +21,7 @@ from specrt.interface import KV_KINDS, PORTABLE_CACHE_DIMS, PORTABLE_INPUTS, pas
 from specrt.manifest import EngineEntry
 from specrt.runtime.backends import cuda_memory
 from specrt.runtime.backends.cuda_memory import Copy2D, DeviceCache, HostMemory, commit_plan, relayout_plan
-from specrt.runtime.engine import open_engine
+from specrt.runtime.engine import EngineOptions, open_engine
 from specrt.runtime.static_shapes import Buckets, relayout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,6 +104,8 @@ def test_onnxruntime_cuda_refuses_a_cpu_only_onnxruntime(tmp_path, monkeypatch):
     msg = _one_line(e)
     assert msg.startswith("onnxruntime-cuda: this onnxruntime runs on the CPU only (providers: ")
     assert "pip install onnxruntime-gpu" in msg and "--backend onnxruntime-portable" in msg
+    with pytest.raises(SpecrtError, match="runs on the CPU only"):  # several streams: the same line
+        onnxruntime_cuda.open_batch(tmp_path, _entry("onnxruntime-cuda", "target-fp16.onnx"), EngineOptions(), 2)
     # a session that asked for CUDA and got the CPU (ORT falls back with a warning) is refused the same way
     model = _identity_model(tmp_path / "id.onnx")
     session = ort.InferenceSession(str(model), providers=[("CUDAExecutionProvider", {"device_id": "0"})])
@@ -465,3 +467,102 @@ def test_a_wheel_carried_in_parts_is_joined_and_checked(tmp_path):
     with pytest.raises(SystemExit, match="part-02 is missing"):
         carry.assemble(parts, tmp_path / "there")
     assert 0 < carry.travelling_bytes() < 64 << 20   # what travels with every call leaves room for parts
+
+
+def test_the_cuda_batch_engine_equals_the_portable_cpu_batch_engine(tmp_path):
+    """OrtCudaBatchEngine (every buffer in HostMemory, ORT bound to it by address) against PortableBatchEngine, its
+    CPU reference, round by round over 3 slots: prefills alone and batched, a one-token row beside a chain and a
+    token tree with an idle slot in range, tree commits, a prefill that relays every slot out to a larger capacity,
+    and a snapshot restored over another sequence. Same graph and inputs: the same outputs and cache rows."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
+    from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+    from specrt.runtime.batch import PassRow
+    from specrt.runtime.engine import tree_moves
+
+    path = tmp_path / "target-fp32.onnx"
+    _random_portable(path)
+    buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
+    ref = PortableBatchEngine(path, slots=3, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96, hidden_size=32,
+                              max_context=600, buckets=Buckets(buckets.widths, buckets.capacities), batch_width=64)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    eng = OrtCudaBatchEngine(session, HostMemory(), Geometry(2, 2, 8, 32, 96, 600, "fp32"), buckets, slots=3,
+                             name="t", device="cpu")
+    assert eng.description == "onnxruntime-cuda t, 3 slots, no CUDA graphs (device cpu)" and eng.batch_width == 64
+    rng = np.random.default_rng(3)
+    tree = np.where(np.array([[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 1, 0]]),
+                    -np.inf, 0.0).astype(np.float32)  # parents -1, 0, 0, 1, 2
+    depth = np.array([0, 1, 1, 2, 2])
+
+    def round_(*asks):
+        """asks: (slot, tokens, tree?, num_logits, greedy); the rows' outputs, equal on both engines."""
+        outs = []
+        for e in (ref, eng):
+            rows = []
+            for slot, tokens, is_tree, k, greedy in asks:
+                L = e.lengths[slot]
+                pos = L + depth if is_tree else L + np.arange(len(tokens))
+                rows.append(PassRow(slot, np.asarray(tokens, np.int64), pos, tree if is_tree else None, k, greedy))
+            e.run(rows)
+            outs.append([(r.out, r.hidden) for r in rows])
+        for (a, ha), (b, hb) in zip(*outs):
+            if a.dtype == np.int64:
+                np.testing.assert_array_equal(b, a)
+            else:
+                np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+            if ref.with_hidden:
+                np.testing.assert_allclose(hb, ha, atol=1e-5, rtol=0)
+        return outs[0]
+
+    def commit(slot, n, path=None):
+        for e in (ref, eng):
+            if path is not None and (moves := tree_moves(e.lengths[slot], n, path)) is not None:
+                e.move(slot, *moves)
+            e.lengths[slot] += n
+
+    def same_caches():
+        for s in range(3):
+            for i in range(2):
+                for k in range(2):
+                    n = ref.lengths[s]
+                    np.testing.assert_array_equal(eng.cache.read(i, k, s)[:, :, :n], ref.cache[i][k][s:s + 1, :, :n])
+
+    round_((0, rng.integers(0, 96, 37), False, 3, False))           # a prefill that fits a batched pass
+    commit(0, 37)
+    round_((2, rng.integers(0, 96, 100), False, 1, True))           # a prefill wider than the batch: alone
+    commit(2, 100)
+    round_((0, [5], False, 1, True), (2, rng.integers(0, 96, 5), False, 5, False))  # slot 1 idle in range
+    commit(0, 1)
+    commit(2, 2)                                                    # a partial accept
+    for e in (ref, eng):
+        e.enable_hidden()
+    round_((2, rng.integers(0, 96, 5), True, 5, False), (0, [7], False, 1, True))
+    commit(2, 3, np.array([0, 2, 4]))
+    commit(0, 1)
+    same_caches()
+    assert ref.capacity == eng.capacity == 256
+    round_((1, rng.integers(0, 96, 30), False, 1, True), (0, [3], False, 1, True))
+    commit(1, 30)
+    commit(0, 1)
+    round_((1, rng.integers(0, 96, 240), False, 2, False))          # 30 + 240 > 256: every slot relaid out
+    commit(1, 240)
+    assert ref.capacity == eng.capacity == 512
+    round_((0, [1], False, 1, True), (2, [2], False, 1, False))     # slot 1 idle, holding 270 positions
+    commit(0, 1)
+    commit(2, 1)
+    same_caches()
+    probe = rng.integers(0, 96, 3)
+    snaps = [e.snapshot(0, e.lengths[0]) for e in (ref, eng)]
+    before = round_((0, probe, False, 3, False))[0][0]
+    for e in (ref, eng):                                            # another sequence in slot 0 ...
+        e.lengths[0] = 0
+    round_((0, rng.integers(0, 96, 50), False, 1, True))
+    commit(0, 50)
+    for e, snap in zip((ref, eng), snaps):                          # ... and the first one back
+        e.restore(0, snap)
+        e.lengths[0] = snap.length
+    after = round_((0, probe, False, 3, False), (1, [9], False, 1, True), (2, [4, 4], False, 2, True))
+    np.testing.assert_allclose(after[0][0], before, atol=1e-5, rtol=0)
+    same_caches()

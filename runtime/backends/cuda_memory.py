@@ -266,45 +266,58 @@ def commit_plan(buffer: int, scratch: int, heads: int, row: int, capacity: int, 
 
 class DeviceCache:
     """A static-shape engine's KV cache in device memory: one buffer per (layer, key|value) of max_capacity
-    positions, viewed as a contiguous [1, kv_heads, capacity, head_dim] tensor for the current capacity (so an
-    address never changes, which CUDA graphs need), and one scratch buffer for the copies that overlap."""
+    positions for each of `slots` sequences, viewed as a contiguous [slots, kv_heads, capacity, head_dim] tensor for
+    the current capacity (so an address never changes, which CUDA graphs need; slot s's [1, kv_heads, capacity,
+    head_dim] starts at `slot_ptr(ptr, s)`), and one scratch buffer for the copies that overlap."""
 
-    def __init__(self, memory: Memory, layers: int, kv_heads: int, head_dim: int, dtype, max_capacity: int):
+    def __init__(self, memory: Memory, layers: int, kv_heads: int, head_dim: int, dtype, max_capacity: int,
+                 slots: int = 1):
         self.memory, self.heads, self.head_dim, self.dtype = memory, kv_heads, head_dim, np.dtype(dtype)
+        self.slots = slots
         self.row = head_dim * self.dtype.itemsize  # bytes per position per head
-        size = kv_heads * max_capacity * self.row
+        size = slots * kv_heads * max_capacity * self.row
         self.ptrs = [[memory.alloc(size) for _ in KV_KINDS] for _ in range(layers)]
         self._scratch = memory.alloc(size)
         self.max_capacity, self.capacity = max_capacity, 0
 
     def shape(self) -> tuple[int, int, int, int]:
+        """One slot's view."""
         return 1, self.heads, self.capacity, self.head_dim
 
+    def slot_ptr(self, ptr: int, slot: int) -> int:
+        return ptr + slot * self.heads * self.capacity * self.row
+
     def relayout(self, capacity: int, length: int) -> None:
-        """Lay every buffer out for `capacity` positions, keeping the first `length` (queued on the stream)."""
+        """Lay every buffer out for `capacity` positions, keeping the first `length` of every slot (queued)."""
         if capacity > self.max_capacity:
             raise ValueError(f"capacity {capacity} exceeds the allocated {self.max_capacity}")
         for layer in self.ptrs:
             for ptr in layer:
-                relayout_device(self.memory, ptr, self._scratch, self.heads, self.row, self.capacity, capacity, length)
+                relayout_device(self.memory, ptr, self._scratch, self.slots * self.heads, self.row, self.capacity,
+                                capacity, length)
         self.capacity = capacity
 
-    def commit(self, length: int, path: np.ndarray) -> None:
+    def commit(self, length: int, path: np.ndarray, slot: int = 0) -> None:
         """Move the accepted nodes' entries: slot length + path[i] -> length + i, every layer and kind (queued)."""
         moves = tree_moves(length, len(path), path)
-        if moves is None:
-            return
-        src, dst = moves
+        if moves is not None:
+            self.move(*moves, slot=slot)
+
+    def move(self, src: np.ndarray, dst: np.ndarray, slot: int = 0) -> None:
+        """Cache positions src[i] -> dst[i] of one slot, every layer and kind (queued; numpy's fancy-index
+        semantics: every source read before any write)."""
         for layer in self.ptrs:
             for ptr in layer:
-                for c in commit_plan(ptr, self._scratch, self.heads, self.row, self.capacity, src, dst):
+                for c in commit_plan(self.slot_ptr(ptr, slot), self._scratch, self.heads, self.row, self.capacity,
+                                     src, dst):
                     self.memory.copy2d(c)
 
-    def save(self, length: int) -> list[np.ndarray]:
+    def save(self, length: int, slot: int = 0) -> list[np.ndarray]:
         """The first `length` positions of every buffer, on the host ([1, kv_heads, length, head_dim] each; syncs)."""
-        return [self.read(i, j)[:, :, :length].copy() for i in range(len(self.ptrs)) for j in range(len(KV_KINDS))]
+        return [self.read(i, j, slot)[:, :, :length].copy() for i in range(len(self.ptrs))
+                for j in range(len(KV_KINDS))]
 
-    def load(self, arrays: list[np.ndarray]) -> None:
+    def load(self, arrays: list[np.ndarray], slot: int = 0) -> None:
         """Write save()'s arrays back at the current capacity, one upload per buffer (queued; past their length
         each buffer gets zeros, which the mask hides)."""
         if len(arrays) != len(self.ptrs) * len(KV_KINDS):
@@ -314,12 +327,13 @@ class DeviceCache:
         ptrs = [ptr for layer in self.ptrs for ptr in layer]
         for ptr, arr in zip(ptrs, arrays):
             host[:, :, :arr.shape[2]] = arr
-            self.memory.upload(ptr, host)
+            host[:, :, arr.shape[2]:] = 0
+            self.memory.upload(self.slot_ptr(ptr, slot), host)
             self.memory.sync()  # host is reused for the next buffer
 
-    def read(self, layer: int, kind: int) -> np.ndarray:
-        """The [1, kv_heads, capacity, head_dim] contents of one buffer, on the host (tests and checks; syncs)."""
+    def read(self, layer: int, kind: int, slot: int = 0) -> np.ndarray:
+        """The [1, kv_heads, capacity, head_dim] contents of one slot's buffer, on the host (syncs)."""
         out = np.empty(self.shape(), self.dtype)
-        self.memory.download(out, self.ptrs[layer][kind])
+        self.memory.download(out, self.slot_ptr(self.ptrs[layer][kind], slot))
         self.memory.sync()
         return out

@@ -10,7 +10,8 @@ CUDA graphs faithfully, and how fast is it. One summary table, also written as J
 3. per backend: parity against the CPU fp32 engine (teacher-forced greedy agreement over STEPS tokens and max
    |Δlogit|, at fp32 and fp16; each Q/DQ engine against the CPU running its own graph); CUDA-graph replay (a
    script of passes at changing lengths, widths, a tree and a capacity change, against the same script with
-   SPECRT_CUDA_GRAPHS=0: max |Δ|); ms per greedy pass at widths 1 and 8 with and without graphs; tokens/s
+   SPECRT_CUDA_GRAPHS=0: max |Δ|); ms per greedy pass at widths 1 and 8 with and without graphs; 4 streams at
+   once (--parallel 4) against the same answers one by one (identical tokens, throughput ratio); tokens/s
    speedup of prompt lookup and of the draft model over plain decoding.
 
 Every cell is computed on its own: a failure or a missing library reads "failed: ..." or "skipped: ..." there and
@@ -304,6 +305,40 @@ def speedup(root: Path, precision: str, mode: str, cache: dict) -> dict:
     return {"x": on.tok_s / off.tok_s, "tau": on.tau, "tok/s": f"{off.tok_s:.0f}->{on.tok_s:.0f}"}
 
 
+def parallel(root: Path, precision: str, streams: int = 4) -> dict:
+    """`streams` greedy answers at once (--parallel) against the same answers one after another: tokens identical
+    to each stream's answer alone, and the throughput ratio."""
+    import threading
+
+    from specrt.manifest import load_manifest
+    from specrt.runtime.engine import EngineOptions
+    from specrt.runtime.session import load
+
+    manifest, options = load_manifest(root), EngineOptions(huge_pages=False)
+    prompts = [PROMPT.replace("add", f"add{i}") for i in range(streams)]
+    alone = load(manifest, precision, "off", options)
+    alone.generate(PROMPT, max_new_tokens=8, ignore_eos=True)  # warm-up
+    t = time.perf_counter()
+    want = [alone.generate(p, max_new_tokens=64, ignore_eos=True).token_ids for p in prompts]
+    one_by_one = time.perf_counter() - t
+    del alone
+    batched = load(manifest, precision, "off", options, parallel=streams)
+    batched.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    got: list = [None] * streams
+
+    def one(i):
+        got[i] = batched.generate(prompts[i], max_new_tokens=64, ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    together = time.perf_counter() - t
+    return {"x": one_by_one / together, "identical": f"{sum(a == b for a, b in zip(got, want))}/{streams}"}
+
+
 def environment() -> dict[str, str]:
     """The GPU, driver and the libraries the backends need, as found."""
     out = {}
@@ -387,6 +422,8 @@ def run(args, table: Table, work: Path, budget: Budget) -> None:
         for graphs in (True, False) if col != cpu else (False,):
             table.cell(f"ms/pass fp16, {'graphs' if graphs else 'no graphs'}", col,
                        lambda: ms_per_pass(root, "fp16", graphs), need_s=20)
+    for col, root in sets.items():
+        table.cell("4 streams (--parallel 4) vs one by one (fp16)", col, lambda: parallel(root, "fp16"), need_s=40)
     for col, root in sets.items():
         runs: dict = {}  # plain decoding's stats, measured once per backend
         for mode in ("prompt-lookup", "draft"):

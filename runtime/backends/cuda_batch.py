@@ -1,0 +1,197 @@
+"""Batched passes on a GPU (runtime/batch.py's batch engine): the protocol of the portable batch engine
+(onnxruntime_portable_batch.py, its CPU reference) over device memory, with one CUDA graph per (rows, width,
+capacity).
+
+Every row of a round up to `batch_width` tokens (the widest captured width) goes into one pass of B = (highest
+slot in the round) + 1 rows padded to the widest row's bucket width W: each row writes at its own `write_indices[b]`
+and attends through its own [W, C] mask; slots in [0, B) without a row this round get a row of pads written past
+what they hold. The logits rows are all W rows of every batch row (a graph fixes their shape), so a greedy row reads
+its tokens from the [B, W] greedy output and a sampled row downloads only its own rows of logits. Rows wider than
+`batch_width` (prefills, their chunks) run alone over their slot's part of the cache, uncaptured (once per request).
+
+The cache is one [slots, kv_heads, C, head_dim] view per (layer, key|value) buffer (cuda_memory.DeviceCache with
+slots); C follows the longest sequence any slot holds plus the widest pad, in the engine's capacity buckets. A
+relayout moves every slot's rows, so it happens only inside `run` or under the engine's lock, like the snapshot,
+restore and move of one slot. Addresses never change, so a graph captured for (B, W, C) replays for as long as the
+engine lives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from ..engine import KVSnapshot
+from ..static_shapes import Buckets, PassInputs, fill_row
+from .cuda_engine import Geometry
+from .cuda_memory import DeviceCache, Memory
+
+
+class DeviceBatchEngine:
+    """`slots` sequences' caches in device memory and the padded batched pass; a subclass says how one pass runs
+    (`_launch`). Device buffers a subclass binds: `tokens`, `positions` ([rows, W] int64), `mask` ([rows, 1, W, C]
+    float32), `write` ([rows] int64), `rows` ([N] int64 logits rows); outputs `out_logits` [rows, N, V] float32,
+    `out_greedy` [rows, N] int64, `out_hidden` [rows, W, H] float32; the cache's buffers (`cache.ptrs`, a solo
+    pass at `cache.slot_ptr(ptr, slot)`)."""
+
+    backend = "gpu"
+    wide_rows_alone = False  # every row up to batch_width shares the call (runtime/batch.py's LoadPlanner)
+
+    def __init__(self, memory: Memory, geometry: Geometry, buckets: Buckets, *, slots: int, name: str,
+                 width_exact: bool, graphs: bool, graphs_note: str | None = None, max_prompt: int | None = None,
+                 batch_width: int | None = None):
+        g = self.geometry = geometry
+        self.memory, self.buckets, self.slots, self.name = memory, buckets, slots, name
+        self.max_context, self.vocab_size = g.max_context, g.vocab_size
+        self.max_pass_tokens = buckets.widths[-1]
+        self.batch_width = min(batch_width or self.max_pass_tokens, self.max_pass_tokens)
+        self.max_prompt = max(max_prompt or g.max_context, self.max_pass_tokens)
+        self.width_exact, self.screen = width_exact, False
+        self.graphs, self.graphs_note = graphs, graphs_note
+        self.lengths = [0] * slots
+        S, W, P, C, V, H = slots, self.max_pass_tokens, self.max_prompt, buckets.max_capacity, g.vocab_size, \
+            g.hidden_size
+        n = max(S * W, P)  # a batched pass, or one prefill alone
+        self.tokens, self.positions = memory.alloc(n * 8), memory.alloc(n * 8)
+        self.mask, self.write, self.rows = memory.alloc(n * C * 4), memory.alloc(S * 8), memory.alloc(W * 8)
+        self.out_logits = memory.alloc(S * W * V * 4)
+        self.out_greedy, self.out_hidden = memory.alloc(S * W * 8), memory.alloc(n * H * 4)
+        self._tokens, self._positions = memory.host((S * W,), np.int64), memory.host((S * W,), np.int64)
+        self._mask = memory.host((S * W * C,), np.float32)
+        self._write = memory.host((S,), np.int64)
+        self._all_rows = memory.host((W,), np.int64)
+        self._all_rows[:] = np.arange(W)
+        self._greedy = memory.host((S * W,), np.int64)
+        self._logits = memory.host((W, V), np.float32)  # one sampled row's logits at a time
+        self._hidden = memory.host((n, H), np.float32)
+        self._causal = np.triu(np.full((W, W), -np.inf, np.float32), 1)
+        self._single = PassInputs(buckets)
+        self.with_hidden = False
+        self.cache = DeviceCache(memory, g.num_layers, g.num_kv_heads, g.head_dim, g.cache_dtype, C, slots)
+        self._lock = threading.Lock()
+        self.cache.relayout(buckets.capacities[0], 0)
+        self.capacity = self.cache.capacity
+
+    @property
+    def description(self) -> str:
+        graphs = "CUDA graphs" if self.graphs else f"no CUDA graphs ({self.graphs_note})"
+        return f"{self.backend} {self.name}, {self.slots} slots, {graphs}"
+
+    def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
+                graph: bool) -> None:
+        """Queue one pass of `rows` x `width` tokens over the cache laid out for `capacity` (slot None: slots
+        [0, rows); else that slot alone), `logits_rows` logits rows, inputs already queued for upload; graph:
+        replay (or capture) the CUDA graph of (rows, width, capacity)."""
+        raise NotImplementedError
+
+    def pass_width(self, n: int) -> int:
+        """The width a pass of n tokens runs at (what runtime/batch.py's LoadPlanner measures costs by)."""
+        return self.buckets.width(n)
+
+    def enable_hidden(self) -> None:
+        self.with_hidden = True
+
+    def _fit(self, need: int) -> None:
+        """Lay the cache out for `need` positions in any slot (and every slot's committed ones, plus the widest
+        pad): the smallest bucket that holds them. Called with the lock held."""
+        top = min(max(self.lengths), self.max_context) + self.max_pass_tokens
+        capacity = self.buckets.capacity(min(max(need, top), self.buckets.max_capacity))
+        if capacity != self.capacity:
+            self.cache.relayout(capacity, min(max(self.lengths), self.capacity))
+            self.capacity = capacity
+
+    def snapshot(self, slot: int, length: int) -> KVSnapshot:
+        with self._lock:
+            return KVSnapshot(length, self.cache.save(length, slot))
+
+    def restore(self, slot: int, snapshot: KVSnapshot) -> None:
+        with self._lock:
+            self._fit(snapshot.length + self.max_pass_tokens)
+            self.cache.load(snapshot.arrays, slot)
+
+    def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
+        with self._lock:
+            self.cache.move(src, dst, slot)
+            self.memory.sync()
+
+    def run(self, rows) -> list[tuple[float, int, int]]:
+        """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one pass padded to the
+        widest of them, wider rows alone. Returns (seconds, rows, width) of each pass."""
+        ran = []
+        together = [r for r in rows if len(r.tokens) <= self.batch_width]
+        alone = [r for r in rows if len(r.tokens) > self.batch_width]
+        with self._lock:
+            self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
+            if together:
+                W = self.pass_width(max(len(r.tokens) for r in together))
+                t = time.perf_counter()
+                self._batched(together, W)
+                ran.append((time.perf_counter() - t, max(r.slot for r in together) + 1, W))
+            for r in alone:
+                t = time.perf_counter()
+                self._solo_pass(r)
+                ran.append((time.perf_counter() - t, 1, self.pass_width(len(r.tokens))))
+        return ran
+
+    def _batched(self, rows, W: int) -> None:
+        B, C, m = max(r.slot for r in rows) + 1, self.capacity, self.memory
+        tokens, positions = self._tokens[:B * W].reshape(B, W), self._positions[:B * W].reshape(B, W)
+        mask = self._mask[:B * W * C].reshape(B, W, C)
+        by_slot = {r.slot: r for r in rows}
+        empty = np.zeros(0, np.int64)
+        for b in range(B):
+            r = by_slot.get(b)
+            if r is None:  # an idle slot: pads written past what it holds
+                fill_row(self.lengths[b], empty, None, None, tokens[b], positions[b], mask[b])
+            else:
+                fill_row(self.lengths[b], r.tokens, r.positions, r.mask, tokens[b], positions[b], mask[b],
+                         self._causal)
+        self._write[:B] = self.lengths[:B]
+        for ptr, host in ((self.tokens, self._tokens[:B * W]), (self.positions, self._positions[:B * W]),
+                          (self.mask, self._mask[:B * W * C]), (self.write, self._write[:B]),
+                          (self.rows, self._all_rows[:W])):
+            m.upload(ptr, host)
+        self._launch(B, W, C, W, None, self.graphs)
+        m.download(self._greedy[:B * W], self.out_greedy)
+        if self.with_hidden:
+            m.download(self._hidden[:B * W], self.out_hidden)
+        m.sync()
+        greedy = self._greedy[:B * W].reshape(B, W)
+        hidden = self._hidden[:B * W].reshape(B, W, -1)
+        row_bytes = self.vocab_size * 4
+        for r in rows:
+            start, n = len(r.tokens) - r.num_logits, r.num_logits
+            if r.greedy:
+                r.out = greedy[r.slot, start:start + n].copy()
+            else:  # only this row's logits rows come back
+                m.download(self._logits[:n], self.out_logits + (r.slot * W + start) * row_bytes)
+                m.sync()
+                r.out = self._logits[:n].copy()
+            if self.with_hidden:
+                r.hidden = hidden[r.slot, :len(r.tokens)].copy()
+
+    def _solo_pass(self, r) -> None:
+        """A row wider than batch_width over its own slot, uncaptured: the logits rows asked for only."""
+        p = self._single.plan(self.lengths[r.slot], r.tokens, r.positions, r.mask, r.num_logits, self.capacity)
+        rows, m, n = p.logits_rows[:r.num_logits], self.memory, len(r.tokens)
+        self._write[0] = p.write_index
+        for ptr, host in ((self.tokens, p.tokens), (self.positions, p.positions), (self.mask, p.mask),
+                          (self.write, self._write[:1]), (self.rows, rows)):
+            m.upload(ptr, np.ascontiguousarray(host))
+        self._launch(1, p.width, p.capacity, len(rows), r.slot, False)
+        if r.greedy:
+            m.download(self._greedy[:len(rows)], self.out_greedy)
+        else:
+            m.download(self._logits[:len(rows)], self.out_logits)
+        if self.with_hidden:
+            m.download(self._hidden[:n], self.out_hidden)
+        m.sync()
+        r.out = (self._greedy if r.greedy else self._logits)[:len(rows)].copy()
+        if self.with_hidden:
+            r.hidden = self._hidden[:n].copy()
+
+    def close(self) -> None:
+        """Free the device memory now (otherwise at exit)."""
+        self.memory.close()
