@@ -2,6 +2,7 @@
 inserted with one group of GEMMs (by kind, or the first and last layers) left unquantized each time, each measured
 against fp32 as the build measures it (teacher-forced top-1 and KL on held-out stdlib code). The last variant
 quantizes the weights alone, every activation left float: the ceiling of any treatment of the activations.
+--clip-percentile clips the activations' calibrated ranges (int8 and fp8 alike).
 
     python -m specrt.bench.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
 """
@@ -13,6 +14,8 @@ import json
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 def drop_activation_qdq(path: Path) -> None:
     """The Q/DQ graph at path with its activations' QuantizeLinear/DequantizeLinear pairs removed (weights stay
@@ -43,6 +46,9 @@ def main(argv=None) -> None:
                     "with `specrt engines --backend onnxruntime-portable`")
     ap.add_argument("--precision", default="fp8", choices=("fp8", "int8"))
     ap.add_argument("--calibration-texts", type=int, default=32)
+    ap.add_argument("--clip-percentile", type=float, default=100.0, metavar="P",
+                    help="clip every activation's calibrated range at the P-th percentile of its tokens' max |x| "
+                         "(4,096 sampled tokens; 100 = the max, as the build does)")
     ap.add_argument("--variants", default="", metavar="PREFIX[,PREFIX...]",
                     help="run only the variants whose label starts with one of these (e.g. 'weights only,none')")
     args = ap.parse_args(argv)
@@ -71,7 +77,11 @@ def main(argv=None) -> None:
     last = max(layer.values())
     entry = provisional_entry(fp32, facts, backend="onnxruntime-portable")
     seqs = _sequences([t for _, t in texts(args.calibration_texts)], cache, facts)
-    calib = calibrate(fp32, (prefill_feed(entry, s, 512) for s in seqs))
+    clip = args.clip_percentile < 100
+    calib = calibrate(fp32, (prefill_feed(entry, s, 512) for s in seqs), sample_rows=4096 if clip else 0)
+    if clip:
+        for st in calib.values():
+            st["amax"] = np.minimum(st["amax"], np.percentile(np.abs(st["rows"]).max(axis=1), args.clip_percentile))
     variants = {"none kept": []} | {f"{k} kept": list(float_kind_gemms(model, (k,))) for k in KINDS}
     variants[f"layers 0, 1, {last - 1}, {last} kept"] = [n for n in layers if layer[n] in (0, 1, last - 1, last)]
     variants["weights only (every activation float)"] = []
