@@ -3,7 +3,8 @@
 The network is strongly typed (precision comes from the graph: an fp16 graph gives an fp16 engine; TensorRT 11
 has no other kind), and TF32 is off by default so an fp32 engine stays within fp32 parity of the CPU reference.
 Two optimization profiles, in this order (runtime/backends/tensorrt.py opens one execution context on each):
-prefill (1..max_prompt tokens) and decode/verify (1..max_width tokens, the widths CUDA graphs capture).
+prefill (1..max_prompt tokens, one sequence) and decode/verify (1..max_width tokens, the widths CUDA graphs
+capture, for 1..MAX_BATCH sequences: several streams' passes at once).
 TensorRT's KV-cache update (what the parser makes of TensorScatter) wants a static sequence dimension, so by
 default the cache capacity is fixed at max_capacity in the graph handed to the parser: every pass then attends
 over max_capacity slots, the mask hiding the unused ones. The timing cache is read and written back, so
@@ -23,6 +24,7 @@ from ..interface import PAST_PREFIX, PORTABLE_CACHE_DIMS, PORTABLE_INPUTS
 INSTALL = ("TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your CUDA) on a "
            "machine with an NVIDIA GPU; --backend tensorrt needs it")
 PREFILL_OPT, DECODE_OPT = 256, 8  # the widths TensorRT tunes each profile's kernels for
+MAX_BATCH = 8  # sequences one decode pass takes (--parallel); its kernels are tuned for one (the opt shape)
 WORKSPACE = 4 << 30  # bytes of scratch TensorRT may use while building and running
 
 
@@ -56,12 +58,13 @@ def compute_capability() -> str | None:
 
 
 def profile_shapes(inputs: dict[str, tuple[int, ...]], seq: tuple[int, int, int], logits: tuple[int, int, int],
-                   capacity: tuple[int, int, int]) -> dict[str, tuple[tuple[int, ...], ...]]:
+                   capacity: tuple[int, int, int], batch: tuple[int, int, int] = (1, 1, 1),
+                   ) -> dict[str, tuple[tuple[int, ...], ...]]:
     """The (min, opt, max) shape of every input of a portable decoder network for one profile. inputs: name ->
-    the network's shape (-1 where dynamic); seq, logits, capacity: (min, opt, max) of those dims; batch is 1.
-    A dim the network fixes keeps its size."""
+    the network's shape (-1 where dynamic); seq, logits, capacity, batch: (min, opt, max) of those dims (batch:
+    the sequences of one pass, runtime/backends/cuda_batch.py). A dim the network fixes keeps its size."""
     axes = {name: dims for name, dims, _ in PORTABLE_INPUTS}
-    ranges = {"batch": (1, 1, 1), "seq": seq, "num_logits": logits, "capacity": capacity}
+    ranges = {"batch": batch, "seq": seq, "num_logits": logits, "capacity": capacity}
     out = {}
     for name, shape in inputs.items():
         dims = axes.get(name, PORTABLE_CACHE_DIMS if name.startswith(PAST_PREFIX) else None)
@@ -92,11 +95,12 @@ def fix_capacity(onnx_path: Path, capacity: int) -> bytes:
 
 def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width: int, max_capacity: int,
                  opt_level: int = 3, fp32_parity: bool = True, timing_cache: Path, static_capacity: bool = True,
-                 workspace: int = WORKSPACE) -> dict:
+                 workspace: int = WORKSPACE, max_batch: int = MAX_BATCH) -> dict:
     """Build the engine of the portable graph at onnx_path into out_path (written whole or not at all) -> facts:
     tensorrt (version), compute_capability, profiles, static_capacity (the fixed cache capacity, or None),
     opt_level, tf32, build_s, engine_bytes. max_capacity: the largest cache layout (max_context + max_width);
-    fp32_parity: TF32 off; static_capacity: see the module docstring (False: a capacity range in the profiles)."""
+    fp32_parity: TF32 off; static_capacity: see the module docstring (False: a capacity range in the profiles);
+    max_batch: sequences per decode pass (prefills run one at a time)."""
     trt = require_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     try:
@@ -126,12 +130,14 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     low = max_capacity if static_capacity else min(256, max_capacity)  # 256: static_shapes.CAPACITY_STEP
     capacity = (low, max_capacity, max_capacity)
     ranges = {"prefill": {"seq": (1, min(PREFILL_OPT, max_prompt), max_prompt), "num_logits": (1, 1, max_width),
-                          "capacity": capacity},
+                          "capacity": capacity, "batch": (1, 1, 1)},
               "decode": {"seq": (1, min(DECODE_OPT, max_width), max_width),
-                         "num_logits": (1, min(DECODE_OPT, max_width), max_width), "capacity": capacity}}
+                         "num_logits": (1, min(DECODE_OPT, max_width), max_width), "capacity": capacity,
+                         "batch": (1, 1, max_batch)}}
     for r in ranges.values():  # prefill first, then decode: the runtime's profile indices
         profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in profile_shapes(inputs, r["seq"], r["num_logits"], r["capacity"]).items():
+        for name, (lo, opt, hi) in profile_shapes(inputs, r["seq"], r["num_logits"], r["capacity"],
+                                                  r["batch"]).items():
             profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
     t0 = time.perf_counter()

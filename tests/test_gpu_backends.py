@@ -69,6 +69,10 @@ def test_a_tensorrt_engine_here_is_one_line(tmp_path):
     with pytest.raises(SpecrtError) as e:
         open_engine(tmp_path, entry)
     assert "TensorRT is not installed" in _one_line(e) and "pip install" in str(e.value)
+    from specrt.runtime.backends import tensorrt
+
+    with pytest.raises(SpecrtError, match="TensorRT is not installed"):  # several streams: the same line
+        tensorrt.open_batch(tmp_path, entry, EngineOptions(), 4)
 
 
 @pytest.mark.skipif(_has("cuda.bindings"), reason="cuda-bindings is installed here")
@@ -134,6 +138,10 @@ def test_tensorrt_profiles_cover_every_portable_input():
     assert len(PORTABLE_CACHE_DIMS) == 4 and {n for n, _, _ in PORTABLE_INPUTS} <= set(shapes)
     with pytest.raises(SpecrtError, match="not one of a portable decoder's"):
         profile_shapes({"tree_mask": (-1, -1, -1)}, (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    batched = profile_shapes(network, seq=(1, 8, 64), logits=(1, 8, 64), capacity=(664, 664, 664), batch=(1, 1, 8))
+    assert batched["input_ids"] == ((1, 1), (1, 8), (8, 64)) and batched["write_indices"] == ((1,), (1,), (8,))
+    assert batched[past_name(0, "key")] == ((1, 2, 664, 8), (1, 2, 664, 8), (8, 2, 664, 8))
+    assert batched["logits_indices"] == ((1,), (8,), (64,))  # one set of rows for the whole batch
 
 
 def test_the_cache_capacity_is_fixed_in_the_graph_tensorrt_parses(tmp_path):
@@ -264,13 +272,13 @@ class FakeTrtContext:
     def execute_async_v3(self, stream: int) -> bool:
         from specrt.interface import ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, LOGITS, LOGITS_INDICES
 
-        width, capacity = self.shapes[ATTENTION_MASK][2:]
+        batch, _, width, capacity = self.shapes[ATTENTION_MASK]
         rows, io = self.shapes[LOGITS_INDICES][0], self.session.io_binding()
         self.log.append((self.profile, width, capacity))
         types = {"tensor(int64)": np.int64, "tensor(float)": np.float32}
         for i in self.session.get_inputs():
             io.bind_input(i.name, "cpu", 0, types[i.type], self.shapes[i.name], self.addresses[i.name])
-        outputs = {LOGITS: [1, rows, 96], GREEDY_TOKENS: [1, rows], HIDDEN_STATES: [1, width, 32]}
+        outputs = {LOGITS: [batch, rows, 96], GREEDY_TOKENS: [batch, rows], HIDDEN_STATES: [batch, width, 32]}
         for o in self.session.get_outputs():
             shape = outputs.get(o.name) or self.shapes[o.name.replace("present.", "past_key_values.")]
             io.bind_output(o.name, "cpu", 0, types[o.type], shape, self.addresses[o.name])
@@ -469,16 +477,19 @@ def test_a_wheel_carried_in_parts_is_joined_and_checked(tmp_path):
     assert 0 < carry.travelling_bytes() < 64 << 20   # what travels with every call leaves room for parts
 
 
-def test_the_cuda_batch_engine_equals_the_portable_cpu_batch_engine(tmp_path):
-    """OrtCudaBatchEngine (every buffer in HostMemory, ORT bound to it by address) against PortableBatchEngine, its
-    CPU reference, round by round over 3 slots: prefills alone and batched, a one-token row beside a chain and a
-    token tree with an idle slot in range, tree commits, a prefill that relays every slot out to a larger capacity,
-    and a snapshot restored over another sequence. Same graph and inputs: the same outputs and cache rows."""
+@pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt"])
+def test_the_gpu_batch_engines_equal_the_portable_cpu_batch_engine(tmp_path, backend):
+    """OrtCudaBatchEngine and TrtBatchEngine (every buffer in HostMemory; ORT bound to it by address, TensorRT faked
+    by a context that runs ORT at the addresses and shapes it was given) against PortableBatchEngine, their CPU
+    reference, round by round over 3 slots: prefills alone and batched, a one-token row beside a chain and a token
+    tree with an idle slot in range, tree commits, a prefill that relays every slot out to a larger capacity, and a
+    snapshot restored over another sequence. Same graph and inputs: the same outputs and cache rows."""
     import onnxruntime as ort
 
     from specrt.runtime.backends.cuda_engine import Geometry
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
     from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+    from specrt.runtime.backends.tensorrt import TrtBatchEngine
     from specrt.runtime.batch import PassRow
     from specrt.runtime.engine import tree_moves
 
@@ -488,9 +499,15 @@ def test_the_cuda_batch_engine_equals_the_portable_cpu_batch_engine(tmp_path):
     ref = PortableBatchEngine(path, slots=3, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96, hidden_size=32,
                               max_context=600, buckets=Buckets(buckets.widths, buckets.capacities), batch_width=64)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    eng = OrtCudaBatchEngine(session, HostMemory(), Geometry(2, 2, 8, 32, 96, 600, "fp32"), buckets, slots=3,
-                             name="t", device="cpu")
-    assert eng.description == "onnxruntime-cuda t, 3 slots, no CUDA graphs (device cpu)" and eng.batch_width == 64
+    geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")
+    if backend == "tensorrt":
+        fake = FakeTrtEngine(session)
+        eng = TrtBatchEngine(fake, HostMemory(), geometry, buckets, slots=3, max_prompt=600, name="t",
+                             width_exact=True, graphs=False, graphs_note="test")
+    else:
+        eng = OrtCudaBatchEngine(session, HostMemory(), geometry, buckets, slots=3, name="t", device="cpu")
+        assert eng.description == "onnxruntime-cuda t, 3 slots, no CUDA graphs (device cpu)"
+    assert eng.batch_width == 64
     rng = np.random.default_rng(3)
     tree = np.where(np.array([[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 1, 0]]),
                     -np.inf, 0.0).astype(np.float32)  # parents -1, 0, 0, 1, 2
@@ -566,3 +583,5 @@ def test_the_cuda_batch_engine_equals_the_portable_cpu_batch_engine(tmp_path):
     after = round_((0, probe, False, 3, False), (1, [9], False, 1, True), (2, [4, 4], False, 2, True))
     np.testing.assert_allclose(after[0][0], before, atol=1e-5, rtol=0)
     same_caches()
+    if backend == "tensorrt":  # batched passes on the decode profile, the prefills alone on the prefill one
+        assert {p for p, w, _ in fake.log if w > 64} == {0} and {p for p, w, _ in fake.log if w <= 64} == {1}

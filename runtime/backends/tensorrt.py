@@ -25,6 +25,7 @@ from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_ID
                           POSITION_IDS, WRITE_INDICES, past_name, present_name)
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
+from .cuda_batch import DeviceBatchEngine
 from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
 from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
 
@@ -42,8 +43,9 @@ def import_tensorrt():
     return tensorrt
 
 
-def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
-    """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
+def _deserialize(root: Path, entry):
+    """(engine, buckets, max_prompt, what must outlive it) of a manifest entry's serialized engine, after every
+    check that it runs here (TensorRT, a GPU, its version and architecture, its profiles)."""
     trt = import_tensorrt()
     require_device("tensorrt")
     built = entry.build or {}  # the pipeline's provisional entries (checks before the manifest) record nothing
@@ -66,11 +68,17 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
     max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
     max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
     buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
+    return engine, buckets, max_prompt, (logger, runtime)
+
+
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
+    """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
+    engine, buckets, max_prompt, keep = _deserialize(root, entry)
     graphs, note = graphs_wanted()
     memory = CudaMemory()
     try:
         return TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
-                         width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=(logger, runtime))
+                         width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep)
     except BaseException:
         memory.close()
         raise
@@ -101,6 +109,89 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
 
+class TrtContexts:
+    """An engine's two execution contexts (prefill, decode), each kept on its own profile, every tensor address set
+    at open; the shapes each is set for, and the CUDA graphs captured on them by key. note: why capture stopped
+    (None while it works)."""
+
+    def __init__(self, engine, memory, name: str, addresses: dict[str, int]):
+        self.engine, self.memory, self.name = engine, memory, name
+        self.contexts = []
+        for profile in (PREFILL, DECODE):
+            ctx = engine.create_execution_context()
+            if ctx is None or not ctx.set_optimization_profile_async(profile, memory.stream):
+                raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}' (out of GPU "
+                                  "memory? see its log above)")
+            self.contexts.append(ctx)
+            for tensor, ptr in addresses.items():
+                self.set_address(profile, tensor, ptr)
+        self.shapes: list[dict | None] = [None, None]
+        self.graphs: dict[tuple, object] = {}
+        self.note: str | None = None
+
+    def set_address(self, profile: int, tensor: str, ptr: int) -> None:
+        if not self.contexts[profile].set_tensor_address(tensor, ptr):
+            raise SpecrtError(f"engine '{self.name}' has no tensor '{tensor}'; {REBUILD}")
+
+    def run(self, profile: int, shapes: dict[str, tuple], key: tuple, graph: bool) -> None:
+        """One pass on `profile` at `shapes`: the CUDA graph of `key` if one was captured, else executed (the
+        warm-up a capture needs) and, with graph, captured."""
+        if graph and key in self.graphs:
+            check(cudart().cudaGraphLaunch(self.graphs[key], self.memory.stream), "cudaGraphLaunch")
+            return
+        if self.shapes[profile] != shapes:
+            for tensor, shape in shapes.items():
+                if not self.contexts[profile].set_input_shape(tensor, shape):
+                    raise SpecrtError(f"engine '{self.name}' does not take {tensor} of shape {shape}; {REBUILD}")
+            self.shapes[profile] = shapes
+        if not self._execute(profile):
+            raise SpecrtError(f"TensorRT failed to run engine '{self.name}' at {key} (see its log above)")
+        if graph:
+            self._capture(profile, key)
+
+    def _execute(self, profile: int) -> bool:
+        return bool(self.contexts[profile].execute_async_v3(self.memory.stream))
+
+    def _capture(self, profile: int, key: tuple) -> None:
+        """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work)."""
+        rt, stream = cudart(), self.memory.stream
+        check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+              "cudaStreamBeginCapture")
+        ran = self._execute(profile)
+        err, graph = rt.cudaStreamEndCapture(stream)
+        if not ran or err != rt.cudaError_t.cudaSuccess or graph is None:
+            if graph is not None:
+                rt.cudaGraphDestroy(graph)
+            self.note = f"capture failed at {key} ({err})"
+            return
+        self.graphs[key] = check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        rt.cudaGraphDestroy(graph)
+
+    def close(self) -> None:
+        for exe in self.graphs.values():
+            cudart().cudaGraphExecDestroy(exe)
+        self.graphs, self.contexts = {}, []
+
+
+def pass_shapes(g: Geometry, rows: int, width: int, capacity: int, logits_rows: int) -> dict[str, tuple]:
+    """Every input's shape for a pass of `rows` sequences x `width` tokens over `capacity` cache positions."""
+    shapes = {INPUT_IDS: (rows, width), POSITION_IDS: (rows, width), ATTENTION_MASK: (rows, 1, width, capacity),
+              WRITE_INDICES: (rows,), LOGITS_INDICES: (logits_rows,)}
+    shapes.update({past_name(i, kind): (rows, g.num_kv_heads, capacity, g.head_dim)
+                   for i in range(g.num_layers) for kind in KV_KINDS})
+    return shapes
+
+
+def _addresses(e) -> dict[str, int]:
+    """A device engine's buffers by tensor name (each cache buffer as both past input and present output)."""
+    out = {INPUT_IDS: e.tokens, POSITION_IDS: e.positions, ATTENTION_MASK: e.mask, WRITE_INDICES: e.write,
+           LOGITS_INDICES: e.rows, LOGITS: e.out_logits, GREEDY_TOKENS: e.out_greedy, HIDDEN_STATES: e.out_hidden}
+    for i, layer in enumerate(e.cache.ptrs):
+        for kind, ptr in zip(KV_KINDS, layer):
+            out[past_name(i, kind)] = out[present_name(i, kind)] = ptr
+    return out
+
+
 class TrtEngine(DeviceEngine):
     """runtime/engine.py's Engine over a deserialized TensorRT engine. keep: objects the engine must outlive
     (its logger and runtime)."""
@@ -112,70 +203,70 @@ class TrtEngine(DeviceEngine):
         super().__init__(memory, geometry, buckets, max_prompt=max_prompt, name=name, width_exact=width_exact,
                          graphs=graphs, graphs_note=graphs_note)
         self._keep, self.engine = keep, engine
-        self._contexts = []
-        for profile in (PREFILL, DECODE):
-            ctx = engine.create_execution_context()
-            if ctx is None or not ctx.set_optimization_profile_async(profile, memory.stream):
-                raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}' (out of GPU "
-                                  "memory? see its log above)")
-            addresses = {INPUT_IDS: self.tokens, POSITION_IDS: self.positions, ATTENTION_MASK: self.mask,
-                         WRITE_INDICES: self.write, LOGITS_INDICES: self.rows, LOGITS: self.out_logits,
-                         GREEDY_TOKENS: self.out_greedy, HIDDEN_STATES: self.out_hidden}
-            for i, layer in enumerate(self.cache.ptrs):
-                for kind, ptr in zip(KV_KINDS, layer):
-                    addresses[past_name(i, kind)] = addresses[present_name(i, kind)] = ptr
-            for tensor, ptr in addresses.items():
-                if not ctx.set_tensor_address(tensor, ptr):
-                    raise SpecrtError(f"engine '{name}' has no tensor '{tensor}'; {REBUILD}")
-            self._contexts.append(ctx)
-        self._shapes: list[tuple | None] = [None, None]  # the (width, capacity, rows) each context is set for
-        self._graphs: dict[tuple[int, int], object] = {}  # (width, capacity) -> instantiated CUDA graph
-
-    def _set_shapes(self, profile: int, width: int, capacity: int, rows: int) -> None:
-        if self._shapes[profile] == (width, capacity, rows):
-            return
-        ctx, g = self._contexts[profile], self.geometry
-        shapes = {INPUT_IDS: (1, width), POSITION_IDS: (1, width), ATTENTION_MASK: (1, 1, width, capacity),
-                  WRITE_INDICES: (1,), LOGITS_INDICES: (rows,)}
-        shapes.update({past_name(i, kind): (1, g.num_kv_heads, capacity, g.head_dim)
-                       for i in range(g.num_layers) for kind in KV_KINDS})
-        for tensor, shape in shapes.items():
-            if not ctx.set_input_shape(tensor, shape):
-                raise SpecrtError(f"engine '{self.name}' does not take {tensor} of shape {shape}; {REBUILD}")
-        self._shapes[profile] = (width, capacity, rows)
-
-    def _execute(self, profile: int) -> bool:
-        return bool(self._contexts[profile].execute_async_v3(self.memory.stream))
+        self._trt = TrtContexts(engine, memory, name, _addresses(self))
 
     def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
-        if graph and (width, capacity) in self._graphs:
-            check(cudart().cudaGraphLaunch(self._graphs[(width, capacity)], self.memory.stream), "cudaGraphLaunch")
-            return
         profile = DECODE if width <= self.max_pass_tokens else PREFILL
-        self._set_shapes(profile, width, capacity, rows)
-        if not self._execute(profile):  # also the warm-up a capture needs
-            raise SpecrtError(f"TensorRT failed to run engine '{self.name}' at width {width}, capacity {capacity} "
-                              "(see its log above)")
-        if graph:
-            self._capture(profile, (width, capacity))
-
-    def _capture(self, profile: int, key: tuple[int, int]) -> None:
-        """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work)."""
-        rt, stream = cudart(), self.memory.stream
-        check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
-              "cudaStreamBeginCapture")
-        ran = self._execute(profile)
-        err, graph = rt.cudaStreamEndCapture(stream)
-        if not ran or err != rt.cudaError_t.cudaSuccess or graph is None:
-            if graph is not None:
-                rt.cudaGraphDestroy(graph)
-            self.graphs, self.graphs_note = False, f"capture failed at width {key[0]}, capacity {key[1]} ({err})"
-            return
-        self._graphs[key] = check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
-        rt.cudaGraphDestroy(graph)
+        self._trt.run(profile, pass_shapes(self.geometry, 1, width, capacity, rows), (width, capacity), graph)
+        if self._trt.note:
+            self.graphs, self.graphs_note = False, self._trt.note
 
     def close(self) -> None:
-        for exe in self._graphs.values():
-            cudart().cudaGraphExecDestroy(exe)
-        self._graphs, self._contexts = {}, []
+        self._trt.close()
+        super().close()
+
+
+def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBatchEngine":
+    """`slots` sequences of a manifest entry's TensorRT engine (runtime/batch.py's batch engine): the engine's
+    decode profile must take that many sequences a pass (build/tensorrt.py's MAX_BATCH)."""
+    engine, buckets, max_prompt, keep = _deserialize(root, entry)
+    most = int(engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][0])
+    if most < slots:
+        raise SpecrtError(f"engine '{entry.name}' takes {most} sequence(s) a pass, fewer than --parallel {slots}; "
+                          f"use --parallel {most}, or rebuild the set here with `specrt engines --backend tensorrt` "
+                          "(engines take up to 8)")
+    graphs, note = graphs_wanted()
+    memory = CudaMemory()
+    try:
+        return TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
+                              name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
+                              keep=keep)
+    except BaseException:
+        memory.close()
+        raise
+
+
+class TrtBatchEngine(DeviceBatchEngine):
+    """cuda_batch.DeviceBatchEngine over a TensorRT engine: batched passes on the decode profile (one CUDA graph per
+    (rows, width, capacity)), a prefill alone on the prefill profile with its cache addresses at its slot."""
+
+    backend = "tensorrt"
+
+    def __init__(self, engine, memory, geometry: Geometry, buckets: Buckets, *, slots: int, max_prompt: int,
+                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = ()):
+        super().__init__(memory, geometry, buckets, slots=slots, name=name, width_exact=width_exact, graphs=graphs,
+                         graphs_note=graphs_note, max_prompt=max_prompt)
+        self._keep, self.engine = keep, engine
+        self._trt = TrtContexts(engine, memory, name, _addresses(self))
+        self._prefill_at: tuple[int, int] | None = (0, self.capacity)  # the slot and layout its cache addresses hold
+
+    def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
+                graph: bool) -> None:
+        if slot is None:
+            self._trt.run(DECODE, pass_shapes(self.geometry, rows, width, capacity, logits_rows),
+                          (rows, width, capacity), graph)
+        else:
+            if self._prefill_at != (slot, capacity):
+                for i, layer in enumerate(self.cache.ptrs):
+                    for kind, ptr in zip(KV_KINDS, layer):
+                        at = self.cache.slot_ptr(ptr, slot)
+                        self._trt.set_address(PREFILL, past_name(i, kind), at)
+                        self._trt.set_address(PREFILL, present_name(i, kind), at)
+                self._prefill_at = (slot, capacity)
+            self._trt.run(PREFILL, pass_shapes(self.geometry, 1, width, capacity, logits_rows), (), False)
+        if self._trt.note:
+            self.graphs, self.graphs_note = False, self._trt.note
+
+    def close(self) -> None:
+        self._trt.close()
         super().close()

@@ -148,12 +148,12 @@ def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path
 def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
     """The serialized TensorRT engine of a portable graph and its build facts, cached per TensorRT version and GPU
     architecture (an engine runs only where both match)."""
-    from ..build.tensorrt import build_engine, compute_capability, require_tensorrt
+    from ..build.tensorrt import MAX_BATCH, build_engine, compute_capability, require_tensorrt
 
     trt, cc = require_tensorrt(), compute_capability()
     if cc is None:
         raise SpecrtError("--backend tensorrt found no CUDA device; build TensorRT engines on the GPU that runs them")
-    key = f"trt{trt.__version__}-sm{cc.replace('.', '')}"
+    key = f"trt{trt.__version__}-sm{cc.replace('.', '')}-b{MAX_BATCH}"
     out = graph.parent / f"tensorrt-{key}" / (graph.stem + ".engine")
     facts_file = out.with_suffix(".json")
     if not out.is_file():
