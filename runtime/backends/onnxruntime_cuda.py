@@ -87,6 +87,17 @@ def open_session(onnx_path: Path, stream: int, threads: int = 0, graphs: bool = 
 
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtCudaEngine":
     """The portable decoder engine of a manifest entry on the CUDA EP (engine.open_engine's CUDA half)."""
+    return _open(root, entry, options, OrtCudaEngine)
+
+
+def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtCudaBatchEngine":
+    """`slots` sequences of a manifest entry's portable decoder on the CUDA EP (runtime/batch.py's batch engine)."""
+    return _open(root, entry, options, lambda *a, **kw: OrtCudaBatchEngine(*a, slots=slots, **kw))
+
+
+def _open(root: Path, entry, options: EngineOptions, make):
+    """make(session, memory, geometry, buckets, name=, width_exact=, graphs=, graphs_note=) over a session of the
+    entry's graph on the CUDA EP, after the checks that it runs here; the device memory freed if it fails."""
     import onnxruntime as ort
 
     require_cuda_provider(ort.get_available_providers())
@@ -98,8 +109,8 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
         session, refused = open_session(Path(root) / entry.file, memory.stream, options.threads, graphs)
         max_width = int((entry.build or {}).get("max_width", MAX_PASS_TOKENS))
         buckets = Buckets.for_engine(entry.max_context, max_width, geometric=True, pad_logits=True)
-        return OrtCudaEngine(session, memory, geometry, buckets, name=entry.name, width_exact=entry.width_exact,
-                             graphs=graphs and refused is None, graphs_note=note or refused)
+        return make(session, memory, geometry, buckets, name=entry.name, width_exact=entry.width_exact,
+                    graphs=graphs and refused is None, graphs_note=note or refused)
     except BaseException:
         memory.close()
         raise
@@ -112,104 +123,9 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
 
-class OrtCudaEngine(DeviceEngine):
-    """runtime/engine.py's Engine over an ORT session of the portable graph. device: where `memory`'s addresses
-    live as ORT names it ("cuda"; "cpu" with cuda_memory.HostMemory and a CPU session, which is how the tests
-    run this class without a GPU). max_prompt: the widest pass (default max_context)."""
-
-    backend = "onnxruntime-cuda"
-
-    def __init__(self, session, memory: Memory, geometry: Geometry, buckets: Buckets, *, name: str,
-                 width_exact: bool = True, graphs: bool = True, graphs_note: str | None = None,
-                 device: str = "cuda", max_prompt: int | None = None):
-        super().__init__(memory, geometry, buckets, max_prompt=max_prompt or geometry.max_context, name=name,
-                         width_exact=width_exact, graphs=graphs and device == "cuda",
-                         graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"))
-        self.session, self.device = session, device
-        self._bound: dict[tuple[int, int, int, bool], tuple[object, object]] = {}  # -> (IOBinding, RunOptions)
-        self._graph_ids: dict[tuple[int, int], int] = {}
-
-    def _binding(self, width: int, capacity: int, rows: int, graph: bool):
-        """The IOBinding and RunOptions of one pass shape, every buffer bound by address (built once per shape)."""
-        import onnxruntime as ort
-
-        key = (width, capacity, rows, graph)
-        if key in self._bound:
-            return self._bound[key]
-        g, io, dev = self.geometry, self.session.io_binding(), self.device
-        for name, dtype, shape, ptr in (
-                (INPUT_IDS, np.int64, [1, width], self.tokens), (POSITION_IDS, np.int64, [1, width], self.positions),
-                (ATTENTION_MASK, np.float32, [1, 1, width, capacity], self.mask),
-                (WRITE_INDICES, np.int64, [1], self.write), (LOGITS_INDICES, np.int64, [rows], self.rows)):
-            io.bind_input(name, dev, 0, dtype, shape, ptr)
-        cache = [1, g.num_kv_heads, capacity, g.head_dim]
-        for i, layer in enumerate(self.cache.ptrs):
-            for kind, ptr in zip(KV_KINDS, layer):
-                io.bind_input(past_name(i, kind), dev, 0, g.cache_dtype.type, cache, ptr)
-                io.bind_output(present_name(i, kind), dev, 0, g.cache_dtype.type, cache, ptr)
-        io.bind_output(LOGITS, dev, 0, np.float32, [1, rows, g.vocab_size], self.out_logits)
-        io.bind_output(GREEDY_TOKENS, dev, 0, np.int64, [1, rows], self.out_greedy)
-        io.bind_output(HIDDEN_STATES, dev, 0, np.float32, [1, width, g.hidden_size], self.out_hidden)
-        run = ort.RunOptions()
-        if self.graphs:  # ids from 1 (ORT keeps 0 for itself); -1: run this shape uncaptured
-            gid = self._graph_ids.setdefault((width, capacity), len(self._graph_ids) + 1) if graph else -1
-            run.add_run_config_entry("gpu_graph_id", str(gid))
-        if dev == "cuda":  # we sync once after the download, on the same stream
-            run.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        if width <= self.max_pass_tokens:  # a wide prefill's binding is not kept (once per request)
-            self._bound[key] = (io, run)
-        return io, run
-
-    def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
-        io, run = self._binding(width, capacity, rows, graph)
-        try:
-            self.session.run_with_iobinding(io, run)
-        except MemoryError:
-            raise
-        except Exception as e:  # ORT's own exception types; a capture can fail on its first run, not at load
-            hint = f"; {GRAPHS_ENV}=0 runs without CUDA graphs" if graph else ""
-            raise SpecrtError(f"onnxruntime-cuda failed a pass of width {width} over capacity {capacity} "
-                              f"({first_line(e)}){hint}") from None
-
-
-def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtCudaBatchEngine":
-    """`slots` sequences of a manifest entry's portable decoder on the CUDA EP (runtime/batch.py's batch engine)."""
-    import onnxruntime as ort
-
-    require_cuda_provider(ort.get_available_providers())
-    require_device("onnxruntime-cuda")
-    geometry = Geometry.of(entry)
-    memory = CudaMemory()
-    graphs, note = graphs_wanted()
-    try:
-        session, refused = open_session(Path(root) / entry.file, memory.stream, options.threads, graphs)
-        max_width = int((entry.build or {}).get("max_width", MAX_PASS_TOKENS))
-        buckets = Buckets.for_engine(entry.max_context, max_width, geometric=True, pad_logits=True)
-        return OrtCudaBatchEngine(session, memory, geometry, buckets, slots=slots, name=entry.name,
-                                  width_exact=entry.width_exact, graphs=graphs and refused is None,
-                                  graphs_note=note or refused)
-    except BaseException:
-        memory.close()
-        raise
-
-
-class OrtCudaBatchEngine(DeviceBatchEngine):
-    """cuda_batch.DeviceBatchEngine over an ORT session of the portable graph: one IOBinding and RunOptions per
-    pass shape, every buffer bound by address, a gpu_graph_id per (rows, width, capacity). device: as
-    OrtCudaEngine's ("cpu" with HostMemory and a CPU session: the tests)."""
-
-    backend = "onnxruntime-cuda"
-
-    def __init__(self, session, memory: Memory, geometry: Geometry, buckets: Buckets, *, slots: int, name: str,
-                 width_exact: bool = True, graphs: bool = True, graphs_note: str | None = None, device: str = "cuda",
-                 max_prompt: int | None = None, batch_width: int | None = None):
-        super().__init__(memory, geometry, buckets, slots=slots, name=name, width_exact=width_exact,
-                         graphs=graphs and device == "cuda",
-                         graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"),
-                         max_prompt=max_prompt, batch_width=batch_width)
-        self.session, self.device = session, device
-        self._bound: dict[tuple, tuple[object, object]] = {}
-        self._graph_ids: dict[tuple[int, int, int], int] = {}
+class _Bindings:
+    """One IOBinding and RunOptions per pass shape over a device engine's buffers (cuda_engine.DeviceEngine's or
+    cuda_batch.DeviceBatchEngine's), every one bound by address, a gpu_graph_id per (rows, width, capacity)."""
 
     def _binding(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None, graph: bool):
         import onnxruntime as ort
@@ -225,7 +141,7 @@ class OrtCudaBatchEngine(DeviceBatchEngine):
                 (WRITE_INDICES, np.int64, [rows], self.write), (LOGITS_INDICES, np.int64, [logits_rows], self.rows)):
             io.bind_input(name, dev, 0, dtype, shape, ptr)
         cache = [rows, g.num_kv_heads, capacity, g.head_dim]
-        for i, layer in enumerate(self.cache.ptrs):
+        for i, layer in enumerate(self.cache.ptrs):  # slot None: slots [0, rows); else that slot's part alone
             for kind, ptr in zip(KV_KINDS, layer):
                 at = ptr if slot is None else self.cache.slot_ptr(ptr, slot)
                 io.bind_input(past_name(i, kind), dev, 0, g.cache_dtype.type, cache, at)
@@ -243,8 +159,8 @@ class OrtCudaBatchEngine(DeviceBatchEngine):
             self._bound[key] = (io, run)
         return io, run
 
-    def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
-                graph: bool) -> None:
+    def _run_pass(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
+                  graph: bool) -> None:
         io, run = self._binding(rows, width, capacity, logits_rows, slot, graph)
         try:
             self.session.run_with_iobinding(io, run)
@@ -252,5 +168,50 @@ class OrtCudaBatchEngine(DeviceBatchEngine):
             raise
         except Exception as e:  # ORT's own exception types; a capture can fail on its first run, not at load
             hint = f"; {GRAPHS_ENV}=0 runs without CUDA graphs" if graph else ""
-            raise SpecrtError(f"onnxruntime-cuda failed a pass of {rows} x {width} tokens over capacity {capacity} "
+            shape = f"width {width}" if rows == 1 else f"{rows} x {width} tokens"
+            raise SpecrtError(f"onnxruntime-cuda failed a pass of {shape} over capacity {capacity} "
                               f"({first_line(e)}){hint}") from None
+
+
+class OrtCudaEngine(_Bindings, DeviceEngine):
+    """runtime/engine.py's Engine over an ORT session of the portable graph. device: where `memory`'s addresses
+    live as ORT names it ("cuda"; "cpu" with cuda_memory.HostMemory and a CPU session, which is how the tests
+    run this class without a GPU). max_prompt: the widest pass (default max_context)."""
+
+    backend = "onnxruntime-cuda"
+
+    def __init__(self, session, memory: Memory, geometry: Geometry, buckets: Buckets, *, name: str,
+                 width_exact: bool = True, graphs: bool = True, graphs_note: str | None = None,
+                 device: str = "cuda", max_prompt: int | None = None):
+        super().__init__(memory, geometry, buckets, max_prompt=max_prompt or geometry.max_context, name=name,
+                         width_exact=width_exact, graphs=graphs and device == "cuda",
+                         graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"))
+        self.session, self.device = session, device
+        self._bound: dict[tuple, tuple[object, object]] = {}  # pass shape -> (IOBinding, RunOptions)
+        self._graph_ids: dict[tuple[int, int, int], int] = {}
+
+    def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
+        self._run_pass(1, width, capacity, rows, None, graph)
+
+
+class OrtCudaBatchEngine(_Bindings, DeviceBatchEngine):
+    """cuda_batch.DeviceBatchEngine over an ORT session of the portable graph: one IOBinding and RunOptions per
+    pass shape, every buffer bound by address, a gpu_graph_id per (rows, width, capacity). device: as
+    OrtCudaEngine's ("cpu" with HostMemory and a CPU session: the tests)."""
+
+    backend = "onnxruntime-cuda"
+
+    def __init__(self, session, memory: Memory, geometry: Geometry, buckets: Buckets, *, slots: int, name: str,
+                 width_exact: bool = True, graphs: bool = True, graphs_note: str | None = None, device: str = "cuda",
+                 max_prompt: int | None = None, batch_width: int | None = None):
+        super().__init__(memory, geometry, buckets, slots=slots, name=name, width_exact=width_exact,
+                         graphs=graphs and device == "cuda",
+                         graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"),
+                         max_prompt=max_prompt, batch_width=batch_width)
+        self.session, self.device = session, device
+        self._bound: dict[tuple, tuple[object, object]] = {}  # pass shape -> (IOBinding, RunOptions)
+        self._graph_ids: dict[tuple[int, int, int], int] = {}
+
+    def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
+                graph: bool) -> None:
+        self._run_pass(rows, width, capacity, logits_rows, slot, graph)
