@@ -420,10 +420,17 @@ def _fmt(v, spec: str) -> str:
 
 
 @app.command(cls=_Command)
-def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder.")):
-    """Show an engine set's manifest: engines, precisions, parity figures."""
+def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder."),
+         parallel: int = typer.Option(1, "--parallel", help="Also the memory of this many streams at once "
+                                      "(`specrt serve --parallel N`): the weights once, a KV cache each.")):
+    """Show an engine set's manifest: engines, precisions, parity figures, and the memory each target needs with
+    the proposers it runs."""
 
     def run():
+        from .errors import SpecrtError
+
+        if parallel < 1:
+            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
         from rich.console import Console
         from rich.table import Table
 
@@ -452,9 +459,12 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
             total = sum(memory[e.name]["total_bytes_at_max_context"] for e in together)
             draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
             drafts = f" (the draft model: {draft / 2**20:.0f} MiB)" if draft else ""
+            kv = sum(memory[e.name]["kv_bytes_per_position"] * e.max_context for e in together)
+            streams = (f"; {parallel} streams at once: {(total + (parallel - 1) * kv) / 2**20:.0f} MiB "
+                       f"({kv / 2**20:.0f} MiB of KV cache a stream)" if parallel > 1 else "")
             console.print(f"memory at max context, target-{precision} with {', '.join(e.name for e in together[1:])}"
-                          f": {total / 2**20:.0f} MiB{drafts}" if len(together) > 1 else
-                          f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB")
+                          f": {total / 2**20:.0f} MiB{drafts}{streams}" if len(together) > 1 else
+                          f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB{streams}")
         src = m.raw.get("source", {})
         console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 

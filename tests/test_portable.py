@@ -541,3 +541,13 @@ def test_info_sums_the_memory_of_the_proposers_each_target_runs(quantized_engine
              if ln.startswith("memory at max context")}
     assert "with draft-fp8:" in lines["target-fp8"] and "with draft-int4-awq:" in lines["target-int4-awq"]
     assert "with draft-fp32:" in lines["target-int8"]  # no int8 draft: the runtime runs the first one
+    import re
+
+    r4 = CliRunner().invoke(app, ["info", str(quantized_engines), "--parallel", "4"])
+    assert r4.exit_code == 0, r4.output
+    line = next(ln for ln in r4.output.splitlines() if ln.startswith("memory at max context, target-fp32"))
+    one, four, kv = (float(x) for x in re.search(r": (\d+) MiB.*; 4 streams at once: (\d+) MiB \((\d+) MiB", line)
+                     .groups())
+    assert abs(four - (one + 3 * kv)) <= 2  # the weights once, a KV cache a stream (rounded MiB)
+    bad = CliRunner().invoke(app, ["info", str(quantized_engines), "--parallel", "0"])
+    assert bad.exit_code == 2 and "--parallel must be >= 1" in bad.output
