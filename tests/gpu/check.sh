@@ -4,7 +4,8 @@
 # backend this machine can run (onnxruntime-cuda where onnxruntime-gpu has CUDA, tensorrt where tensorrt imports)
 # and prints one summary table: build/open, parity against the CPU fp32 engine, CUDA-graph replay against plain
 # passes, ms per pass with and without graphs, speculative speedups. --json PATH writes the table as JSON.
-# Without a GPU it says so in one line and exits 0.
+# Without a GPU it says so in one line and exits 0. On a GPU machine that reaches no package index,
+# tests/gpu/carry.py brings onnxruntime-gpu over in parts first (its docstring lists the calls).
 #   tests/gpu/check.sh [--engines DIR] [--source CHECKPOINT] [--draft CHECKPOINT] [--json PATH]
 set -u
 cd "$(dirname "$0")/../.."
