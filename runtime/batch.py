@@ -169,8 +169,9 @@ class Scheduler:
                     for r in rows:
                         r.error = e
                     continue
-                for seconds, B, W in ran:  # each call the backend made
-                    self.costs_of(batch).observe(B, W, seconds)
+                for seconds, B, W in ran:  # each call the backend made (None: not a cost, e.g. a capture)
+                    if seconds is not None:
+                        self.costs_of(batch).observe(B, W, seconds)
                     self.passes += 1
                     self.rows += B
         finally:

@@ -585,3 +585,9 @@ def test_the_gpu_batch_engines_equal_the_portable_cpu_batch_engine(tmp_path, bac
     same_caches()
     if backend == "tensorrt":  # batched passes on the decode profile, the prefills alone on the prefill one
         assert {p for p, w, _ in fake.log if w > 64} == {0} and {p for p, w, _ in fake.log if w <= 64} == {1}
+    # a shape's first pass captures its graph: no cost for the planner; the next one is timed, by the rows asked
+    asks = [PassRow(s, np.arange(9), eng.lengths[s] + np.arange(9), None, 1, True) for s in (0, 2)]
+    first, again = eng.run(asks), eng.run(asks)
+    assert first[0][0] is None and first[0][1:] == (2, 16) and again[0][0] > 0 and again[0][1:] == (2, 16)
+    with pytest.raises(ValueError, match="logits"):
+        eng.run([PassRow(0, np.arange(3), eng.lengths[0] + np.arange(3), None, 4, False)])

@@ -72,6 +72,7 @@ class DeviceBatchEngine:
         self.with_hidden = False
         self.cache = DeviceCache(memory, g.num_layers, g.num_kv_heads, g.head_dim, g.cache_dtype, C, slots)
         self._lock = threading.Lock()
+        self._timed: set[tuple[int, int, int]] = set()  # (rows, width, capacity) passes run (and captured) once
         self.cache.relayout(buckets.capacities[0], 0)
         self.capacity = self.cache.capacity
 
@@ -119,7 +120,12 @@ class DeviceBatchEngine:
 
     def run(self, rows) -> list[tuple[float, int, int]]:
         """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one pass padded to the
-        widest of them, wider rows alone. Returns (seconds, rows, width) of each pass."""
+        widest of them, wider rows alone. Returns (seconds, rows, width) of each pass (seconds None: the first pass
+        of its shape, which captured a graph)."""
+        for r in rows:  # the buffers hold max_pass_tokens logits rows a sequence (SlotEngine checks it first)
+            if not 1 <= r.num_logits <= min(len(r.tokens), self.max_pass_tokens):
+                raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {r.num_logits} "
+                                 f"of {len(r.tokens)}")
         ran = []
         together = [r for r in rows if len(r.tokens) <= self.batch_width]
         alone = [r for r in rows if len(r.tokens) > self.batch_width]
@@ -127,9 +133,12 @@ class DeviceBatchEngine:
             self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
             if together:
                 W = self.pass_width(max(len(r.tokens) for r in together))
+                key = (max(r.slot for r in together) + 1, W, self.capacity)
                 t = time.perf_counter()
                 self._batched(together, W)
-                ran.append((time.perf_counter() - t, max(r.slot for r in together) + 1, W))
+                # the rows the planner asks about; a shape's first pass (its capture) is not a pass's cost
+                ran.append((None if key not in self._timed else time.perf_counter() - t, len(together), W))
+                self._timed.add(key)
             for r in alone:
                 t = time.perf_counter()
                 self._solo_pass(r)

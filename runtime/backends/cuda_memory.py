@@ -136,7 +136,8 @@ class CudaMemory:
     def alloc(self, nbytes: int) -> int:
         ptr = int(check(self._rt.cudaMalloc(max(nbytes, 1)), f"cudaMalloc({nbytes} bytes)"))
         self._device.append(ptr)
-        check(self._rt.cudaMemset(ptr, 0, max(nbytes, 1)), "cudaMemset")
+        # on the engine's stream: a memset on the legacy default stream would not order with a non-blocking one
+        check(self._rt.cudaMemsetAsync(ptr, 0, max(nbytes, 1), self._stream), "cudaMemsetAsync")
         return ptr
 
     def host(self, shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -135,15 +135,17 @@ class TrtContexts:
 
     def run(self, profile: int, shapes: dict[str, tuple], key: tuple, graph: bool) -> None:
         """One pass on `profile` at `shapes`: the CUDA graph of `key` if one was captured, else executed (the
-        warm-up a capture needs) and, with graph, captured."""
-        if graph and key in self.graphs:
-            check(cudart().cudaGraphLaunch(self.graphs[key], self.memory.stream), "cudaGraphLaunch")
-            return
+        warm-up a capture needs) and, with graph, captured. The context is set to the pass's shapes first, also
+        before a replay: a graph may read state the context keeps for its shapes (TensorRT-Edge-LLM's executor
+        likewise replays a graph only when the context's bindings match the ones it was captured with)."""
         if self.shapes[profile] != shapes:
             for tensor, shape in shapes.items():
                 if not self.contexts[profile].set_input_shape(tensor, shape):
                     raise SpecrtError(f"engine '{self.name}' does not take {tensor} of shape {shape}; {REBUILD}")
             self.shapes[profile] = shapes
+        if graph and key in self.graphs:
+            check(cudart().cudaGraphLaunch(self.graphs[key], self.memory.stream), "cudaGraphLaunch")
+            return
         if not self._execute(profile):
             raise SpecrtError(f"TensorRT failed to run engine '{self.name}' at {key} (see its log above)")
         if graph:
@@ -157,8 +159,11 @@ class TrtContexts:
         rt, stream = cudart(), self.memory.stream
         check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
               "cudaStreamBeginCapture")
-        ran = self._execute(profile)
-        err, graph = rt.cudaStreamEndCapture(stream)
+        ran = False
+        try:
+            ran = self._execute(profile)
+        finally:  # the stream leaves capture mode whatever happened, or every later call on it fails
+            err, graph = rt.cudaStreamEndCapture(stream)
         if not ran or err != rt.cudaError_t.cudaSuccess or graph is None:
             if graph is not None:
                 rt.cudaGraphDestroy(graph)
