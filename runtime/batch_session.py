@@ -109,8 +109,8 @@ class BatchSession:
             module = backend(entry)
             if not hasattr(module, "open_batch"):
                 raise SpecrtError(f"the {entry.backend} backend cannot run several streams at once yet; "
-                                  "use --parallel 1 or an onnxruntime, onnxruntime-portable or onnxruntime-cuda "
-                                  "engine set")
+                                  "use --parallel 1 or an onnxruntime, onnxruntime-portable, onnxruntime-cuda or "
+                                  "tensorrt engine set")
             self._batches[entry.name] = module.open_batch(self.manifest.root, entry, options, self.parallel)
         return self._batches[entry.name]
 
