@@ -23,10 +23,9 @@ import time
 
 import numpy as np
 
-from ...errors import SpecrtError
 from ..engine import KVSnapshot
 from ..static_shapes import Buckets, PassInputs, fill_row
-from .cuda_engine import Geometry
+from .cuda_engine import Geometry, check_prompt
 from .cuda_memory import DeviceCache, Memory
 
 
@@ -184,10 +183,7 @@ class DeviceBatchEngine:
 
     def _solo_pass(self, r) -> None:
         """A row wider than batch_width over its own slot, uncaptured: the logits rows asked for only."""
-        if len(r.tokens) > self.max_prompt:
-            raise SpecrtError(f"a pass of {len(r.tokens)} tokens is wider than engine '{self.name}' takes "
-                              f"({self.max_prompt}); shorten the prompt, or rebuild the engines with a larger "
-                              "--max-context")
+        check_prompt(self, len(r.tokens))
         p = self._single.plan(self.lengths[r.slot], r.tokens, r.positions, r.mask, r.num_logits, self.capacity)
         rows, m, n = p.logits_rows[:r.num_logits], self.memory, len(r.tokens)
         self._write[0] = p.write_index

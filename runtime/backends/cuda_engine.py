@@ -36,6 +36,13 @@ def graphs_wanted() -> tuple[bool, str | None]:
     return True, None
 
 
+def check_prompt(engine, n: int) -> None:
+    """A pass of n tokens is no wider than the engine takes (its widest uncaptured prefill): else one line."""
+    if n > engine.max_prompt:
+        raise SpecrtError(f"a pass of {n} tokens is wider than engine '{engine.name}' takes ({engine.max_prompt}); "
+                          "shorten the prompt, or rebuild the engines with a larger --max-context")
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The sizes of a portable decoder an engine needs to lay out its buffers (from the manifest entry)."""
@@ -138,9 +145,7 @@ class DeviceEngine:
     def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool) -> None:
         n = len(tokens)
         check_pass(self, n, num_logits)
-        if n > self.max_prompt:
-            raise SpecrtError(f"a pass of {n} tokens is wider than engine '{self.name}' takes ({self.max_prompt}); "
-                              "shorten the prompt, or rebuild the engines with a larger --max-context")
+        check_prompt(self, n)
         width = self.buckets.width(n)
         if self.length + width > self.capacity:  # past what the request reserved: grow (one copy on the device)
             self._layout(self.buckets.capacity(min(self.length + width, self.buckets.max_capacity)))
