@@ -59,10 +59,15 @@ class EagleTrainConfig:
     seed: int = 0
     threads: int = 0
     ckpt_seconds: float = 120.0
+    fuse: bool = False           # EAGLE-3's input: low, middle and high (final-norm) target features, fused by fc
+    ttt_steps: int = 1           # training-time test: train this many chained draft steps (1 = teacher forcing)
 
 
-def make_head(shape: HeadShape):
-    """The head as a torch module (imported lazily: export/ is the only torch user)."""
+def make_head(shape: HeadShape, fuse: bool = False):
+    """The head as a torch module (imported lazily: export/ is the only torch user). fuse: EAGLE-3's input, the
+    target's [low ; middle ; high] features through a linear map to the hidden size; a drafted position has no low
+    and middle features, so it reads [0 ; 0 ; predicted feature] (the map starts as the identity on the high
+    third: an untrained fusion is EAGLE-1)."""
     import torch
     from torch import nn
 
@@ -81,6 +86,13 @@ def make_head(shape: HeadShape):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(2 * S.hidden, S.hidden)
+            self.fused = fuse
+            if fuse:
+                self.fuse = nn.Linear(3 * S.hidden, S.hidden)
+                with torch.no_grad():
+                    self.fuse.weight.zero_()
+                    self.fuse.weight[:, 2 * S.hidden:] = torch.eye(S.hidden)
+                    self.fuse.bias.zero_()
             self.norm1, self.norm2 = RMSNorm(), RMSNorm()
             self.q = nn.Linear(S.hidden, S.heads * S.head_dim, bias=False)
             self.k = nn.Linear(S.hidden, S.kv_heads * S.head_dim, bias=False)
@@ -115,17 +127,27 @@ def make_head(shape: HeadShape):
             h = self.norm2(x)
             return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
 
+        def real(self, feat):
+            """The target's features at real positions ([B, T, 3H] when fused) -> the layer's feature input."""
+            return self.fuse(feat) if self.fused else feat
+
+        def drafted(self, pred):
+            """A predicted feature [B, T, H] -> the feature input of a drafted position."""
+            if not self.fused:
+                return pred
+            return pred @ self.fuse.weight[:, 2 * S.hidden:].T + self.fuse.bias
+
         def forward(self, feat, emb, pos):
             """The causal pass over real inputs: predicted features [B, T, H], and (k, v) for rollouts."""
-            x, q, k, v = self.project(feat, emb, pos)
+            x, q, k, v = self.project(self.real(feat), emb, pos)
             att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.finish(x, att), (k, v)
 
         def step(self, feat, emb, pos, real, own):
             """One rollout step for every item m at once: item m attends to the real keys 0..m and to its own
-            earlier rollout keys (own: list of (k, v), each [B, heads, T, D]). Returns (predicted features,
-            this step's (k, v)); append the latter to own for the next step."""
-            x, q, k, v = self.project(feat, emb, pos)
+            earlier rollout keys (own: list of (k, v), each [B, heads, T, D]). feat: the predicted features of
+            the step before. Returns (predicted features, this step's (k, v)); append the latter to own."""
+            x, q, k, v = self.project(self.drafted(feat), emb, pos)
             K, V = real
             T = q.shape[2]
             scale = 1.0 / math.sqrt(S.head_dim)
@@ -165,19 +187,26 @@ def _batches(starts: np.ndarray, batch_tokens: int, rng: np.random.Generator) ->
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def _pad(data: dict, seqs: list[int]):
-    """Right-padded torch tensors of a batch: tokens [B, T], features [B, T, H] float32, mask [B, T] bool."""
+def _pad(data: dict, seqs: list[int], fuse: bool = False):
+    """Right-padded torch tensors of a batch: tokens [B, T], features [B, T, H] float32 (fuse: [B, T, 3H], the
+    low, middle and high features; the high third is the final-norm feature), mask [B, T] bool."""
     import torch
 
     st = data["starts"]
     T = max(int(st[s + 1] - st[s]) for s in seqs)
     B, H = len(seqs), data["features"].shape[1]
+    if fuse and "layer_features" not in data:
+        raise ValueError("this EAGLE data set has no low and middle layer features; regenerate it "
+                         "(delete its file under --work)")
     tok = np.zeros((B, T), np.int64)
-    feat = np.zeros((B, T, H), np.float32)
+    feat = np.zeros((B, T, 3 * H if fuse else H), np.float32)
     mask = np.zeros((B, T), bool)
     for b, s in enumerate(seqs):
         a, e = int(st[s]), int(st[s + 1])
-        tok[b, : e - a], feat[b, : e - a], mask[b, : e - a] = data["tokens"][a:e], data["features"][a:e], True
+        tok[b, : e - a], mask[b, : e - a] = data["tokens"][a:e], True
+        feat[b, : e - a, -H:] = data["features"][a:e]
+        if fuse:
+            feat[b, : e - a, : 2 * H] = data["layer_features"][a:e].reshape(e - a, 2 * H)
     return torch.from_numpy(tok), torch.from_numpy(feat), torch.from_numpy(mask)
 
 
@@ -195,7 +224,7 @@ def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, 
     vocab = pick_vocab(data["labels"], lm_head.shape[0], cfg.vocab)
     W = torch.from_numpy(np.ascontiguousarray(lm_head[vocab], np.float32))            # [Vd, H], frozen
     E = torch.from_numpy(np.ascontiguousarray(embed, np.float32))                     # [V, H], frozen
-    head = make_head(shape)
+    head = make_head(shape, cfg.fuse)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     feat_std = float(data["features"][:: max(1, len(data["features"]) // 20000)].astype(np.float32).std())
     ckpt = out.with_suffix(".ckpt")
@@ -215,20 +244,12 @@ def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, 
     while state["epoch"] < cfg.max_epochs and not done:
         batches = _batches(data["starts"], cfg.batch_tokens, np.random.default_rng(cfg.seed + state["epoch"]))
         for bi in range(state["step"] % per_epoch, len(batches)):
-            tok, feat, mask = _pad(data, batches[bi])
+            tok, feat, mask = _pad(data, batches[bi], cfg.fuse)
             warm, left = min(1.0, (state["step"] + 1) / 50), min(1.0, state["step"] / total)
             lr = cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * left))
             for g in opt.param_groups:
                 g["lr"] = lr
-            x_in = feat[:, :-1] + (torch.rand_like(feat[:, :-1]) - 0.5) * (cfg.noise * feat_std)
-            pos = torch.arange(tok.shape[1] - 1).expand(tok.shape[0], -1)
-            pred, _ = head(x_in, E[tok[:, 1:]], pos)
-            m = mask[:, 1:]
-            target = feat[:, 1:]
-            reg = torch.nn.functional.smooth_l1_loss(pred[m], target[m])
-            with torch.no_grad():
-                p_t = torch.softmax(target[m] @ W.T, -1)
-            cls = -(p_t * torch.log_softmax(pred[m] @ W.T, -1)).sum(-1).mean()
+            reg, cls = chain_loss(head, tok, feat, mask, E, W, cfg, feat_std, shape.hidden)
             loss = reg + cfg.w_cls * cls
             opt.zero_grad()
             loss.backward()
@@ -253,9 +274,44 @@ def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, 
               "epochs": state["epoch"] + (0 if not done else state["step"] % per_epoch / per_epoch),
               "train_s": round(time.time() - t0, 1), "positions": int(len(data["tokens"])), **(extra or {})}
     if heldout is not None:
-        report["heldout"] = evaluate(head, heldout, embed, lm_head, vocab)
+        report["heldout"] = evaluate(head, heldout, embed, lm_head, vocab, fuse=cfg.fuse)
     save_head(out, head, vocab, report)
     return report
+
+
+def chain_loss(head, tok, feat, mask, E, W, cfg: EagleTrainConfig, feat_std: float, hidden: int):
+    """EAGLE's two losses of a batch (means over its real items), averaged over cfg.ttt_steps chained steps.
+
+    Item m (context x_0..x_{m+1}) first predicts the feature at m + 1 from the real inputs (noised by cfg.noise);
+    at step j it has drafted j tokens and predicts the feature at m + 1 + j from its own previous prediction and
+    the true token x_{m+1+j} (training-time test), attending as the runtime's drafts do. Items whose step j runs
+    past the sequence do not count."""
+    import torch
+
+    x_in = feat[:, :-1]
+    if cfg.noise:
+        x_in = x_in + (torch.rand_like(x_in) - 0.5) * (cfg.noise * feat_std)
+    T = tok.shape[1] - 1
+    pos = torch.arange(T).expand(tok.shape[0], -1)
+    high = feat[..., -hidden:]
+    pred, real = head(x_in, E[tok[:, 1:]], pos)
+    reg = cls = 0.0
+    own = []
+    for j in range(cfg.ttt_steps):
+        if j:
+            nxt = torch.zeros_like(tok[:, 1:])
+            nxt[:, : T - j] = tok[:, 1 + j:]
+            pred, kv = head.step(pred, E[nxt], pos + j, real, own)
+            own.append(kv)
+        m = torch.zeros_like(mask[:, 1:])
+        m[:, : T - j] = mask[:, 1 + j:]
+        target = torch.zeros_like(high[:, 1:])
+        target[:, : T - j] = high[:, 1 + j:]
+        reg = reg + torch.nn.functional.smooth_l1_loss(pred[m], target[m]) / cfg.ttt_steps
+        with torch.no_grad():
+            p_t = torch.softmax(target[m] @ W.T, -1)
+        cls = cls - (p_t * torch.log_softmax(pred[m] @ W.T, -1)).sum(-1).mean() / cfg.ttt_steps
+    return reg, cls
 
 
 def _checkpoint(path: Path, head, opt, state: dict, cfg, shape, t0) -> None:
@@ -269,7 +325,7 @@ def _checkpoint(path: Path, head, opt, state: dict, cfg, shape, t0) -> None:
 
 
 def evaluate(head, data: dict, embed: np.ndarray, lm_head: np.ndarray, vocab: np.ndarray, depth: int = 6,
-             answers_only: bool = True) -> dict:
+             answers_only: bool = True, fuse: bool = False) -> dict:
     """Chain drafting replayed on the target's own greedy answers (an eval set from eagle_data.build_eval_set):
     at every answer position, draft `depth` tokens as the runtime would and count how many the target keeps.
     Returns, overall and per kind: acceptance by position (P(token k right | all before right)), the tokens per
@@ -283,7 +339,7 @@ def evaluate(head, data: dict, embed: np.ndarray, lm_head: np.ndarray, vocab: np
     runs: dict[str, list[np.ndarray]] = {}
     with torch.no_grad():
         for s in range(len(st) - 1):
-            tok, feat, _ = _pad(data, [s])
+            tok, feat, _ = _pad(data, [s], fuse)
             T = tok.shape[1]
             if T < 3:
                 continue

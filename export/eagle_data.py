@@ -14,6 +14,8 @@ A dataset file (npz):
   features [N, H] float16     the target's feature at each position
   labels   [N] int32          the target's argmax at each position (its next token there)
   kind     [S] str            chat | code | prose | <benchmark category>
+  layer_features [N, 2, H] float16   only with layer_features=True: EAGLE-3's low and middle features, the
+                                     normed inputs of the decoder layers after fuse_layers (what they read)
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from ..corpora import code_texts, doc_prompts, heldout_mtbench_ids, mtbench_ques
 DATA_FORMAT = 1
 
 
+def fuse_layers(num_layers: int) -> tuple[int, int]:
+    """EAGLE-3's low and middle layers (its third, high feature is the final-norm feature): the outputs of decoder
+    layers 2 and num_layers // 2, as the next layer's input norm reads them."""
+    return 2, num_layers // 2
+
+
 @dataclass(frozen=True)
 class EagleDataConfig:
     max_new_tokens: int = 128
@@ -42,6 +50,7 @@ class EagleDataConfig:
     batch: int = 24
     seed: int = 0
     limit: int = 0               # keep at most this many chat prompts (0 = all; smoke tests use a few)
+    layer_features: bool = False  # also keep EAGLE-3's low and middle features (for EagleTrainConfig.fuse)
 
 
 def _prose_texts(n: int, rng: np.random.Generator) -> list[str]:
@@ -63,7 +72,10 @@ def _chat_prompts(cfg: EagleDataConfig, rng: np.random.Generator) -> list[str]:
 def _key(src, cfg, what: str) -> str:
     from .sources import fingerprint
 
-    return hashlib.sha256(json.dumps([fingerprint(src), asdict(cfg), what, DATA_FORMAT]).encode()).hexdigest()[:16]
+    facts = asdict(cfg)
+    if not cfg.layer_features:  # the data without them is what format 1 always was: keep its caches valid
+        del facts["layer_features"]
+    return hashlib.sha256(json.dumps([fingerprint(src), facts, what, DATA_FORMAT]).encode()).hexdigest()[:16]
 
 
 def build_train_set(src, cache: Path, cfg: EagleDataConfig = EagleDataConfig(), log=print) -> Path:
@@ -86,15 +98,15 @@ def build_train_set(src, cache: Path, cfg: EagleDataConfig = EagleDataConfig(), 
             ids = tok(text, add_special_tokens=False)["input_ids"][: cfg.text_tokens]
             if len(ids) > 8:
                 seqs.append((ids, 0, kind))
-    return _save(model, seqs, path, log, t0)
+    return _save(model, seqs, path, log, t0, cfg.layer_features)
 
 
 def build_eval_set(src, cache: Path, prompts_file: Path, max_new_tokens: int = 128, batch: int = 24,
-                   log=print) -> Path:
+                   log=print, layer_features: bool = False) -> Path:
     """The benchmark's prompts answered greedily by the target (cache/eagle-eval-<key>.npz), kind = category."""
     rows = [json.loads(ln) for ln in Path(prompts_file).read_text().splitlines() if ln.startswith("{")]
     cfg = {"file": hashlib.sha256(Path(prompts_file).read_bytes()).hexdigest()[:16], "new": max_new_tokens}
-    path = cache / f"eagle-eval-{_key(src, EagleDataConfig(), json.dumps(cfg))}.npz"
+    path = cache / f"eagle-eval-{_key(src, EagleDataConfig(layer_features=layer_features), json.dumps(cfg))}.npz"
     if path.is_file():
         log(f"EAGLE evaluation data cached: {path}")
         return path
@@ -103,7 +115,8 @@ def build_eval_set(src, cache: Path, prompts_file: Path, max_new_tokens: int = 1
     model, tok = load(src)
     t0 = time.time()
     answers = _answers(model, tok, [r["messages"] for r in rows], max_new_tokens, batch, log, t0)
-    return _save(model, [(ids, p, r["category"]) for (ids, p), r in zip(answers, rows)], path, log, t0)
+    return _save(model, [(ids, p, r["category"]) for (ids, p), r in zip(answers, rows)], path, log, t0,
+                 layer_features)
 
 
 def _answers(model, tok, chats: list[list[dict]], max_new_tokens: int, batch: int, log,
@@ -134,15 +147,21 @@ def _answers(model, tok, chats: list[list[dict]], max_new_tokens: int, batch: in
     return [out[i] for i in range(len(texts))]
 
 
-def _save(model, seqs, path: Path, log, t0) -> Path:
+def _save(model, seqs, path: Path, log, t0, layer_features: bool = False) -> Path:
     """Teacher-forced features and argmax labels of every sequence; written atomically."""
     import torch
 
-    feats, labels = [], []
+    feats, labels, layer_feats = [], [], []
+    layers = model.model.layers
+    fused = fuse_layers(len(layers))
     with torch.no_grad():
         for i, (ids, _, _) in enumerate(seqs):
-            h = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=layer_features)
+            h = out.last_hidden_state[0]
             feats.append(h.numpy().astype(np.float16))
+            if layer_features:  # hidden_states[j + 1] is decoder layer j's output; layer j + 1's input norm reads it
+                layer_feats.append(np.stack([layers[j + 1].input_layernorm(out.hidden_states[j + 1][0]).numpy()
+                                             for j in fused], 1).astype(np.float16))
             labels.append(model.lm_head(h).argmax(-1).numpy().astype(np.int32))
             if (i + 1) % 100 == 0:
                 log(f"features {i + 1}/{len(seqs)} sequences, {time.time() - t0:.0f}s")
@@ -152,7 +171,8 @@ def _save(model, seqs, path: Path, log, t0) -> Path:
     np.savez(tmp, tokens=np.concatenate([np.asarray(ids, np.int32) for ids, _, _ in seqs]),
              starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
              prompt=np.array([p for _, p, _ in seqs], np.int32), features=np.concatenate(feats),
-             labels=np.concatenate(labels), kind=np.array([k for _, _, k in seqs]))
+             labels=np.concatenate(labels), kind=np.array([k for _, _, k in seqs]),
+             **({"layer_features": np.concatenate(layer_feats)} if layer_features else {}))
     tmp.rename(path)
     log(f"{len(seqs)} sequences, {sum(lengths)} positions -> {path} ({time.time() - t0:.0f}s)")
     return path

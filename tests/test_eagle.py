@@ -37,6 +37,81 @@ def test_rollout_steps_equal_the_causal_pass_over_the_drafted_sequence():
             np.testing.assert_allclose(full[0, m + 2].numpy(), steps[1][2][0, m].numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_a_fused_head_reads_a_drafted_position_as_zero_low_and_middle_features():
+    """EAGLE-3's fusion: a drafted position has only a predicted feature, which the head reads as [0 ; 0 ; it];
+    an untrained fusion passes the high (final-norm) third through, so it starts as EAGLE-1."""
+    torch.manual_seed(0)
+    head = make_head(SHAPE, fuse=True).eval()
+    feat = torch.randn(1, 5, 3 * 32)
+    np.testing.assert_allclose(head.real(feat).detach().numpy(), feat[..., 64:].numpy(), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        head.fuse.weight.normal_()
+        head.fuse.bias.normal_()
+        pred = torch.randn(1, 5, 32)
+        padded = torch.cat([torch.zeros(1, 5, 64), pred], -1)
+        np.testing.assert_allclose(head.drafted(pred).numpy(), head.real(padded).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_training_time_test_loss_is_the_loss_of_the_chains_drafted_one_by_one(fuse):
+    """chain_loss with ttt_steps=2: the mean of step 1's loss (teacher forced) and step 2's, where item m reads
+    its own step-1 prediction and the true token after it; recomputed here from the causal pass over each item's
+    drafted sequence [real inputs 0..m, (prediction, x_{m+2})], which is what the runtime's head computes."""
+    from specrt.export.eagle import EagleTrainConfig, chain_loss
+
+    torch.manual_seed(2)
+    head = make_head(SHAPE, fuse=fuse).eval()
+    if fuse:
+        with torch.no_grad():
+            head.fuse.weight.normal_(std=0.1)
+    T, V = 9, 40
+    tok = torch.randint(0, V, (1, T))
+    feat = torch.randn(1, T, (3 if fuse else 1) * 32)
+    mask = torch.ones(1, T, dtype=torch.bool)
+    E, W = torch.randn(V, 32), torch.randn(V, 32)
+    cfg = EagleTrainConfig(noise=0.0, ttt_steps=2, fuse=fuse)
+    with torch.no_grad():
+        reg, cls = chain_loss(head, tok, feat, mask, E, W, cfg, 1.0, 32)
+        high = feat[..., -32:]
+        pos = torch.arange(T - 1)[None]
+        first, _ = head(feat[:, :-1], E[tok[:, 1:]], pos)
+        preds2, targets2 = [], []
+        for m in range(T - 2):  # items whose second step has a true feature to meet
+            drafted = first[:, m:m + 1]
+            as_input = torch.cat([torch.zeros(1, 1, 64), drafted], -1) if fuse else drafted
+            inputs = torch.cat([feat[:, : m + 1], as_input], 1)
+            out, _ = head(inputs, E[tok[:, 1: m + 3]], torch.arange(m + 2)[None])
+            preds2.append(out[0, m + 1])
+            targets2.append(high[0, m + 2])
+        p2, t2 = torch.stack(preds2), torch.stack(targets2)
+        p1, t1 = first[0], high[0, 1:]
+
+        def losses(p, t):
+            soft = torch.softmax(t @ W.T, -1)
+            return (torch.nn.functional.smooth_l1_loss(p, t),
+                    -(soft * torch.log_softmax(p @ W.T, -1)).sum(-1).mean())
+
+        (r1, c1), (r2, c2) = losses(p1, t1), losses(p2, t2)
+    np.testing.assert_allclose(float(reg), float(r1 + r2) / 2, rtol=1e-4)
+    np.testing.assert_allclose(float(cls), float(c1 + c2) / 2, rtol=1e-4)
+
+
+def test_a_fused_head_is_refused_before_any_build_work(tmp_path):
+    from specrt.errors import SpecrtError
+    from specrt.export.eagle import save_head
+    from specrt.pipeline.eagle import check_head
+
+    save_head(tmp_path / "fused.npz", make_head(SHAPE, fuse=True), np.arange(10),
+              {"shape": SHAPE.__dict__, "config": {"fuse": True}})
+    with pytest.raises(SpecrtError, match="EAGLE-3.*without fuse"):
+        check_head(tmp_path / "fused.npz")
+    (tmp_path / "junk.npz").write_text("not a head")
+    with pytest.raises(SpecrtError, match="not an EAGLE head file"):
+        check_head(tmp_path / "junk.npz")
+    save_head(tmp_path / "plain.npz", make_head(SHAPE), np.arange(10), {"shape": SHAPE.__dict__})
+    check_head(tmp_path / "plain.npz")
+
+
 def test_the_onnx_head_equals_the_torch_head(tmp_path):
     """export_eagle_onnx's graph on ONNX Runtime's CPU provider: a prefill of real positions then one drafted step
     written after them in the cache, against the torch head's causal pass over the same inputs."""
@@ -241,3 +316,13 @@ def test_eagle_streams_in_a_batch_keep_the_targets_output(eagle_engines):
     assert run_threads(batched, jobs) == want
     heads = {id(s.decoder.proposer.head) for s in batched.slots}
     assert len(heads) == 2
+
+
+@pytest.mark.parametrize("spec, message", [("fuse:{\"fused\": true}", "unknown fields fused"),
+                                           ("fuse:{fuse}", "does not parse"), (":{}", "no name")])
+def test_eagle_variants_names_a_bad_variant_before_any_work(spec, message, capsys):
+    from specrt.bench.eagle_variants import main
+
+    with pytest.raises(SystemExit) as e:
+        main([spec])
+    assert e.value.code == 2 and message in capsys.readouterr().err

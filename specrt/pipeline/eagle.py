@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 from ..errors import SpecrtError
@@ -17,6 +18,20 @@ from .tree_sizing import target_pass_costs
 TOPK = 8  # children per expanded node of the dynamic tree, and what a chain reads (its best)
 NAME = "eagle-int8"
 NAME_FILE = NAME + ".onnx"
+
+
+def check_head(head_path: Path) -> None:
+    """Refuse, before any build work, a head the runtime cannot drive: an EAGLE-3 head (EagleTrainConfig.fuse)
+    reads the target's low and middle layer features, which no target engine outputs yet."""
+    from ..export.eagle import head_arrays
+
+    try:
+        _, _, report = head_arrays(head_path)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise SpecrtError(f"'{head_path}' is not an EAGLE head file ({e}); train one with `specrt train-eagle`")
+    if (report.get("config") or {}).get("fuse"):
+        raise SpecrtError(f"EAGLE head '{head_path}' reads fused target layers (EAGLE-3), which target engines do "
+                          "not output yet; train a head without fuse (`specrt train-eagle`)")
 
 
 def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,

@@ -126,7 +126,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         if not Path(req.eagle_head).is_file():
             raise SpecrtError(f"EAGLE head file '{req.eagle_head}' not found; train it with `specrt train-eagle`")
         from ..export.eagle import EAGLE_FORMAT
+        from .eagle import check_head
 
+        check_head(Path(req.eagle_head))
         key += [file_sha256(Path(req.eagle_head)), EAGLE_FORMAT, TREE_COSTS]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     with one_build_at_a_time(Path(req.out_root), log):
