@@ -6,7 +6,8 @@ answer is done.
     python -m specrt.bench.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
 
 Each (mode, C) runs on a fresh session after a warm-up answer per stream: a BatchSession of C slots for C > 1 (at
-each `--prefill-chunk` size), the one-stream Session at that mode for C = 1 (`load(..., parallel=1)`). The
+each `--prefill-chunk` size), the one-stream Session at that mode for C = 1 (`load(..., parallel=1)`; with
+`--slots N`, a BatchSession of N slots at every C, as `specrt serve --parallel N` serves C clients). The
 `single` row is the ordinary one-stream Session at `--speculate auto`, the figure a user gets without --parallel.
 Writes batch_load.json, batch_load.md and batch_load.png (if matplotlib imports).
 """
@@ -111,7 +112,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prefill-chunk", default="", metavar="T[,T...]",
                     help="chunked prefill sizes to run each batched (mode, C) at (0 = one pass; default: the "
                          "runtime's default only)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="run every C on a BatchSession of at least this many slots (`specrt serve --parallel "
+                         "N` with C clients); default: C slots, and the one-stream Session at C = 1")
     a = ap.parse_args(argv)
+    if a.slots < 0:
+        ap.error(f"--slots must be >= 0, got {a.slots}")
 
     import onnxruntime as ort
 
@@ -144,19 +150,22 @@ def main(argv=None) -> list[dict]:
     runs: dict[tuple[str, int], list[dict]] = {}
     for rep in range(a.reps):  # every configuration once per rep, so the machine's drift reaches all of them
         for label, C, speculate, k, chunk in configs:
+            slots = C if label.startswith("single") else max(C, a.slots)
             session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
-                           parallel=C, prefill_chunk=chunk)
+                           parallel=slots, prefill_chunk=chunk)
             _run(session, prompts[::-1], C, C, lengths)  # warm-up: pass costs and acceptance measured
             r = _run(session, prompts, C, a.answers, lengths)
             answers = r.pop("answers")
             r["prefill_chunk"] = getattr(session, "prefill_chunk", None)
+            r["slots"] = slots
             r["identical"] = sum(want[key] == v for key, v in answers.items())
             runs.setdefault((label, C), []).append(r)
             print(json.dumps({"rep": rep + 1, "mode": label, "concurrency": C, **r}), flush=True)
             del session
             gc.collect()  # the last session's engines and caches go before the next one opens
     for (label, C), rs in runs.items():  # the median of each figure over the reps
-        row = {"mode": label, "concurrency": C, "prefill_chunk": rs[0]["prefill_chunk"], "reps": len(rs)}
+        row = {"mode": label, "concurrency": C, "slots": rs[0]["slots"], "prefill_chunk": rs[0]["prefill_chunk"],
+               "reps": len(rs)}
         for key in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
             vals = [r[key] for r in rs if r[key] is not None]
             row[key] = round(float(np.median(vals)), 1) if vals else None
@@ -197,7 +206,8 @@ def main(argv=None) -> list[dict]:
         ax1.set_ylabel("tokens/s, all streams")
         ax2.set_xlabel("concurrent streams")
         ax2.set_ylabel("inter-token latency p99, ms")
-        ax1.legend()
+        if ax1.lines:  # a run at C = 1 only has no curve
+            ax1.legend()
         fig.tight_layout()
         fig.savefig(out / "batch_load.png", dpi=110)
     except ImportError:

@@ -355,6 +355,7 @@ class LoadPlanner:
         plan = {m: 0 for m in active}
         own = {}  # each stream's best draft on a pass of its own: (k, extra tokens, seconds)
         B = len(active)
+        base, rest = B / cost(B, 1), cost(B - 1, 1) if B > 1 else 0.0
         for m, c in active.items():
             # could a draft pay at all, were every token of it kept? If not, acceptance need not be re-measured
             k = c.k_max
@@ -364,19 +365,20 @@ class LoadPlanner:
                 own[m] = (0, 0.0, 0.0)
                 continue
             table, best = c.table(), (0, 0.0, 0.0)
-            for k in range(1, c.k_max + 1):
+            for k in range(1, c.k_max + 1):  # the k that gives the batch the most tokens per second
                 secs = cost(1, max(2, round(c.width[k]))) + c.d * k
-                if table[k] - 1.0 > 0 and (best[0] == 0 or (table[k] - 1) / secs > best[1] / best[2]):
+                if table[k] > 1.0 and (best[0] == 0 or (B + table[k] - 1) / (rest + secs) >
+                                       (B + best[1]) / (rest + best[2])):
                     best = (k, table[k] - 1.0, secs)
             own[m] = best
-        # one pass of its own a round at most: the others wait for one at most (inter-token latency). The first
-        # stream, by tokens per second of its own pass, whose draft makes the batch's rate beat plain decoding
-        base, rest = B / cost(B, 1), cost(B - 1, 1) if B > 1 else 0.0
-        for m in sorted(own, key=lambda m: -(own[m][1] / own[m][2] if own[m][0] else 0.0)):
-            k, extra, secs = own[m]
-            if k and (B + extra) / (rest + secs) > self.MARGIN * base:
-                plan[m] = k
-                break
+        # one pass of its own a round at most: the others wait for one at most (inter-token latency). The stream
+        # whose draft gives the batch the best rate, if that beats plain decoding; alone this is AdaptiveK's choice
+        chosen, rate = None, self.MARGIN * base
+        for m, (k, extra, secs) in own.items():
+            if k and (B + extra) / (rest + secs) > rate:
+                chosen, rate = m, (B + extra) / (rest + secs)
+        if chosen is not None:
+            plan[chosen] = own[chosen][0]
         return plan
 
 

@@ -297,6 +297,22 @@ def test_load_planner_when_wide_rows_run_alone():
     assert sum(c.k(0) > 0 for c in controls) >= 1
 
 
+def test_load_planner_alone_drafts_for_the_most_tokens_per_second():
+    """One stream, wide rows alone: the plan is the k with the best rate E(k) / (t(1, 1 + k) + d k), the
+    one-stream objective (AdaptiveK's), not the k with the most extra tokens per second of its pass (which
+    drafts longer: here 5 or 6 against 4)."""
+    costs = {(1, W): 0.010 + 0.001 * (W - 1) for W in range(1, 10)}
+    planner, controls = _planner(costs, 1, alpha=0.7, batch=FakeRowsAlone())
+    c = controls[0]
+    table = [1.0 + sum(0.7 ** j for j in range(1, k + 1)) for k in range(c.k_max + 1)]  # alpha 0.7 everywhere
+    c.table = lambda: table
+    cost = planner.scheduler.costs_of(planner.batch)
+    rate = [table[k] / (cost(1, max(2, round(c.width[k]))) + c.d * k) for k in range(1, c.k_max + 1)]
+    extra = [(table[k] - 1) / (cost(1, max(2, round(c.width[k]))) + c.d * k) for k in range(1, c.k_max + 1)]
+    assert int(np.argmax(rate)) != int(np.argmax(extra))  # the costs tell the two objectives apart
+    assert c.k(0) == int(np.argmax(rate)) + 1
+
+
 def test_load_planner_widens_a_step_at_a_time():
     """Padded batches of 4 rows measured at widths 1 and 2 only, and drafts almost always kept: the plan goes no
     wider than twice the widest measured pass (4), however cheap the lines make a wider one look."""
@@ -502,6 +518,20 @@ def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
     assert all(r["tok_s"] == round(float(np.median(r["tok_s_reps"])), 1) for r in rows)
     table = (tmp_path / "batch_load.md").read_text()
     assert "TTFT p99 ms" in table and "| off, chunk 16 | 2 |" in table
+
+
+def test_batch_load_slots_runs_one_stream_on_a_batch_session(tiny_engines, tmp_path):
+    """--slots 2 at C = 1: the mode runs on a BatchSession of 2 slots (a server's --parallel 2 with one client), the
+    single row on the one-stream Session; answers identical to plain decoding."""
+    from test_bench import write_prompts
+
+    from specrt.bench.batch_load import main
+
+    rows = main(["--engines", str(tiny_engines), "--prompts", str(write_prompts(tmp_path / "p.jsonl", 3)),
+                 "--modes", "off", "--concurrency", "1", "--answers", "3", "--max-new-tokens", "8",
+                 "--categories", "chat", "--threads", "1", "--slots", "2", "--out", str(tmp_path)])
+    assert [(r["mode"], r["slots"]) for r in rows] == [("single (auto, no --parallel)", 1), ("off", 2)]
+    assert all(r["identical"] == "3/3" for r in rows)
 
 
 def test_batch_ceiling_with_prefills_is_the_closed_loops_arithmetic(tiny_engines, tmp_path):
