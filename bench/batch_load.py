@@ -140,17 +140,17 @@ def main(argv=None) -> list[dict]:
             for c in prompts}
     del plain
 
-    configs = [("single (auto, no --parallel)", 1, "auto", None, None)]  # (label, C, --speculate, K, chunk)
+    # (label, C, slots, --speculate, K, chunk)
+    configs = [("single (auto, no --parallel)", 1, 1, "auto", None, None)]
     chunks = [int(t) for t in a.prefill_chunk.split(",")] if a.prefill_chunk else [None]
     for C in (int(c) for c in a.concurrency.split(",")):
         for name in a.modes.split(","):
             for chunk in chunks if C > 1 else [None]:
                 label = name if len(chunks) == 1 or C == 1 else f"{name}, chunk {chunk}"
-                configs.append((label, C, *MODES[name], chunk))
+                configs.append((label, C, max(C, a.slots), *MODES[name], chunk))
     runs: dict[tuple[str, int], list[dict]] = {}
     for rep in range(a.reps):  # every configuration once per rep, so the machine's drift reaches all of them
-        for label, C, speculate, k, chunk in configs:
-            slots = C if label.startswith("single") else max(C, a.slots)
+        for label, C, slots, speculate, k, chunk in configs:
             session = load(a.engines, "fp32", speculate, options, config=SpeculativeConfig(draft_tokens=k),
                            parallel=slots, prefill_chunk=chunk)
             _run(session, prompts[::-1], C, C, lengths)  # warm-up: pass costs and acceptance measured

@@ -274,7 +274,7 @@ def train(data: dict, embed: np.ndarray, lm_head: np.ndarray, shape: HeadShape, 
               "epochs": state["epoch"] + (0 if not done else state["step"] % per_epoch / per_epoch),
               "train_s": round(time.time() - t0, 1), "positions": int(len(data["tokens"])), **(extra or {})}
     if heldout is not None:
-        report["heldout"] = evaluate(head, heldout, embed, lm_head, vocab, fuse=cfg.fuse)
+        report["heldout"] = evaluate(head, heldout, embed, lm_head, vocab)
     save_head(out, head, vocab, report)
     return report
 
@@ -325,7 +325,7 @@ def _checkpoint(path: Path, head, opt, state: dict, cfg, shape, t0) -> None:
 
 
 def evaluate(head, data: dict, embed: np.ndarray, lm_head: np.ndarray, vocab: np.ndarray, depth: int = 6,
-             answers_only: bool = True, fuse: bool = False) -> dict:
+             answers_only: bool = True) -> dict:
     """Chain drafting replayed on the target's own greedy answers (an eval set from eagle_data.build_eval_set):
     at every answer position, draft `depth` tokens as the runtime would and count how many the target keeps.
     Returns, overall and per kind: acceptance by position (P(token k right | all before right)), the tokens per
@@ -339,7 +339,7 @@ def evaluate(head, data: dict, embed: np.ndarray, lm_head: np.ndarray, vocab: np
     runs: dict[str, list[np.ndarray]] = {}
     with torch.no_grad():
         for s in range(len(st) - 1):
-            tok, feat, _ = _pad(data, [s], fuse)
+            tok, feat, _ = _pad(data, [s], head.fused)
             T = tok.shape[1]
             if T < 3:
                 continue

@@ -353,30 +353,28 @@ class LoadPlanner:
 
     def _alone(self, active: dict, cost) -> dict[int, int]:
         plan = {m: 0 for m in active}
-        own = {}  # each stream's best draft on a pass of its own: (k, extra tokens, seconds)
+        own = {}  # each stream's best draft on a pass of its own: (k, the batch's tokens per second with it)
         B = len(active)
         base, rest = B / cost(B, 1), cost(B - 1, 1) if B > 1 else 0.0
+        secs = lambda c, k: cost(1, max(2, round(c.width[k]))) + c.d * k  # noqa: E731  (its own pass + drafting)
         for m, c in active.items():
             # could a draft pay at all, were every token of it kept? If not, acceptance need not be re-measured
-            k = c.k_max
-            best_case = (B + k) / (cost(B - 1, 1) + cost(1, max(2, round(c.width[k]))) + c.d * k) if B > 1 else 0.0
-            c.hopeless = B > 1 and best_case <= self.MARGIN * B / cost(B, 1)
+            c.hopeless = B > 1 and (B + c.k_max) / (rest + secs(c, c.k_max)) <= self.MARGIN * base
             if c.hopeless:
-                own[m] = (0, 0.0, 0.0)
+                own[m] = (0, 0.0)
                 continue
-            table, best = c.table(), (0, 0.0, 0.0)
+            table, best = c.table(), (0, 0.0)
             for k in range(1, c.k_max + 1):  # the k that gives the batch the most tokens per second
-                secs = cost(1, max(2, round(c.width[k]))) + c.d * k
-                if table[k] > 1.0 and (best[0] == 0 or (B + table[k] - 1) / (rest + secs) >
-                                       (B + best[1]) / (rest + best[2])):
-                    best = (k, table[k] - 1.0, secs)
+                rate = (B + table[k] - 1) / (rest + secs(c, k))
+                if table[k] > 1.0 and rate > best[1]:
+                    best = (k, rate)
             own[m] = best
         # one pass of its own a round at most: the others wait for one at most (inter-token latency). The stream
         # whose draft gives the batch the best rate, if that beats plain decoding; alone this is AdaptiveK's choice
-        chosen, rate = None, self.MARGIN * base
-        for m, (k, extra, secs) in own.items():
-            if k and (B + extra) / (rest + secs) > rate:
-                chosen, rate = m, (B + extra) / (rest + secs)
+        chosen, top = None, self.MARGIN * base
+        for m, (k, rate) in own.items():
+            if k and rate > top:
+                chosen, top = m, rate
         if chosen is not None:
             plan[chosen] = own[chosen][0]
         return plan
