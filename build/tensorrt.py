@@ -5,8 +5,8 @@ has no other kind), and TF32 is off by default so an fp32 engine stays within fp
 Two optimization profiles, in this order (runtime/backends/tensorrt.py opens one execution context on each):
 prefill (1..max_prompt tokens, one sequence) and decode/verify (1..max_width tokens, the widths CUDA graphs
 capture, for 1..MAX_BATCH sequences: several streams' passes at once).
-TensorRT's KV-cache update (what the parser makes of TensorScatter) wants a static sequence dimension, so by
-default the cache capacity is fixed at max_capacity in the graph handed to the parser: every pass then attends
+TensorRT's KV-cache update (what the parser makes of TensorScatter) wants a static sequence dimension, so the
+cache capacity is fixed at max_capacity in the graph handed to the parser: every pass then attends
 over max_capacity slots, the mask hiding the unused ones. The timing cache is read and written back, so
 rebuilds on one GPU reuse their kernel timings. A serialized engine runs only under the TensorRT version and on
 the GPU architecture it was built with, which is why the facts record both.
@@ -26,6 +26,9 @@ INSTALL = ("TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-
 PREFILL_OPT, DECODE_OPT = 256, 8  # the widths TensorRT tunes each profile's kernels for
 MAX_BATCH = 8  # sequences one decode pass takes (--parallel); its kernels are tuned for one (the opt shape)
 WORKSPACE = 4 << 30  # bytes of scratch TensorRT may use while building and running
+# cache positions the fixed capacity is a multiple of: with 4 bytes or more a head row, each sequence's cache then
+# starts on the 256-byte boundary TensorRT wants of a tensor address (a batch engine binds a prefill at its slot)
+CAPACITY_ALIGN = 64
 
 
 def require_tensorrt():
@@ -94,13 +97,12 @@ def fix_capacity(onnx_path: Path, capacity: int) -> bytes:
 
 
 def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width: int, max_capacity: int,
-                 opt_level: int = 3, fp32_parity: bool = True, timing_cache: Path, static_capacity: bool = True,
-                 workspace: int = WORKSPACE, max_batch: int = MAX_BATCH) -> dict:
+                 opt_level: int = 3, fp32_parity: bool = True, timing_cache: Path, workspace: int = WORKSPACE,
+                 max_batch: int = MAX_BATCH) -> dict:
     """Build the engine of the portable graph at onnx_path into out_path (written whole or not at all) -> facts:
-    tensorrt (version), compute_capability, profiles, static_capacity (the fixed cache capacity, or None),
-    opt_level, tf32, build_s, engine_bytes. max_capacity: the largest cache layout (max_context + max_width);
-    fp32_parity: TF32 off; static_capacity: see the module docstring (False: a capacity range in the profiles);
-    max_batch: sequences per decode pass (prefills run one at a time)."""
+    tensorrt (version), compute_capability, profiles, static_capacity (the fixed cache capacity), opt_level, tf32,
+    build_s, engine_bytes. max_capacity: the largest cache layout (max_context + max_width), rounded up to
+    CAPACITY_ALIGN; fp32_parity: TF32 off; max_batch: sequences per decode pass (prefills run one at a time)."""
     trt = require_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     try:
@@ -108,10 +110,12 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     except Exception as e:  # no GPU, or a driver TensorRT cannot use
         raise SpecrtError(f"TensorRT cannot start a builder ({first_line(e)}); build TensorRT engines on the "
                           "machine with the NVIDIA GPU that will run them") from None
-    strongly = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)  # TensorRT 11: always, no flag
+    # TensorRT 11 networks are always strongly typed (the flag is kept there, deprecated and ignored)
+    strongly = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if strongly is None else 1 << int(strongly))
     parser = trt.OnnxParser(network, logger)
-    model = fix_capacity(onnx_path, max_capacity) if static_capacity else Path(onnx_path).read_bytes()
+    max_capacity = -(-max_capacity // CAPACITY_ALIGN) * CAPACITY_ALIGN
+    model = fix_capacity(onnx_path, max_capacity)
     if not parser.parse(model, str(onnx_path)):
         errors = [first_line(parser.get_error(i)) for i in range(parser.num_errors)] or ["no error reported"]
         raise SpecrtError(f"TensorRT {trt.__version__} cannot parse '{onnx_path}': {errors[0]}"
@@ -123,12 +127,14 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     if fp32_parity:
         config.clear_flag(trt.BuilderFlag.TF32)
     timing_cache = Path(timing_cache)
-    cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
-    if not config.set_timing_cache(cache, ignore_mismatch=False):  # another GPU's or version's timings: start anew
+    try:
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+    except Exception:  # noqa: BLE001 -- an unreadable cache file is only lost timings
+        cache = None
+    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):  # another GPU's: start anew
         config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
     inputs = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)}
-    low = max_capacity if static_capacity else min(256, max_capacity)  # 256: static_shapes.CAPACITY_STEP
-    capacity = (low, max_capacity, max_capacity)
+    capacity = (max_capacity, max_capacity, max_capacity)
     ranges = {"prefill": {"seq": (1, min(PREFILL_OPT, max_prompt), max_prompt), "num_logits": (1, 1, max_width),
                           "capacity": capacity, "batch": (1, 1, 1)},
               "decode": {"seq": (1, min(DECODE_OPT, max_width), max_width),
@@ -150,7 +156,7 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     _write_atomic(timing_cache, memoryview(config.get_timing_cache().serialize()))
     return {"tensorrt": trt.__version__, "compute_capability": compute_capability(),
             "profiles": {k: {dim: list(v) for dim, v in r.items()} for k, r in ranges.items()},
-            "static_capacity": max_capacity if static_capacity else None, "opt_level": opt_level,
+            "static_capacity": max_capacity, "opt_level": opt_level,
             "tf32": not fp32_parity, "build_s": round(build_s, 1), "engine_bytes": Path(out_path).stat().st_size}
 
 

@@ -261,6 +261,9 @@ class FakeTrtContext:
         self.profile = profile
         return True
 
+    def set_device_memory(self, ptr: int, size: int) -> None:
+        self.scratch = (ptr, size)
+
     def set_tensor_address(self, name: str, ptr: int) -> bool:
         self.addresses[name] = ptr
         return name in self.names
@@ -287,13 +290,32 @@ class FakeTrtContext:
 
 
 class FakeTrtEngine:
+    """The ICudaEngine calls TrtContexts makes: its tensors (the graph's inputs and outputs, as TensorRT names them),
+    their dtypes, the scratch a context needs, and contexts (with the allocation strategy, if one was asked)."""
+
     num_optimization_profiles = 2
+    device_memory_size_v2 = 4096
 
     def __init__(self, session):
-        self.session, self.log = session, []
+        self.session, self.log, self.contexts = session, [], []
+        self.tensors = [t.name for t in (*session.get_inputs(), *session.get_outputs())]
+        self.types = {t.name: t.type for t in (*session.get_inputs(), *session.get_outputs())}
+        self.num_io_tensors = len(self.tensors)
 
-    def create_execution_context(self):
-        return FakeTrtContext(self.session, self.log)
+    def get_tensor_name(self, i: int) -> str:
+        return self.tensors[i]
+
+    def get_tensor_dtype(self, name: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name={"tensor(float)": "FLOAT", "tensor(float16)": "HALF",
+                                     "tensor(int64)": "INT64"}[self.types[name]])
+
+    def create_execution_context(self, strategy=None):
+        ctx = FakeTrtContext(self.session, self.log)
+        ctx.strategy = strategy
+        self.contexts.append(ctx)
+        return ctx
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt"])
@@ -319,7 +341,10 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     if backend == "tensorrt":
         fake = FakeTrtEngine(session)
         eng = TrtEngine(fake, HostMemory(), geometry, buckets, max_prompt=600, name="t", width_exact=True,
-                        graphs=False, graphs_note="test")
+                        graphs=False, graphs_note="test", strategy="USER_MANAGED")
+        # both contexts draw on one scratch buffer of the size the engine asks, allocated once
+        assert [c.strategy for c in fake.contexts] == ["USER_MANAGED"] * 2
+        assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng._trt.scratch, 4096)
     else:
         eng = OrtCudaEngine(session, HostMemory(), geometry, buckets, name="t", device="cpu")
         assert eng.description == "onnxruntime-cuda t, no CUDA graphs (device cpu)"
@@ -384,24 +409,114 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
         assert {(p, w) for p, w, _ in fake.log} == {(1, 64), (1, 1), (1, 8), (1, 4), (0, 240)}
 
 
+class GraphRecordingSession:
+    """An ONNX Runtime CPU session standing in for a CUDA-EP one with graphs on: it records each run's gpu_graph_id
+    and the thread it ran on (the CPU provider ignores the id), and can fail the first captured run it sees."""
+
+    def __init__(self, session, fail_capture: bool = False):
+        self.session, self.fail_capture, self.runs = session, fail_capture, []
+
+    def io_binding(self):
+        return self.session.io_binding()
+
+    def run_with_iobinding(self, io, run):
+        import threading
+
+        gid = int(run.get_run_config_entry("gpu_graph_id"))
+        self.runs.append((gid, threading.current_thread().name))
+        if gid != -1 and self.fail_capture:
+            self.fail_capture = False
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.session.run_with_iobinding(io, run)
+
+
+@pytest.mark.parametrize("fail_capture", [False, True])
+def test_onnxruntime_cuda_graph_runs_warm_up_and_stay_on_one_thread(tmp_path, fail_capture):
+    """With graphs on: a shape's first pass runs uncaptured (gpu_graph_id -1) before its own id, later passes run
+    its id alone, every run on the engine's one worker thread; a captured run that fails turns graphs off, says
+    why, and the pass runs again uncaptured. Outputs equal the portable CPU backend's either way."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEngine
+    from specrt.runtime.backends.onnxruntime_portable import PortableEngine
+
+    path = tmp_path / "target-fp32.onnx"
+    _random_portable(path)
+    buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
+    ref = PortableEngine(path, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96, hidden_size=32, max_context=600,
+                         huge_pages=False, buckets=Buckets(buckets.widths, buckets.capacities))
+    session = GraphRecordingSession(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), fail_capture)
+    eng = OrtCudaEngine(session, HostMemory(), Geometry(2, 2, 8, 32, 96, 600, "fp32"), buckets, name="t",
+                        device="cpu")
+    eng.graphs = True  # as on a GPU: device "cpu" turns them off
+    eng._start(session, "cpu")
+    rng = np.random.default_rng(3)
+    for e in (ref, eng):
+        e.reserve(40)
+    prompt = rng.integers(0, 96, 30)
+    np.testing.assert_array_equal(eng.forward(prompt, num_logits=2), ref.forward(prompt, num_logits=2))
+    for e in (ref, eng):
+        e.commit(30)
+    token = np.array([7])
+    for _ in range(3):
+        want = ref.argmax(token).copy()
+        np.testing.assert_array_equal(eng.argmax(token), want)
+        token = want
+        for e in (ref, eng):
+            e.commit(1)
+    ids, threads = [gid for gid, _ in session.runs], {name for _, name in session.runs}
+    assert len(threads) == 1 and threads.pop().startswith("specrt-cuda-t")
+    if fail_capture:  # the prompt's captured run failed: rerun uncaptured, and no graphs from then on
+        assert ids == [-1, 1, -1, -1, -1, -1] and not eng.graphs
+        assert "no CUDA graphs (capture failed at width 32, capacity 256 (operation not permitted" in eng.description
+    else:  # the prompt (width 32), then three one-token passes: each new shape uncaptured once, then its id
+        assert ids == [-1, 1, -1, 2, 2, 2] and eng.graphs
+    eng.close()
+
+
 def test_tensorrt_buckets_follow_the_engine_profile():
     from specrt.runtime.backends.tensorrt import trt_buckets
 
     class Engine:
-        def __init__(self, static: int, high: int):
-            self.static, self.high = static, high
+        def __init__(self, static: int):
+            self.static = static
 
         def get_tensor_shape(self, name):
             return (-1, 2, self.static, 8)
 
-        def get_tensor_profile_shape(self, name, profile):
-            return [(1, 2, 256, 8), (1, 2, self.high, 8), (1, 2, self.high, 8)]
-
-    fixed = trt_buckets(Engine(664, 664), 600, 64, "e")
-    assert fixed.capacities == (664,) and fixed.widths[-1] == 64 and fixed.pad_logits
-    assert trt_buckets(Engine(-1, 664), 600, 64, "e").capacities == (256, 512, 664)
+    fixed = trt_buckets(Engine(704), 600, 64, "e")
+    assert fixed.capacities == (704,) and fixed.widths[-1] == 64 and fixed.pad_logits
+    with pytest.raises(SpecrtError, match="dynamic cache capacity, which TensorRT's KV-cache update cannot take"):
+        trt_buckets(Engine(-1), 600, 64, "e")
     with pytest.raises(SpecrtError, match="holds 600 cache positions, fewer than max_context 600 "):
-        trt_buckets(Engine(600, 600), 600, 64, "e")
+        trt_buckets(Engine(600), 600, 64, "e")
+
+
+def test_tensorrt_io_is_checked_against_the_buffers():
+    """An engine tensor without a buffer, or a cache in another precision than the entry's, is one line at open."""
+    from types import SimpleNamespace
+
+    from specrt.runtime.backends.tensorrt import check_io
+
+    class Engine:
+        def __init__(self, names, cache):
+            self.names, self.cache = names, cache
+            self.num_io_tensors = len(names)
+
+        def get_tensor_name(self, i):
+            return self.names[i]
+
+        def get_tensor_dtype(self, name):
+            return SimpleNamespace(name=self.cache)
+
+    names = ["input_ids", "past_key_values.0.key"]
+    check_io(Engine(names, "FLOAT"), dict.fromkeys(names, 1), np.float32, "e")
+    check_io(Engine(names, "HALF"), dict.fromkeys(names, 1), np.float16, "e")
+    with pytest.raises(SpecrtError, match="has a tensor 'extra' this specrt does not bind"):
+        check_io(Engine([*names, "extra"], "FLOAT"), dict.fromkeys(names, 1), np.float32, "e")
+    with pytest.raises(SpecrtError, match="keeps its cache in HALF, its manifest entry says FLOAT"):
+        check_io(Engine(names, "HALF"), dict.fromkeys(names, 1), np.float32, "e")
 
 
 def test_a_tensorrt_engine_of_another_version_or_gpu_is_refused(tmp_path, monkeypatch):
@@ -591,3 +706,26 @@ def test_the_gpu_batch_engines_equal_the_portable_cpu_batch_engine(tmp_path, bac
     assert first[0][0] is None and first[0][1:] == (2, 16) and again[0][0] > 0 and again[0][1:] == (2, 16)
     with pytest.raises(ValueError, match="logits"):
         eng.run([PassRow(0, np.arange(3), eng.lengths[0] + np.arange(3), None, 4, False)])
+
+
+def test_a_tensorrt_batch_engine_refuses_slots_off_the_256_byte_boundary(tmp_path):
+    """TensorRT takes tensor addresses on 256-byte boundaries: a batch engine whose per-sequence cache is not a
+    multiple of 256 bytes (build/tensorrt.py rounds the capacity so none is) cannot bind a prefill at its slot."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.tensorrt import TrtBatchEngine
+
+    path = tmp_path / "target-fp32.onnx"
+    _random_portable(path)
+    fake = FakeTrtEngine(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")  # 2 heads x 32 bytes a position
+    widths = Buckets.for_engine(600, 64, geometric=True, pad_logits=True).widths
+    with pytest.raises(SpecrtError, match="holds 42368 bytes of cache a sequence, not a multiple of 256"):
+        TrtBatchEngine(fake, HostMemory(), geometry, Buckets(widths, (662,), pad_logits=True), slots=2,
+                       max_prompt=600, name="t", width_exact=True, graphs=False, graphs_note="test")
+    one = TrtBatchEngine(fake, HostMemory(), geometry, Buckets(widths, (662,), pad_logits=True), slots=1,
+                         max_prompt=600, name="t", width_exact=True, graphs=False, graphs_note="test")
+    one.close()
+    TrtBatchEngine(fake, HostMemory(), geometry, Buckets(widths, (704,), pad_logits=True), slots=2, max_prompt=600,
+                   name="t", width_exact=True, graphs=False, graphs_note="test").close()

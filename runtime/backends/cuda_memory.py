@@ -26,8 +26,9 @@ from ...errors import SpecrtError
 from ...interface import KV_KINDS
 from ..engine import tree_moves
 
-INSTALL = ("`pip install cuda-bindings` (NVIDIA's CUDA Python bindings) on a machine with an NVIDIA GPU and driver, "
-           "or build the engines with --backend onnxruntime-portable for the CPU")
+INSTALL = ("`pip install cuda-bindings` (NVIDIA's CUDA Python bindings; `cuda-bindings==12.*` where the driver is "
+           "CUDA 12's) on a machine with an NVIDIA GPU and driver, or build the engines with --backend "
+           "onnxruntime-portable for the CPU")
 
 
 def cudart():

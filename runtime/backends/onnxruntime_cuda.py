@@ -11,6 +11,13 @@ download are ordered on one stream and a pass ends in one sync. Each cache buffe
 and present output: TensorScatter writes in place. Medusa heads run on the CPU (onnxruntime_cpu.OrtHeads): a
 few small MatMuls between two target passes.
 
+Two rules of ORT's CUDA graphs shape the runs (the CUDA EP keeps its graphs per host thread, and after its first
+two runs it captures a new gpu_graph_id on that id's first run): with graphs on, every run goes through one worker
+thread of the engine's own, so a server's request threads share one set of graphs; and a new id's first run is
+preceded by the same pass uncaptured (gpu_graph_id -1), so the memory arena has grown to the shape before capture
+(a cudaMalloc inside a capture fails it; a pass run twice writes the same cache rows). A captured run that fails
+anyway turns graphs off for the engine, which says why in its description, and the pass runs again uncaptured.
+
 Where this onnxruntime has no CUDA provider (plain `onnxruntime`), or its CUDA provider does not load (ORT then
 falls back to the CPU with a warning), opening an engine is a one-line SpecrtError. Where the CUDA EP refuses
 graph capture for this graph (a node placed on the CPU, say), the engine runs without graphs and says why in
@@ -29,7 +36,7 @@ from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_ID
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
-from .cuda_engine import GRAPHS_ENV, DeviceEngine, Geometry, graphs_wanted
+from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
 from .cuda_memory import CudaMemory, Memory, require_device
 
 MAX_PASS_TOKENS = 64
@@ -57,13 +64,15 @@ def open_session(onnx_path: Path, stream: int, threads: int = 0, graphs: bool = 
             preload()
         except Exception:  # noqa: BLE001 -- best effort: a missing library fails the session below, in one line
             pass
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.intra_op_num_threads = threads
-
     def session(capture: bool):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads
+        so.enable_mem_pattern = not capture  # memory patterns allocate per shape, which a replay cannot
         options = {"device_id": "0", "user_compute_stream": str(stream), "enable_cuda_graph": str(int(capture))}
-        return ort.InferenceSession(str(onnx_path), so, providers=[(CUDA_EP, options)])
+        # enable_fallback=0: a CUDA EP that fails to load raises here instead of ORT rebuilding the session on
+        # the CPU, so a failure tied to graphs gets its retry without them
+        return ort.InferenceSession(str(onnx_path), so, providers=[(CUDA_EP, options)], enable_fallback=0)
 
     note = None
     try:
@@ -125,7 +134,19 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
 
 class _Bindings:
     """One IOBinding and RunOptions per pass shape over a device engine's buffers (cuda_engine.DeviceEngine's or
-    cuda_batch.DeviceBatchEngine's), every one bound by address, a gpu_graph_id per (rows, width, capacity)."""
+    cuda_batch.DeviceBatchEngine's), every one bound by address, a gpu_graph_id per (rows, width, capacity); the
+    runs on one worker thread while graphs are on (the module docstring)."""
+
+    def _start(self, session, device: str) -> None:
+        self.session, self.device = session, device
+        self._bound: dict[tuple, tuple[object, object]] = {}  # pass shape -> (IOBinding, RunOptions)
+        self._graph_ids: dict[tuple[int, int, int], int] = {}
+        self._warm: set[tuple[int, int, int]] = set()  # (rows, width, capacity) run uncaptured once
+        self._worker, self._capturing = None, self.graphs  # the session was made with enable_cuda_graph
+        if self.graphs:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"specrt-cuda-{self.name}")
 
     def _binding(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None, graph: bool):
         import onnxruntime as ort
@@ -150,7 +171,7 @@ class _Bindings:
         io.bind_output(GREEDY_TOKENS, dev, 0, np.int64, [rows, logits_rows], self.out_greedy)
         io.bind_output(HIDDEN_STATES, dev, 0, np.float32, [rows, width, g.hidden_size], self.out_hidden)
         run = ort.RunOptions()
-        if self.graphs:  # ids from 1 (ORT keeps 0 for itself); -1: this shape uncaptured
+        if self._capturing:  # ids from 1 (ORT takes a run without one as id 0); -1: this run uncaptured
             gid = self._graph_ids.setdefault((rows, width, capacity), len(self._graph_ids) + 1) if graph else -1
             run.add_run_config_entry("gpu_graph_id", str(gid))
         if dev == "cuda":  # we sync once after the downloads, on the same stream
@@ -159,18 +180,42 @@ class _Bindings:
             self._bound[key] = (io, run)
         return io, run
 
+    def _call(self, io, run) -> None:
+        if self._worker is None:
+            self.session.run_with_iobinding(io, run)
+        else:  # the thread ORT keeps this engine's graphs on
+            self._worker.submit(self.session.run_with_iobinding, io, run).result()
+
     def _run_pass(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
                   graph: bool) -> None:
-        io, run = self._binding(rows, width, capacity, logits_rows, slot, graph)
+        graph = graph and self.graphs  # off once a capture failed
+        shape = f"width {width}" if rows == 1 else f"{rows} x {width} tokens"
         try:
-            self.session.run_with_iobinding(io, run)
+            if graph and (rows, width, capacity) not in self._warm:  # uncaptured once: the arena grows to it
+                self._call(*self._binding(rows, width, capacity, logits_rows, slot, False))
+                self._warm.add((rows, width, capacity))
+            try:
+                self._call(*self._binding(rows, width, capacity, logits_rows, slot, graph))
+            except MemoryError:
+                raise
+            except Exception as e:  # ORT's own exception types; a capture fails on its run, not at load
+                if not graph:
+                    raise
+                self.graphs, self.graphs_note = False, f"capture failed at {shape}, capacity {capacity} " \
+                    f"({first_line(e)})"
+                self._call(*self._binding(rows, width, capacity, logits_rows, slot, False))
         except MemoryError:
             raise
-        except Exception as e:  # ORT's own exception types; a capture can fail on its first run, not at load
-            hint = f"; {GRAPHS_ENV}=0 runs without CUDA graphs" if graph else ""
-            shape = f"width {width}" if rows == 1 else f"{rows} x {width} tokens"
+        except Exception as e:
             raise SpecrtError(f"onnxruntime-cuda failed a pass of {shape} over capacity {capacity} "
-                              f"({first_line(e)}){hint}") from None
+                              f"({first_line(e)})") from None
+
+    def close(self) -> None:
+        """The session, its bindings and the worker go before the device memory and stream they use."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._bound, self.session = {}, None
+        super().close()
 
 
 class OrtCudaEngine(_Bindings, DeviceEngine):
@@ -186,9 +231,7 @@ class OrtCudaEngine(_Bindings, DeviceEngine):
         super().__init__(memory, geometry, buckets, max_prompt=max_prompt or geometry.max_context, name=name,
                          width_exact=width_exact, graphs=graphs and device == "cuda",
                          graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"))
-        self.session, self.device = session, device
-        self._bound: dict[tuple, tuple[object, object]] = {}  # pass shape -> (IOBinding, RunOptions)
-        self._graph_ids: dict[tuple[int, int, int], int] = {}
+        self._start(session, device)
 
     def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
         self._run_pass(1, width, capacity, rows, None, graph)
@@ -208,9 +251,7 @@ class OrtCudaBatchEngine(_Bindings, DeviceBatchEngine):
                          graphs=graphs and device == "cuda",
                          graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"),
                          max_prompt=max_prompt, batch_width=batch_width)
-        self.session, self.device = session, device
-        self._bound: dict[tuple, tuple[object, object]] = {}  # pass shape -> (IOBinding, RunOptions)
-        self._graph_ids: dict[tuple[int, int, int], int] = {}
+        self._start(session, device)
 
     def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
                 graph: bool) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ...errors import SpecrtError
 from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
                           POSITION_IDS, WRITE_INDICES, past_name, present_name)
@@ -44,8 +46,9 @@ def import_tensorrt():
 
 
 def _deserialize(root: Path, entry):
-    """(engine, buckets, max_prompt, what must outlive it) of a manifest entry's serialized engine, after every
-    check that it runs here (TensorRT, a GPU, its version and architecture, its profiles)."""
+    """(engine, buckets, max_prompt, what must outlive it, the contexts' allocation strategy) of a manifest entry's
+    serialized engine, after every check that it runs here (TensorRT, a GPU, its version and architecture, its
+    profiles)."""
     trt = import_tensorrt()
     require_device("tensorrt")
     built = entry.build or {}  # the pipeline's provisional entries (checks before the manifest) record nothing
@@ -68,38 +71,42 @@ def _deserialize(root: Path, entry):
     max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
     max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
     buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
-    return engine, buckets, max_prompt, (logger, runtime)
+    return engine, buckets, max_prompt, (logger, runtime), shared_scratch(trt)
+
+
+def shared_scratch(trt):
+    """The allocation strategy under which the two contexts share one scratch buffer (USER_MANAGED; they run one
+    after the other on one stream), or None where this TensorRT has none: then each context sizes its own."""
+    return getattr(getattr(trt, "ExecutionContextAllocationStrategy", None), "USER_MANAGED", None)
 
 
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
     """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
-    engine, buckets, max_prompt, keep = _deserialize(root, entry)
+    engine, buckets, max_prompt, keep, strategy = _deserialize(root, entry)
     graphs, note = graphs_wanted()
     memory = CudaMemory()
     try:
         return TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
-                         width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep)
+                         width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep,
+                         strategy=strategy)
     except BaseException:
         memory.close()
         raise
 
 
 def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:
-    """The widths and capacities an engine's decode profile allows. TensorRT's KV-cache update wants a static
-    sequence dimension, so build/tensorrt.py fixes the cache capacity by default: then every pass attends over that
-    one capacity; a dynamic capacity gets the geometric buckets of static_shapes within the profile's range."""
+    """The widths and the one capacity an engine's decode profile allows. TensorRT's KV-cache update wants a static
+    sequence dimension (its KVCacheUpdate layer's documented restriction), so build/tensorrt.py fixes the cache
+    capacity in the graph: every pass attends over that capacity, the mask hiding what is not written."""
     buckets = Buckets.for_engine(max_context, max_width, geometric=True, pad_logits=True)
     static = int(engine.get_tensor_shape(past_name(0, "key"))[2])
-    if static > 0:
-        low = high = static
-    else:
-        smallest, _, largest = engine.get_tensor_profile_shape(past_name(0, "key"), DECODE)
-        low, high = int(smallest[2]), int(largest[2])
-    if high < buckets.max_capacity:
-        raise SpecrtError(f"{what} holds {high} cache positions, fewer than max_context {max_context} + the widest "
-                          f"pass {max_width}; {REBUILD}")
-    caps = (static,) if static > 0 else tuple(c for c in buckets.capacities if c >= low)
-    return Buckets(buckets.widths, caps, pad_logits=True)
+    if static <= 0:
+        raise SpecrtError(f"{what} has a dynamic cache capacity, which TensorRT's KV-cache update cannot take; "
+                          f"{REBUILD}")
+    if static < buckets.max_capacity:
+        raise SpecrtError(f"{what} holds {static} cache positions, fewer than max_context {max_context} + the "
+                          f"widest pass {max_width}; {REBUILD}")
+    return Buckets(buckets.widths, (static,), pad_logits=True)
 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
@@ -109,19 +116,40 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
 
+TRT_DTYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16"}  # numpy's name -> trt.DataType's
+
+
+def check_io(engine, addresses: dict[str, int], cache_dtype, name: str) -> None:
+    """Every input and output of the engine has a buffer, and the cache is the precision the buffers were sized
+    for: a mismatch would otherwise surface only at enqueue, or as garbage."""
+    tensors = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    unbound = [t for t in tensors if t not in addresses]
+    if unbound:
+        raise SpecrtError(f"engine '{name}' has a tensor '{unbound[0]}' this specrt does not bind; {REBUILD}")
+    have = getattr(engine.get_tensor_dtype(past_name(0, "key")), "name", None)
+    want = TRT_DTYPES.get(np.dtype(cache_dtype).name)
+    if have != want:
+        raise SpecrtError(f"engine '{name}' keeps its cache in {have}, its manifest entry says {want}; {REBUILD}")
+
+
 class TrtContexts:
     """An engine's two execution contexts (prefill, decode), each kept on its own profile, every tensor address set
-    at open; the shapes each is set for, and the CUDA graphs captured on them by key. note: why capture stopped
-    (None while it works)."""
+    at open, sharing one scratch buffer where `strategy` (shared_scratch) allows; the shapes each is set for, and
+    the CUDA graphs captured on them by key. note: why capture stopped (None while it works)."""
 
-    def __init__(self, engine, memory, name: str, addresses: dict[str, int]):
+    def __init__(self, engine, memory, name: str, addresses: dict[str, int], cache_dtype, strategy=None):
         self.engine, self.memory, self.name = engine, memory, name
+        check_io(engine, addresses, cache_dtype, name)
+        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if strategy is not None else 0
+        self.scratch = memory.alloc(size) if size else None  # freed with the engine's memory
         self.contexts = []
         for profile in (PREFILL, DECODE):
-            ctx = engine.create_execution_context()
+            ctx = engine.create_execution_context(strategy) if self.scratch else engine.create_execution_context()
             if ctx is None or not ctx.set_optimization_profile_async(profile, memory.stream):
                 raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}' (out of GPU "
                                   "memory? see its log above)")
+            if self.scratch:
+                ctx.set_device_memory(self.scratch, size)
             self.contexts.append(ctx)
             for tensor, ptr in addresses.items():
                 self.set_address(profile, tensor, ptr)
@@ -155,8 +183,10 @@ class TrtContexts:
         return bool(self.contexts[profile].execute_async_v3(self.memory.stream))
 
     def _capture(self, profile: int, key: tuple) -> None:
-        """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work)."""
+        """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work). The
+        stream is idle first, as trtexec's and TensorRT-Edge-LLM's captures have it."""
         rt, stream = cudart(), self.memory.stream
+        self.memory.sync()
         check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
               "cudaStreamBeginCapture")
         ran = False
@@ -167,6 +197,7 @@ class TrtContexts:
         if not ran or err != rt.cudaError_t.cudaSuccess or graph is None:
             if graph is not None:
                 rt.cudaGraphDestroy(graph)
+            rt.cudaGetLastError()  # clear the failed capture's error, or the next uncaptured pass reports it
             self.note = f"capture failed at {key} ({err})"
             return
         self.graphs[key] = check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
@@ -199,16 +230,17 @@ def _addresses(e) -> dict[str, int]:
 
 class TrtEngine(DeviceEngine):
     """runtime/engine.py's Engine over a deserialized TensorRT engine. keep: objects the engine must outlive
-    (its logger and runtime)."""
+    (its logger and runtime); strategy: shared_scratch's."""
 
     backend = "tensorrt"
 
     def __init__(self, engine, memory: CudaMemory, geometry: Geometry, buckets: Buckets, *, max_prompt: int,
-                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = ()):
+                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = (),
+                 strategy=None):
         super().__init__(memory, geometry, buckets, max_prompt=max_prompt, name=name, width_exact=width_exact,
                          graphs=graphs, graphs_note=graphs_note)
         self._keep, self.engine = keep, engine
-        self._trt = TrtContexts(engine, memory, name, _addresses(self))
+        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy)
 
     def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
         profile = DECODE if width <= self.max_pass_tokens else PREFILL
@@ -224,7 +256,7 @@ class TrtEngine(DeviceEngine):
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBatchEngine":
     """`slots` sequences of a manifest entry's TensorRT engine (runtime/batch.py's batch engine): the engine's
     decode profile must take that many sequences a pass (build/tensorrt.py's MAX_BATCH)."""
-    engine, buckets, max_prompt, keep = _deserialize(root, entry)
+    engine, buckets, max_prompt, keep, strategy = _deserialize(root, entry)
     most = int(engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][0])
     if most < slots:
         raise SpecrtError(f"engine '{entry.name}' takes {most} sequence(s) a pass, fewer than --parallel {slots}; "
@@ -235,7 +267,7 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBat
     try:
         return TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
                               name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
-                              keep=keep)
+                              keep=keep, strategy=strategy)
     except BaseException:
         memory.close()
         raise
@@ -248,11 +280,16 @@ class TrtBatchEngine(DeviceBatchEngine):
     backend = "tensorrt"
 
     def __init__(self, engine, memory, geometry: Geometry, buckets: Buckets, *, slots: int, max_prompt: int,
-                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = ()):
+                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = (),
+                 strategy=None):
         super().__init__(memory, geometry, buckets, slots=slots, name=name, width_exact=width_exact, graphs=graphs,
                          graphs_note=graphs_note, max_prompt=max_prompt)
         self._keep, self.engine = keep, engine
-        self._trt = TrtContexts(engine, memory, name, _addresses(self))
+        stride = self.cache.slot_ptr(0, 1)
+        if slots > 1 and stride % 256:  # TensorRT takes tensor addresses on 256-byte boundaries only
+            raise SpecrtError(f"engine '{name}' holds {stride} bytes of cache a sequence, not a multiple of 256, so "
+                              f"its slots cannot be bound one by one; {REBUILD}")
+        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy)
         self._prefill_at: tuple[int, int] | None = (0, self.capacity)  # the slot and layout its cache addresses hold
 
     def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
