@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -367,7 +368,8 @@ def test_the_server_with_parallel_streams_answers_each_as_alone_and_cancels_one(
     alone = load(tiny_engines, "fp32", "prompt-lookup")
     want = {p: alone.generate(p, max_new_tokens=40, sampling=GREEDY, ignore_eos=True).text for p in PROMPTS[:4]}
     session = gathering(load(tiny_engines, "fp32", "prompt-lookup", parallel=3), 3)
-    with loopback(create_app(session, "tiny")) as (url, _):
+    app = create_app(session, "tiny")
+    with loopback(app) as (url, _):
         got, errors = {}, []
 
         def ask(prompt):
@@ -399,6 +401,13 @@ def test_the_server_with_parallel_streams_answers_each_as_alone_and_cancels_one(
             t.join(90)
         assert not errors, errors
         assert got == want
+        server, deadline = app.state.server, time.monotonic() + 10
+        while len(server.history) < 5 or server.pending:  # the hung-up stream finishes on its own round
+            assert time.monotonic() < deadline, "the hung-up stream did not finish"
+            time.sleep(0.005)
+        ends = sorted(st.finish_reason for st in server.history)
+        assert ends == ["cancelled", "length", "length", "length", "length"], ends
+        assert next(st for st in server.history if st.finish_reason == "cancelled").new_tokens < 200
         with httpx.Client(timeout=60) as http:
             first = http.post(url + "/v1/chat/completions", json=_chat(PROMPTS[0])).json()
             turn2 = _chat(PROMPTS[0])
@@ -553,3 +562,34 @@ def test_batch_ceiling_with_prefills_is_the_closed_loops_arithmetic(tiny_engines
     assert loop[1]["ceiling_vs_one_stream"] == pytest.approx((pre + 30 * t[1]) / (pre + 15 * t[2]), abs=0.01)
     with pytest.raises(SystemExit):  # the one-stream cost is the baseline
         main(["--engines", str(tiny_engines), "--batches", "2", "--with-prefills"])
+
+
+def test_parallel_conversations_reuse_their_prefixes_from_any_slot(tiny_engines):
+    """--parallel 2 with KV reuse: four conversations at once over two slots, three turns each. A finished stream
+    stashes its slot's cache (the batch engine's snapshot of that slot) and a later turn, on whichever slot it
+    gets, restores it: every turn answers what a fresh session does, and turns 2-3 prefill from the cache."""
+    from specrt.runtime.prefix_cache import MIB, PrefixStore
+    from specrt.runtime.tokenizer import Message
+
+    fresh = load(tiny_engines, "fp32", "off")
+    batched = load(tiny_engines, "fp32", "off", parallel=2)
+    batched.enable_reuse(PrefixStore(64 * MIB))
+    talks = {k: [Message("user", f"Conversation {k}: tell me about rivers and lakes and seas.")] for k in "abcd"}
+    for turn in range(3):
+        out = {}
+
+        def one(k):
+            out[k] = batched.generate(list(talks[k]), max_new_tokens=12, sampling=GREEDY)
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in talks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert set(out) == set(talks), f"turn {turn}: a conversation did not finish"
+        for k, history in talks.items():
+            alone = fresh.generate(list(history), max_new_tokens=12, sampling=GREEDY)
+            assert out[k].token_ids == alone.token_ids, (turn, k)
+            if turn:
+                assert out[k].stats.cached_tokens >= 40, (turn, k, out[k].stats.cached_tokens)
+            history += [Message("assistant", out[k].text), Message("user", "More.")]

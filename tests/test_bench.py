@@ -29,9 +29,9 @@ def write_prompts(path: Path, per_category: int = 1, max_new_tokens: int = 6) ->
     return path
 
 
-def specrt(*args):
+def specrt(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "specrt.cli", "bench", *map(str, args)], capture_output=True,
-                          text=True, env=ENV, timeout=600)
+                          text=True, env=ENV, timeout=600, cwd=cwd)
 
 
 def test_default_prompt_set_loads():
@@ -146,19 +146,27 @@ def test_bad_prompt_lines(tmp_path, line, words):
 
 
 def test_cli_bad_input(tiny_engines, tmp_path):
+    """Each bad input is one line, exit 2, and nothing written: the runs start in an empty folder, where the
+    default --out (bench-out) would appear."""
     prompts = write_prompts(tmp_path / "p.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(prompts.read_text() + "{not json\n")
-    assert_user_error(specrt("--engines", tiny_engines, "--prompts", bad), f"{bad}:7", "malformed")
-    assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--modes", "plain-fp32,warp-drive"),
+    here = tmp_path / "cwd"
+    here.mkdir()
+
+    def run(*args):
+        return specrt(*args, cwd=here)
+
+    assert_user_error(run("--engines", tiny_engines, "--prompts", bad), f"{bad}:7", "malformed")
+    assert_user_error(run("--engines", tiny_engines, "--prompts", prompts, "--modes", "plain-fp32,warp-drive"),
                       "unknown mode 'warp-drive'", "plain-int4")
-    assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--categories", "poetry"),
+    assert_user_error(run("--engines", tiny_engines, "--prompts", prompts, "--categories", "poetry"),
                       "unknown category 'poetry'")
-    assert_user_error(specrt("--engines", tiny_engines, "--prompts", prompts, "--load-order", "sideways"),
+    assert_user_error(run("--engines", tiny_engines, "--prompts", prompts, "--load-order", "sideways"),
                       "--load-order must be 'listed' or 'reversed'")
-    assert_user_error(specrt("--engines", tmp_path / "nope", "--prompts", prompts), "not found", "specrt engines")
-    assert_user_error(specrt("--engines", tiny_engines, "--prompts", tmp_path / "missing.jsonl"), "not found")
-    assert not (Path.cwd() / "bench-out").exists() or True  # errors happen before anything is written
+    assert_user_error(run("--engines", tmp_path / "nope", "--prompts", prompts), "not found", "specrt engines")
+    assert_user_error(run("--engines", tiny_engines, "--prompts", tmp_path / "missing.jsonl"), "not found")
+    assert list(here.iterdir()) == []  # errors happen before anything is written
 
 
 def test_peer_failing_mid_run_is_dropped_with_a_note(tiny_engines, tmp_path, monkeypatch):

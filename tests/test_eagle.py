@@ -190,13 +190,16 @@ def test_a_random_head_keeps_the_output_exactly_the_targets(eagle_engines, tree)
     plain = load(eagle_engines)
     spec = load(eagle_engines, "fp32", "eagle", config=SpeculativeConfig(eagle_tree=tree))
     assert spec.decoder.proposer.name == "eagle" and spec.decoder.proposer.tree is tree
+    drafted = 0
     for prompt in ("Tell me about rivers.", "def add(a, b):"):
+        # seeded sampling with a deterministic drafter (EAGLE's drafts carry no q) is plain seeded sampling
         for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)):
             a = spec.generate(prompt, max_new_tokens=40, sampling=sampling)
             b = plain.generate(prompt, max_new_tokens=40, sampling=sampling)
-            if sampling.greedy:
-                assert list(a.token_ids) == list(b.token_ids)
-            assert a.stats.proposer == "eagle" and a.stats.rounds <= a.stats.new_tokens
+            assert list(a.token_ids) == list(b.token_ids), (prompt, sampling)
+            assert a.stats.proposer == "eagle"
+            drafted += sum(a.stats.drafted_by_position)
+    assert drafted > 0  # the head drafted and the target rejected, not a loop that never drafted
 
 
 class OracleHead:

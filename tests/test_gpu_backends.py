@@ -686,16 +686,16 @@ def test_the_gpu_batch_engines_equal_the_portable_cpu_batch_engine(tmp_path, bac
     commit(2, 1)
     same_caches()
     probe = rng.integers(0, 96, 3)
-    snaps = [e.snapshot(0, e.lengths[0]) for e in (ref, eng)]
-    before = round_((0, probe, False, 3, False))[0][0]
-    for e in (ref, eng):                                            # another sequence in slot 0 ...
-        e.lengths[0] = 0
-    round_((0, rng.integers(0, 96, 50), False, 1, True))
-    commit(0, 50)
+    snaps = [e.snapshot(2, e.lengths[2]) for e in (ref, eng)]      # a slot other than 0: its own rows
+    before = round_((2, probe, False, 3, False))[0][0]
+    for e in (ref, eng):                                            # another sequence in slot 2 ...
+        e.lengths[2] = 0
+    round_((2, rng.integers(0, 96, 50), False, 1, True))
+    commit(2, 50)
     for e, snap in zip((ref, eng), snaps):                          # ... and the first one back
-        e.restore(0, snap)
-        e.lengths[0] = snap.length
-    after = round_((0, probe, False, 3, False), (1, [9], False, 1, True), (2, [4, 4], False, 2, True))
+        e.restore(2, snap)
+        e.lengths[2] = snap.length
+    after = round_((2, probe, False, 3, False), (1, [9], False, 1, True), (0, [4, 4], False, 2, True))
     np.testing.assert_allclose(after[0][0], before, atol=1e-5, rtol=0)
     same_caches()
     if backend == "tensorrt":  # batched passes on the decode profile, the prefills alone on the prefill one

@@ -227,6 +227,10 @@ def test_sampling_is_exact_unless_lossy_typical_is_asked(medusa_gen):
                                                     config=SpeculativeConfig(lossy_typical=True)))
     assert exact.stats.exact and not exact.stats.lossy
     assert not lossy.stats.exact and lossy.stats.lossy and lossy.stats.as_dict()["lossy"] is True
+    # the label is earned: Medusa's drafts carry no q, so seeded sampling through them is plain seeded sampling
+    plain = medusa_gen.generate("def add(a, b):", max_new_tokens=24, sampling=sp,
+                                decode=make_decoder("off", m, "fp32", options=EngineOptions(threads=1)))
+    assert list(exact.token_ids) == list(plain.token_ids)
 
 
 def test_cli_labels_lossy_typical_as_lossy_not_as_width(medusa_gen):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -67,8 +69,8 @@ def test_params_defaults_and_greedy():
     a = SamplingParams(temperature=1.0, seed=7).generator().random(4)
     b = SamplingParams(temperature=1.0, seed=7).generator().random(4)
     assert np.array_equal(a, b)
-    with pytest.raises(Exception):
-        SamplingParams().temperature = 1.0  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingParams().temperature = 1.0
 
 
 # ---------------------------------------------------------------- processors
