@@ -1,7 +1,9 @@
 """Which GEMMs, kept in float, buy back an FP8 engine's accuracy: the portable fp32 graph of an export, FP8 Q/DQ
 inserted with one group of GEMMs (by kind, or the first and last layers) left unquantized each time, each measured
 against fp32 as the build measures it (teacher-forced top-1 and KL on held-out stdlib code). The last variant
-quantizes the weights alone, every activation left float: the ceiling of any treatment of the activations.
+quantizes the weights alone, every activation left float: the ceiling of any treatment of the activations; the
+"activations only" variant keeps every weight float, the ceiling of any treatment of the weights (GPTQ's error
+compensation on the FP8 grid among them).
 --clip-percentile clips the activations' calibrated ranges (int8 and fp8 alike).
 
     python -m specrt.bench.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
@@ -40,6 +42,36 @@ def drop_activation_qdq(path: Path) -> None:
     save_with_external_data(model, path)
 
 
+def drop_weight_qdq(path: Path, fp32: Path) -> None:
+    """The Q/DQ graph at path with its weights float again (those of the fp32 graph at `fp32`, times the
+    SmoothQuant migration where an activation has one; activations stay quantized): each weight's
+    DequantizeLinear becomes that float weight."""
+    from onnx import numpy_helper
+
+    from ..onnx_files import load_with_weights, save_with_external_data
+
+    model = load_with_weights(path)
+    source = {t.name: t for t in load_with_weights(fp32).graph.initializer}
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = list(model.graph.node)
+    weight_dq = {n.output[0]: n for n in nodes if n.op_type == "DequantizeLinear" and n.name.endswith(".w_dq")}
+    act_of = {n.input[1]: n.input[0] for n in nodes if n.op_type == "MatMul" and n.input[1] in weight_dq}
+    kept = [n for n in nodes if n.output[0] not in weight_dq]
+    dropped = {i for n in weight_dq.values() for i in n.input}
+    new = [t for t in model.graph.initializer if t.name not in dropped]
+    for out, node in weight_dq.items():  # the DQ's output name (weight + ".dq") now names the float weight
+        w = numpy_helper.to_array(source[node.input[0][:-len(".q")]])
+        act = act_of[out].removesuffix(".dq")  # the GEMM reads its activation's DQ output, act + ".dq"
+        if act + ".smooth" in inits:  # the Mul divides the activation by s: the weight's rows carry s
+            w = w / numpy_helper.to_array(inits[act + ".smooth"])[:, None]
+        new.append(numpy_helper.from_array(w.astype(np.float32), out))
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(new)
+    save_with_external_data(model, path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export_cache", type=Path, help="an export's cache folder (engines/.cache/export-...), built "
@@ -49,6 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--clip-percentile", type=float, default=100.0, metavar="P",
                     help="clip every activation's calibrated range at the P-th percentile of its tokens' max |x| "
                          "(4,096 sampled tokens; 100 = the max, as the build does)")
+    ap.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                    help="SmoothQuant's migration strength (default: the build's, int8 only; fp8 has none)")
     ap.add_argument("--variants", default="", metavar="PREFIX[,PREFIX...]",
                     help="run only the variants whose label starts with one of these (e.g. 'weights only,none')")
     args = ap.parse_args(argv)
@@ -85,20 +119,25 @@ def main(argv=None) -> None:
     variants = {"none kept": []} | {f"{k} kept": list(float_kind_gemms(model, (k,))) for k in KINDS}
     variants[f"layers 0, 1, {last - 1}, {last} kept"] = [n for n in layers if layer[n] in (0, 1, last - 1, last)]
     variants["weights only (every activation float)"] = []
+    variants["activations only (every weight float)"] = []
     labels = list(variants)
     if args.variants:
         wanted = tuple(v.strip() for v in args.variants.split(","))
         variants = {k: v for k, v in variants.items() if k.startswith(wanted)}
         if not variants:
             raise SystemExit(f"error: no variant starts with {args.variants!r}; the labels: {', '.join(labels)}")
+    smooth = args.smoothquant if args.smoothquant is not None else (
+        SMOOTHQUANT_ALPHA if args.precision == "int8" else None)
     with tempfile.TemporaryDirectory() as tmp:
         for label, keep in variants.items():
             t = time.time()
             out = Path(tmp) / "variant.onnx"
             insert_qdq(fp32, out, args.precision, calib, keep=(*keep, LOGITS),
-                       smooth=SMOOTHQUANT_ALPHA if args.precision == "int8" else None)
+                       smooth=smooth)
             if label.startswith("weights only"):
                 drop_activation_qdq(out)
+            elif label.startswith("activations only"):
+                drop_weight_qdq(out, fp32)
             q = measure_quality(out, fp32, facts, "onnxruntime-portable", args.precision, cache)
             print(json.dumps({"variant": label, "gemms_kept": len(keep) + 1, "of": len(layers) + 1,
                               "top1": q["top1"], "kl": q["kl"], "seconds": round(time.time() - t)}), flush=True)

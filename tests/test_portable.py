@@ -440,7 +440,44 @@ def test_the_fp8_sensitivity_scan_keeps_each_group_in_float(portable_engines, ca
     n = rows[0]["of"]
     assert rows[0]["gemms_kept"] == 1 and all(r["gemms_kept"] == 1 + (n - 1) // 4 for r in rows[1:5])
     assert all(0 < r["top1"] <= 1 and r["kl"] >= 0 for r in rows)
-    assert rows[-1]["variant"].startswith("weights only") and rows[-1]["kl"] < rows[0]["kl"]  # activations float
+    by = {r["variant"].split(" (")[0]: r for r in rows}
+    assert by["weights only"]["kl"] < rows[0]["kl"] and by["activations only"]["kl"] < rows[0]["kl"]  # half float
+
+
+def test_dropping_weight_qdq_gives_back_the_float_weights_smoothed_or_not(portable_engines, tmp_path):
+    """The scan's activations-only variant: each weight's DequantizeLinear replaced by the float weight (times the
+    SmoothQuant migration where an activation has one). With the activations' Q/DQ dropped too, what is left is
+    the fp32 graph (with its migration Mul): the same logits."""
+    import json
+
+    import onnxruntime as ort
+
+    from specrt.bench.qdq_sensitivity import drop_activation_qdq, drop_weight_qdq
+    from specrt.build.quantize import gemm_weights, insert_qdq
+    from specrt.interface import LOGITS
+    from specrt.pipeline.parity import prefill_feed
+    from specrt.pipeline.runtime_link import provisional_entry
+
+    cache = next(p for p in (portable_engines.parent / ".cache").glob("export-*ctx256*")
+                 if list(p.glob("portable-v*/target-fp32.onnx")))
+    fp32 = next(cache.glob("portable-v*/target-fp32.onnx"))
+    model = onnx.load(str(fp32), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    calib = {a: {"amax": np.full(inits[w].dims[0], 3.0, np.float32)} for a, w in gemm_weights(model).values()}
+    facts = json.loads((cache / "export.json").read_text())
+    feed = prefill_feed(provisional_entry(fp32, facts, backend="onnxruntime-portable"),
+                        np.arange(5, 17), 256, num_logits=4)
+    want = ort.InferenceSession(str(fp32)).run([LOGITS], feed)[0]
+    for smooth in (None, 0.5):
+        out = tmp_path / f"s{smooth}" / "q.onnx"
+        out.parent.mkdir()
+        insert_qdq(fp32, out, "fp8", calib, keep=(LOGITS,), smooth=smooth)
+        drop_weight_qdq(out, fp32)
+        ops = collections.Counter(n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node)
+        assert ops["QuantizeLinear"] == ops["DequantizeLinear"] > 0  # only the activations' pairs are left
+        drop_activation_qdq(out)
+        got = ort.InferenceSession(str(out)).run([LOGITS], feed)[0]
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
 
 
 def test_dropping_activation_qdq_leaves_the_weights_quantized(quantized_engines, tmp_path):
