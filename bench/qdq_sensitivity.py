@@ -83,6 +83,8 @@ def main(argv=None) -> None:
                          "(4,096 sampled tokens; 100 = the max, as the build does)")
     ap.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
                     help="SmoothQuant's migration strength (default: the build's, int8 only; fp8 has none)")
+    ap.add_argument("--outlier-channels", type=int, default=0, metavar="N",
+                    help="keep each activation's N input channels of largest amax in float (LLM.int8()'s split)")
     ap.add_argument("--variants", default="", metavar="PREFIX[,PREFIX...]",
                     help="run only the variants whose label starts with one of these (e.g. 'weights only,none')")
     args = ap.parse_args(argv)
@@ -126,6 +128,9 @@ def main(argv=None) -> None:
         variants = {k: v for k, v in variants.items() if k.startswith(wanted)}
         if not variants:
             raise SystemExit(f"error: no variant starts with {args.variants!r}; the labels: {', '.join(labels)}")
+    if args.outlier_channels and any(k.startswith("activations only") for k in variants):
+        raise SystemExit("error: the activations-only variant reads whole weights; with --outlier-channels, pick "
+                         "other --variants")
     smooth = args.smoothquant if args.smoothquant is not None else (
         SMOOTHQUANT_ALPHA if args.precision == "int8" else None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +138,7 @@ def main(argv=None) -> None:
             t = time.time()
             out = Path(tmp) / "variant.onnx"
             insert_qdq(fp32, out, args.precision, calib, keep=(*keep, LOGITS),
-                       smooth=smooth)
+                       smooth=smooth, outliers=args.outlier_channels)
             if label.startswith("weights only"):
                 drop_activation_qdq(out)
             elif label.startswith("activations only"):

@@ -45,7 +45,9 @@ def _kept_float(build: dict) -> str | None:
     parts = ["+".join(build["float_gemms"])] if build.get("float_gemms") else []
     parts += [f"first/last {build['float_layers']} layers"] if build.get("float_layers") else []
     parts += ["lm_head"] if "logits" in kept else []
-    return f"{', '.join(parts) or 'none'} ({len(kept)} of {len(kept) + build['gemms_quantized']})"
+    whole = f"{', '.join(parts) or 'none'} ({len(kept)} of {len(kept) + build['gemms_quantized']})"
+    return whole + (f"; {build['outlier_channels']} outlier channels an input" if build.get("outlier_channels")
+                    else "")
 
 
 def write(manifest: Manifest, out: Path) -> Path:

@@ -28,15 +28,27 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = 2  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
+FORMAT = 3  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
 PRECISIONS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0), "int4-awq": ("int4", 7.0)}
 WEIGHT_ONLY = ("int4-awq",)
 # int8's SmoothQuant alpha: per-tensor int8 activations alone lose half the top-1 tokens on SmolLM2, whose
 # down_proj inputs reach ~500x the median GEMM input (docs/design-notes.md, "INT8 outlier activations")
 SMOOTHQUANT_ALPHA = 0.8
+SMOOTHQUANT_ALPHA_SPLIT = 0.5  # with the outlier channels in float, less migration measured better (both models)
+# input channels per activation kept in float by default (LLM.int8()'s split; BENCHMARKS.md, "What do FP8, INT8
+# and INT4-AWQ cost?"): int8's per-tensor scale is otherwise set by a few channels hundreds of times the rest
+DEFAULT_OUTLIERS = {"int8": 16}
 AWQ_BLOCK = 128            # rows of K per int4 scale (ModelOpt's and TensorRT-LLM's default); smaller where K needs it
 AWQ_ROWS = 512             # calibration positions per activation the scale search measures the error on
 AWQ_ALPHAS = tuple(round(a * 0.1, 1) for a in range(11))
+
+
+def outliers_for(precision: str, asked: int | None) -> int:
+    """The outlier channels a target at `precision` keeps in float: what was asked (None: the precision's
+    default); none for a precision whose activations are float anyway (int4-awq)."""
+    if precision not in ("fp8", "int8"):
+        return 0
+    return DEFAULT_OUTLIERS.get(precision, 0) if asked is None else asked
 
 
 def gemm_weights(model) -> dict[str, tuple[str, str]]:
@@ -199,13 +211,16 @@ def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) ->
 
 
 def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict], keep: tuple[str, ...] = (),
-               smooth: float | None = None, log=lambda m: None) -> dict:
+               smooth: float | None = None, outliers: int = 0, log=lambda m: None) -> dict:
     """Write the Q/DQ graph of the fp32 portable graph at onnx_path to out (+ out.data). calib: calibrate's
     statistics (int4-awq needs its rows). keep: MatMul names left unquantized (e.g. the lm_head). smooth:
     SmoothQuant's alpha (int8): each input channel j of an activation is divided by s_j = amax_x[j]^alpha /
     amax_w[j]^(1 - alpha) (a Mul before its Q/DQ) and the weight's row j multiplied by it, moving the outliers'
     range into the weights, which are quantized per output channel. int4-awq searches that s per activation
-    (awq_scale). -> facts: the GEMMs quantized, those kept, the activations left float."""
+    (awq_scale). outliers (fp8/int8): per activation, the input channels with the largest calibrated amax (after
+    migration) stay float, LLM.int8()'s decomposition: X W = Q/DQ(X[:, rest]) DQ(W[rest]) + X[:, top] W[top], two
+    Gathers along the channels, a float GEMM of `outliers` rows and an Add, so the activation's scale is set by the
+    rest. -> facts: the GEMMs quantized, those kept, the activations left float."""
     import ml_dtypes
     from onnx import TensorProto, helper, numpy_helper
 
@@ -214,6 +229,8 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
 
     qtype, qmax = PRECISIONS[precision]
     weight_only = precision in WEIGHT_ONLY
+    if outliers and weight_only:
+        raise ValueError("outlier channels are for fp8 and int8 (int4-awq leaves its activations float)")
     np_q = np.dtype(getattr(ml_dtypes, qtype)) if qtype != "int8" else np.dtype(np.int8)
     onnx_q = TensorProto.FLOAT8E4M3FN if precision == "fp8" else TensorProto.INT8
     model = load_with_weights(onnx_path)  # weights in memory: they are rewritten
@@ -237,6 +254,12 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
                 migrate[act] = scale
             if (i + 1) % max(1, len(readers) // 10) == 0:
                 log(f"AWQ scale search: {i + 1}/{len(readers)} activations")
+    split = {}  # activation -> (its top channels, the rest), both sorted
+    for act in readers if outliers else ():
+        amax = calib[act]["amax"] / migrate[act] if act in migrate else calib[act]["amax"]
+        if outliers < len(amax):
+            top = np.sort(np.argsort(amax, kind="stable")[-outliers:])
+            split[act] = (top, np.setdiff1d(np.arange(len(amax)), top))
     done, new_inits, nodes, sources, blocks = [], [], [], {}, set()
     for node in model.graph.node:
         if node.name not in gemms or node.name in keep:
@@ -244,8 +267,12 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
             continue
         act, weight = gemms[node.name]
         w = numpy_helper.to_array(inits.pop(weight)).astype(np.float32)
+        if act in split:  # the outlier rows stay float, unmigrated; the rest go on as the whole would
+            top, rest = split[act]
+            new_inits.append(numpy_helper.from_array(w[top], weight + ".top"))
+            w = w[rest]
         if act in migrate:
-            w = w * migrate[act][:, None]
+            w = w * (migrate[act][split[act][1]] if act in split else migrate[act])[:, None]
         w_dq = weight + ".dq"
         if weight_only:
             block = int4_block(len(w))
@@ -262,14 +289,23 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
         nodes.append(helper.make_node("DequantizeLinear", [weight + ".q", weight + ".scale"], [w_dq],
                                       name=f"{node.name}.w_dq", **dq))
         if act not in sources:  # one migration Mul (and one Q/DQ pair) per activation, shared by its GEMMs
-            source = act
-            if act in migrate:
-                new_inits.append(numpy_helper.from_array(1.0 / migrate[act], act + ".smooth"))
-                nodes.append(helper.make_node("Mul", [act, act + ".smooth"], [act + ".s"], name=f"{act}.smooth"))
+            source, amax_c, m = act, calib[act]["amax"], migrate.get(act)
+            if act in split:  # the float channels, and the rest that is quantized
+                top, rest = split[act]
+                new_inits += [numpy_helper.from_array(top.astype(np.int64), act + ".top_idx"),
+                              numpy_helper.from_array(rest.astype(np.int64), act + ".rest_idx")]
+                nodes += [helper.make_node("Gather", [act, act + ".top_idx"], [act + ".top"], axis=-1,
+                                           name=f"{act}.top"),
+                          helper.make_node("Gather", [act, act + ".rest_idx"], [act + ".rest"], axis=-1,
+                                           name=f"{act}.rest")]
+                source, amax_c, m = act + ".rest", amax_c[rest], None if m is None else m[rest]
+            if m is not None:
+                new_inits.append(numpy_helper.from_array(1.0 / m, act + ".smooth"))
+                nodes.append(helper.make_node("Mul", [source, act + ".smooth"], [act + ".s"], name=f"{act}.smooth"))
                 source = act + ".s"
             if not weight_only:
                 a_scale = act.replace("/", "_") + ".a_scale"
-                amax = float((calib[act]["amax"] / migrate[act]).max() if act in migrate else calib[act]["amax"].max())
+                amax = float((amax_c / m).max() if m is not None else amax_c.max())
                 new_inits.append(numpy_helper.from_array(np.array(max(amax, 1e-12) / qmax, np.float32), a_scale))
                 nodes.append(helper.make_node("QuantizeLinear", [source, a_scale], [act + ".q"], output_dtype=onnx_q,
                                               name=f"{act}.q"))
@@ -277,7 +313,14 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
                                               name=f"{act}.dq"))
                 source = act + ".dq"
             sources[act] = source
-        nodes.append(helper.make_node("MatMul", [sources[act], w_dq], list(node.output), name=node.name))
+        if act in split:
+            nodes += [helper.make_node("MatMul", [sources[act], w_dq], [node.name + ".rest_out"], name=node.name),
+                      helper.make_node("MatMul", [act + ".top", weight + ".top"], [node.name + ".top_out"],
+                                       name=node.name + ".top"),
+                      helper.make_node("Add", [node.name + ".rest_out", node.name + ".top_out"], list(node.output),
+                                       name=node.name + ".add")]
+        else:
+            nodes.append(helper.make_node("MatMul", [sources[act], w_dq], list(node.output), name=node.name))
         done.append(node.name)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -293,8 +336,11 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     method = (f"Q/DQ {precision}: weights per output channel, activations per tensor (amax), symmetric"
               if not weight_only else f"Q/DQ {precision}: int4 weights in symmetric blocks along K "
               f"(AWQ-lite scales, {AWQ_ROWS} calibration rows), activations float")
+    if split:
+        method += f"; the {outliers} input channels of largest amax per activation in float"
     facts = {"method": method, "gemms_quantized": len(done), "gemms_kept": kept,
-             "lm_head_kept": any(LOGITS in n for n in kept), "smoothquant_alpha": smooth}
+             "lm_head_kept": any(LOGITS in n for n in kept), "smoothquant_alpha": smooth,
+             "outlier_channels": outliers if split else 0}
     if awq:
         alphas = [a["alpha"] for a in awq.values()]
         gain = [a["mse"] / a["mse_rtn"] for a in awq.values() if a["mse_rtn"] > 0]

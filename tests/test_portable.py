@@ -251,6 +251,11 @@ def test_heads_of_a_medusa_set_check_too(tmp_path):
      "--quality-floor 1.5"),
     (["--backend", "onnxruntime-portable", "--precisions", "fp32,fp8", "--float-layers", "-1"], "--float-layers -1"),
     (["--backend", "onnxruntime-portable", "--precisions", "fp32,int8", "--float-gemms", "up"], "GEMM kind 'up'"),
+    (["--backend", "onnxruntime-portable", "--precisions", "fp32,int8", "--outlier-channels", "-1"],
+     "--outlier-channels -1"),
+    (["--precisions", "fp32", "--outlier-channels", "8"], "--outlier-channels applies to fp8 and int8 targets"),
+    (["--backend", "onnxruntime-portable", "--precisions", "fp32,int4-awq", "--outlier-channels", "8"],
+     "--outlier-channels applies to fp8 and int8 targets"),
 ])
 def test_engines_refuses_a_backend_it_cannot_build_in_one_line(tiny_dir, tmp_path, args, says):
     from typer.testing import CliRunner
@@ -565,6 +570,19 @@ def test_float_layers_keep_the_first_and_last_layers_gemms_in_float(tmp_path):
         make_engine_set(EngineSetRequest(**{**req.__dict__, "name": "x", "float_gemms": ("qkv", "o", "gateup",
                                                                                          "down")}),
                         log=lambda m: None)
+    # --outlier-channels 2 on an int8 target: every quantized GEMM splits off its input's 2 largest channels
+    req = EngineSetRequest(**{**req.__dict__, "name": "outliers", "precisions": ("fp32", "int8"), "float_gemms": (),
+                              "outlier_channels": 2})
+    m = load_manifest(make_engine_set(req, log=lambda m: None))
+    b = m.engine("target", "int8").build
+    model = onnx.load(str(m.root / m.engine("target", "int8").file), load_external_data=False)
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert b["outlier_channels"] == 2 and ops["Gather"] >= 2 * b["gemms_quantized"]  # + the embedding's
+    assert {n.name for n in model.graph.node if n.op_type == "MatMul" and n.name.endswith(".top")} == \
+        {g + ".top" for g in gemm_layers(fp32)}
+    assert {r["engine"]: r["kept_float"] for r in rows(m)}["target-int8"] == \
+        "lm_head (1 of 13); 2 outlier channels an input"
+    assert tensorrt_violations(model) == []
 
 
 def test_info_sums_the_memory_of_the_proposers_each_target_runs(quantized_engines):
@@ -588,3 +606,47 @@ def test_info_sums_the_memory_of_the_proposers_each_target_runs(quantized_engine
     assert abs(four - (one + 3 * kv)) <= 2  # the weights once, a KV cache a stream (rounded MiB)
     bad = CliRunner().invoke(app, ["info", str(quantized_engines), "--parallel", "0"])
     assert bad.exit_code == 2 and "--parallel must be >= 1" in bad.output
+
+
+def test_outlier_channels_stay_float_and_the_rest_sets_the_int8_scale(tmp_path):
+    """insert_qdq(outliers=N) on one GEMM whose input has 3 channels 500x the others: the N largest-amax channels go
+    through a float GEMM (their part of the output exact), the rest through int8 Q/DQ at a scale set by the rest
+    alone, so the output error drops by orders of magnitude against plain per-tensor W8A8; SmoothQuant applies
+    to the rest only."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specrt.build.quantize import insert_qdq
+
+    rng = np.random.default_rng(0)
+    K, N, big = 64, 32, [5, 17, 40]  # big enough that the weights go to the .data file
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="gemm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, N])],
+                              [numpy_helper.from_array(w, "w")])
+    src = tmp_path / "g.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(src))
+    x = rng.standard_normal((256, K)).astype(np.float32)
+    x[:, big] *= 500
+    calib = {"x": {"amax": np.abs(x).max(axis=0)}}
+
+    def run(outliers, smooth=None, feed=x):
+        out = tmp_path / f"q{outliers}-{smooth}.onnx"
+        facts = insert_qdq(src, out, "int8", calib, outliers=outliers, smooth=smooth)
+        return ort.InferenceSession(str(out)).run(["y"], {"x": feed})[0], facts, onnx.load(str(out))
+
+    want = x @ w
+    plain, _, _ = run(0)
+    for smooth in (None, 0.8):
+        got, facts, model = run(3, smooth)
+        ops = collections.Counter(n.op_type for n in model.graph.node)
+        assert ops["Gather"] == 2 and ops["Add"] == 1 and facts["outlier_channels"] == 3
+        assert np.abs(got - want).max() < 0.01 * np.abs(plain - want).max()
+    only_top = np.zeros_like(x)
+    only_top[:, big] = x[:, big]
+    got, _, _ = run(3, feed=only_top)  # the rest quantizes to zero: what is left is the float GEMM's, exactly
+    np.testing.assert_allclose(got, only_top @ w, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="outlier channels are for fp8 and int8"):
+        insert_qdq(src, tmp_path / "a.onnx", "int4-awq",
+                   {"x": {**calib["x"], "rows": x, "mean_abs": np.abs(x).mean(0)}}, outliers=2)

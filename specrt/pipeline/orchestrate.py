@@ -47,6 +47,8 @@ class EngineSetRequest:
     #                                     (None: by precision, quality.DEFAULT_FLOORS)
     float_layers: int = 0             # Q/DQ targets: the first and last this many layers keep their GEMMs in float
     float_gemms: tuple[str, ...] = ()  # Q/DQ targets: every layer's GEMMs of these kinds (qkv, o, gateup, down) too
+    outlier_channels: int | None = None  # fp8/int8 targets: input channels per activation kept in float (None:
+    #                                      build.quantize.DEFAULT_OUTLIERS)
 
 
 def _say(msg: str) -> None:
@@ -78,6 +80,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     portable = req.backend in PORTABLE_BACKENDS
     for p in ([] if portable else built):
         precision(p)
+    if req.outlier_channels and not (portable and any(p in ("fp8", "int8") for p in req.precisions)):
+        raise SpecrtError("--outlier-channels applies to fp8 and int8 targets of the portable backends "
+                          "(onnxruntime-portable, onnxruntime-cuda, tensorrt); add one to --precisions, or drop it")
     if portable and any(p in QDQ_PRECISIONS for p in built):
         if req.calibration_texts < 1:
             raise SpecrtError(f"--calibration-texts {req.calibration_texts} calibrates nothing; use at least 1 "
@@ -87,6 +92,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         from ..build.quantize import check_float_gemms
 
         check_float_gemms(req.float_gemms)
+        if req.outlier_channels is not None and req.outlier_channels < 0:
+            raise SpecrtError(f"--outlier-channels {req.outlier_channels} is negative; use 0 (every channel "
+                              "quantized) or more")
         if req.quality_floor is not None and not 0.0 <= req.quality_floor <= 1.0:
             raise SpecrtError(f"--quality-floor {req.quality_floor} is not a share of tokens; use 0-1 (default: "
                               "0.85, int4-awq 0.70)")
@@ -107,7 +115,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         from .quality import DRAFTING_FORMAT
 
         recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT,
-                   req.float_layers, sorted(req.float_gemms)]
+                   req.float_layers, sorted(req.float_gemms), req.outlier_channels]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()
@@ -153,7 +161,8 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
     try:
         engines = {}
         for role, rcache, rfacts, precs in roles:
-            mixed = dict(float_layers=req.float_layers, float_gemms=req.float_gemms) if role == "target" else {}
+            mixed = dict(float_layers=req.float_layers, float_gemms=req.float_gemms,
+                         outlier_channels=req.outlier_channels) if role == "target" else {}
             for p in precs:
                 engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend,
                                                                 req.calibration_texts, req.quality_floor, **mixed)

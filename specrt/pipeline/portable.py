@@ -53,10 +53,12 @@ def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
 
 def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str,
                           calibration_texts: int = 32, quality_floor: float | None = None,
-                          float_layers: int = 0, float_gemms: tuple[str, ...] = ()) -> EngineEntry:
+                          float_layers: int = 0, float_gemms: tuple[str, ...] = (),
+                          outlier_channels: int | None = None) -> EngineEntry:
     """<role>-<p> of a portable set: the portable graph (cached per export and graph format; fp8/int8: its Q/DQ
     form, calibrated, its quality against fp32 measured), compiled for TensorRT where asked, linked into tmp,
-    checked -> its manifest entry."""
+    checked -> its manifest entry. outlier_channels: fp8/int8, each activation's input channels kept in float
+    (None: the precision's default, build.quantize.DEFAULT_OUTLIERS)."""
     from ..export.portable import FORMAT
 
     bdir = cache / f"portable-v{FORMAT}"
@@ -68,13 +70,16 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         graph = _portable_graph(role, p, cache, facts, log, bdir)
     else:
         from ..build.quantize import FORMAT as QDQ_FORMAT
+        from ..build.quantize import outliers_for
 
-        mixed = (f"-float{float_layers}" if float_layers else "") + "".join(f"-f{k}" for k in float_gemms)
+        outliers = outliers_for(p, outlier_channels)
+        mixed = (f"-float{float_layers}" if float_layers else "") + "".join(f"-f{k}" for k in float_gemms) + \
+            (f"-out{outliers}" if outliers else "")
         graph = bdir / f"{role}-{p}-q{QDQ_FORMAT}-cal{calibration_texts}{mixed}.onnx"
         if not graph.is_file():
             provisional = provisional_entry(fp32_graph, facts, backend="onnxruntime-portable")
             build_quantized(fp32_graph, graph, p, cache, facts, provisional, log, calibration_texts,
-                            float_layers=float_layers, float_gemms=float_gemms)
+                            float_layers=float_layers, float_gemms=float_gemms, outliers=outliers)
         build = {**build, **json.loads(graph.with_suffix(".json").read_text())}
         session_config = dict(QDQ_SESSION)
     if p != "fp32":  # on the CPU, on the very graph a GPU backend compiles

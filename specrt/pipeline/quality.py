@@ -37,11 +37,12 @@ def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
 
 def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, facts: dict, entry, log,
                     calibration_texts: int, lm_head_fp32: bool = True, float_layers: int = 0,
-                    float_gemms: tuple[str, ...] = ()) -> dict:
+                    float_gemms: tuple[str, ...] = (), outliers: int = 0) -> dict:
     """out (+ .data): the Q/DQ graph of fp32_graph at `precision`, calibrated on `calibration_texts` packaged texts
     (stdlib code and doc questions, never the bench's prompts) -> its build facts. float_layers: the first and
     last that many decoder layers keep their GEMMs in float; float_gemms: every layer's GEMMs of these kinds
-    (build.quantize.GEMM_KINDS) too. Written whole or not at all."""
+    (build.quantize.GEMM_KINDS) too; outliers: per activation, its input channels of largest amax kept in float
+    (build.quantize.insert_qdq). Written whole or not at all."""
     import onnx
 
     from ..build.gptq import calibration_texts as texts
@@ -54,22 +55,25 @@ def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, fa
     keep += (LOGITS,) if lm_head_fp32 else ()
     seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
     log(f"calibrating {precision} activations on {len(seqs)} texts")
-    info = _write_qdq(fp32_graph, out, precision, (prefill_feed(entry, s, 512) for s in seqs), keep, log)
+    info = _write_qdq(fp32_graph, out, precision, (prefill_feed(entry, s, 512) for s in seqs), keep, log, outliers)
     info["calibration_texts"], info["float_layers"], info["float_gemms"] = len(seqs), float_layers, list(float_gemms)
     out.with_suffix(".json").write_text(json.dumps(info))
     return info
 
 
-def _write_qdq(fp32_graph: Path, out: Path, precision: str, feeds, keep: tuple[str, ...], log) -> dict:
+def _write_qdq(fp32_graph: Path, out: Path, precision: str, feeds, keep: tuple[str, ...], log,
+               outliers: int = 0) -> dict:
     """out (+ .data), whole or not at all: fp32_graph calibrated on feeds (the statistics `precision` needs) with
     Q/DQ inserted around its GEMMs but those in keep -> insert_qdq's facts."""
-    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, WEIGHT_ONLY, calibrate, insert_qdq
+    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, SMOOTHQUANT_ALPHA_SPLIT, WEIGHT_ONLY, calibrate, \
+        insert_qdq
 
     calib = calibrate(fp32_graph, feeds, sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
     try:
         info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=keep,
-                          smooth=SMOOTHQUANT_ALPHA if precision == "int8" else None, log=log)
+                          smooth=(SMOOTHQUANT_ALPHA_SPLIT if outliers else SMOOTHQUANT_ALPHA) if precision == "int8"
+                          else None, outliers=outliers, log=log)
         shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
         shutil.move(str(part / out.name), str(out))
     finally:
