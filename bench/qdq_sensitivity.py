@@ -82,7 +82,8 @@ def main(argv=None) -> None:
                     help="clip every activation's calibrated range at the P-th percentile of its tokens' max |x| "
                          "(4,096 sampled tokens; 100 = the max, as the build does)")
     ap.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
-                    help="SmoothQuant's migration strength (default: the build's, int8 only; fp8 has none)")
+                    help="SmoothQuant's migration strength (default: the build's for this precision and "
+                         "--outlier-channels; fp8 has none)")
     ap.add_argument("--outlier-channels", type=int, default=0, metavar="N",
                     help="keep each activation's N input channels of largest amax in float (LLM.int8()'s split)")
     ap.add_argument("--variants", default="", metavar="PREFIX[,PREFIX...]",
@@ -93,7 +94,7 @@ def main(argv=None) -> None:
 
     from ..build.gptq import calibration_texts as texts
     from ..build.quantize import GEMM_KINDS as KINDS
-    from ..build.quantize import SMOOTHQUANT_ALPHA, calibrate, float_kind_gemms, gemm_layers, insert_qdq
+    from ..build.quantize import calibrate, float_kind_gemms, gemm_layers, insert_qdq, smoothquant_alpha
     from ..interface import LOGITS
     from ..pipeline.parity import prefill_feed
     from ..pipeline.quality import _sequences, measure_quality
@@ -131,8 +132,8 @@ def main(argv=None) -> None:
     if args.outlier_channels and any(k.startswith("activations only") for k in variants):
         raise SystemExit("error: the activations-only variant reads whole weights; with --outlier-channels, pick "
                          "other --variants")
-    smooth = args.smoothquant if args.smoothquant is not None else (
-        SMOOTHQUANT_ALPHA if args.precision == "int8" else None)
+    smooth = args.smoothquant if args.smoothquant is not None else smoothquant_alpha(args.precision,
+                                                                                     args.outlier_channels)
     with tempfile.TemporaryDirectory() as tmp:
         for label, keep in variants.items():
             t = time.time()

@@ -43,6 +43,13 @@ AWQ_ROWS = 512             # calibration positions per activation the scale sear
 AWQ_ALPHAS = tuple(round(a * 0.1, 1) for a in range(11))
 
 
+def smoothquant_alpha(precision: str, outliers: int) -> float | None:
+    """The SmoothQuant migration a target at `precision` is built with (int8 only; less with the outlier split)."""
+    if precision != "int8":
+        return None
+    return SMOOTHQUANT_ALPHA_SPLIT if outliers else SMOOTHQUANT_ALPHA
+
+
 def outliers_for(precision: str, asked: int | None) -> int:
     """The outlier channels a target at `precision` keeps in float: what was asked (None: the precision's
     default); none for a precision whose activations are float anyway (int4-awq)."""

@@ -65,15 +65,13 @@ def _write_qdq(fp32_graph: Path, out: Path, precision: str, feeds, keep: tuple[s
                outliers: int = 0) -> dict:
     """out (+ .data), whole or not at all: fp32_graph calibrated on feeds (the statistics `precision` needs) with
     Q/DQ inserted around its GEMMs but those in keep -> insert_qdq's facts."""
-    from ..build.quantize import AWQ_ROWS, SMOOTHQUANT_ALPHA, SMOOTHQUANT_ALPHA_SPLIT, WEIGHT_ONLY, calibrate, \
-        insert_qdq
+    from ..build.quantize import AWQ_ROWS, WEIGHT_ONLY, calibrate, insert_qdq, smoothquant_alpha
 
     calib = calibrate(fp32_graph, feeds, sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
     try:
         info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=keep,
-                          smooth=(SMOOTHQUANT_ALPHA_SPLIT if outliers else SMOOTHQUANT_ALPHA) if precision == "int8"
-                          else None, outliers=outliers, log=log)
+                          smooth=smoothquant_alpha(precision, outliers), outliers=outliers, log=log)
         shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
         shutil.move(str(part / out.name), str(out))
     finally:
