@@ -231,8 +231,7 @@ class Generator:
         store = self.prefix_store
         if store is None:
             return live
-        key, kept_n = store.best(ids, limit)
-        kept = store.take(key) if key is not None and kept_n > live else None
+        kept, kept_n = store.claim(ids, limit, live)
         if len(self._held) - live >= SAVE_MIN_LOST:  # this request keeps `live` tokens of it at most
             self._save_live(decode)
         if kept is None:

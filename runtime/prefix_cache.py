@@ -3,9 +3,10 @@
 One engine holds one sequence's cache (the `live` one: the last request's prompt + answer). A request that would
 overwrite much of it (another conversation's turn; SAVE_MIN_LOST tokens or more) saves it here first, and
 a kept sequence that shares a longer prefix with the request than the live one goes back into the engine, so the
-request prefills only the rest (Generator._reuse). Saved caches are host copies (Engine.save_prefix) of the target
-and of any proposer that keeps a cache of its own (a draft model), bounded by a byte budget, like llama.cpp's
-server `--cache-ram`.
+request prefills only the rest (Generator._reuse; a kept sequence the request shares only a head with, another
+conversation's under the same system prompt, is copied back and stays kept). Saved caches are host copies
+(Engine.save_prefix) of the target and of any proposer that keeps a cache of its own (a draft model), bounded by a
+byte budget, like llama.cpp's server `--cache-ram`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def _locked(method):
     import functools
 
     @functools.wraps(method)
-    def run(self, *args):
+    def run(self, *args, **kwargs):
         with self._lock:
-            return method(self, *args)
+            return method(self, *args, **kwargs)
     return run
 
 
@@ -99,6 +100,23 @@ class PrefixStore:
     def take(self, key: int) -> Kept:
         """Remove a kept sequence and return it (it goes back into the engine)."""
         return self._kept.pop(key)
+
+    @_locked
+    def claim(self, ids, limit: int, longer_than: int) -> tuple[Kept | None, int]:
+        """The kept sequence sharing the longest prefix with ids (at most limit), if that is more than longer_than
+        tokens, and that length; (None, 0) otherwise. One that the request extends (it would overwrite fewer than
+        SAVE_MIN_LOST of its tokens) leaves the store, as the engine holds it from now on; one it shares only a
+        head with (another conversation under the same system prompt) stays, as the most recently used, so that
+        conversation's next turn still finds it. One step under the lock: the slots of a batch claim at once."""
+        key, n = self.best(ids, limit)
+        if key is None or n <= longer_than:
+            return None, 0
+        kept = self._kept[key]
+        if len(kept.ids) - n >= SAVE_MIN_LOST:
+            self._kept.move_to_end(key)
+        else:
+            del self._kept[key]
+        return kept, n
 
     @_locked
     def put(self, kept: Kept) -> bool:

@@ -232,6 +232,48 @@ def test_the_prefix_store_evicts_the_least_recently_used_within_its_budget():
     assert store.take(store.best(c, len(c))[0]).ids == c and len(store) == 1
 
 
+def test_a_kept_sequence_shared_only_in_its_head_stays_kept():
+    """claim: a request extending a kept sequence takes it out of the store; one sharing only its head (another
+    conversation under the same system prompt) gets it and leaves it kept, so its own conversation finds it."""
+    from specrt.runtime.engine import KVSnapshot
+    from specrt.runtime.prefix_cache import SAVE_MIN_LOST, Kept, PrefixStore
+
+    system = list(range(100, 120))
+    a = system + list(range(500, 500 + 2 * SAVE_MIN_LOST))
+    store = PrefixStore(1 << 20)
+    store.put(Kept(list(a), KVSnapshot(len(a), [np.zeros(8, np.uint8)])))
+    other = system + [7, 8, 9]
+    assert store.claim(other, len(other) - 1, longer_than=len(system)) == (None, 0)  # the engine holds as much
+    for _ in range(2):  # two conversations under that system prompt, one after the other (or two slots at once)
+        kept, n = store.claim(other, len(other) - 1, longer_than=0)
+        assert kept.ids == a and n == len(system) and len(store) == 1
+    turn = a[:-SAVE_MIN_LOST + 1] + [1, 2]  # a's next turn rewrites fewer than SAVE_MIN_LOST of its tokens
+    kept, n = store.claim(turn, len(turn) - 1, longer_than=0)
+    assert kept.ids == a and n == len(a) - SAVE_MIN_LOST + 1 and len(store) == 0
+
+
+def test_another_conversation_under_the_same_system_prompt_leaves_the_first_one_kept(tiny_engines):
+    """One engine, a prefix store: conversation A, an unrelated request, then B under A's system prompt (which
+    reuses A's head from the store), then A's next turn, which must still find all of A's first turn."""
+    from specrt.runtime.prefix_cache import MIB, PrefixStore
+    from specrt.runtime.tokenizer import Message
+
+    greedy = SamplingParams(temperature=0.0)
+    session = load(tiny_engines, "fp32", "off")
+    session.enable_reuse(PrefixStore(64 * MIB))
+    fresh = load(tiny_engines, "fp32", "off")
+    system = Message("system", "You answer questions about rivers, lakes and seas in one short sentence.")
+    a = [system, Message("user", "Which is the longest river of South America, and where does it rise?")]
+    first = session.generate(list(a), max_new_tokens=8, sampling=greedy)
+    session.generate("Unrelated text that shares nothing with it.", chat=False, max_new_tokens=4, sampling=greedy)
+    b = session.generate([system, Message("user", "Name a lake.")], max_new_tokens=4, sampling=greedy)
+    assert 0 < b.stats.cached_tokens < first.stats.prompt_tokens - 20  # the system prompt, from A's kept cache
+    a += [Message("assistant", first.text), Message("user", "And the second longest?")]
+    again = session.generate(list(a), max_new_tokens=8, sampling=greedy)
+    assert again.stats.cached_tokens >= first.stats.prompt_tokens
+    assert again.token_ids == fresh.generate(list(a), max_new_tokens=8, sampling=greedy).token_ids
+
+
 def test_save_and_load_prefix_put_a_sequence_back_on_the_cpu_backends(tiny_engines, reference_set):
     for root in (tiny_engines, reference_set):
         eng = load(root).engine
