@@ -19,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..interface import ACTIVATION_QDQ
+
+
 def drop_activation_qdq(path: Path) -> None:
     """The Q/DQ graph at path with its activations' QuantizeLinear/DequantizeLinear pairs removed (weights stay
     quantized): each GEMM reads its float input again."""
@@ -76,7 +79,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("export_cache", type=Path, help="an export's cache folder (engines/.cache/export-...), built "
                     "with `specrt engines --backend onnxruntime-portable`")
-    ap.add_argument("--precision", default="fp8", choices=("fp8", "int8"))
+    ap.add_argument("--precision", default="fp8", choices=ACTIVATION_QDQ)
     ap.add_argument("--calibration-texts", type=int, default=32)
     ap.add_argument("--clip-percentile", type=float, default=100.0, metavar="P",
                     help="clip every activation's calibrated range at the P-th percentile of its tokens' max |x| "

@@ -53,7 +53,9 @@ def smoothquant_alpha(precision: str, outliers: int) -> float | None:
 def outliers_for(precision: str, asked: int | None) -> int:
     """The outlier channels a target at `precision` keeps in float: what was asked (None: the precision's
     default); none for a precision whose activations are float anyway (int4-awq)."""
-    if precision not in ("fp8", "int8"):
+    from ..interface import ACTIVATION_QDQ
+
+    if precision not in ACTIVATION_QDQ:
         return 0
     return DEFAULT_OUTLIERS.get(precision, 0) if asked is None else asked
 

@@ -136,6 +136,8 @@ PORTABLE_CACHE_DIMS = ("batch", "num_kv_heads", "capacity", "head_dim")
 # (build/quantize.py)
 PORTABLE_DTYPES = {"fp32": "float32", "fp16": "float16", "fp8": "float32", "int8": "float32", "int4-awq": "float32"}
 QDQ_PRECISIONS = ("fp8", "int8", "int4-awq")
+# the Q/DQ precisions that quantize GEMM inputs too (int4-awq's stay float): outlier channels and the sensitivity scan
+ACTIVATION_QDQ = ("fp8", "int8")
 
 
 def portable_signature(num_layers: int, sizes: dict, cache_dtype: str) -> tuple[list, list]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecrtError
-from ..interface import QDQ_PRECISIONS
+from ..interface import ACTIVATION_QDQ, QDQ_PRECISIONS
 from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
 from .buildcache import one_build_at_a_time, swap_into_place
 from .engines import build_engine, chat_template
@@ -80,7 +80,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     portable = req.backend in PORTABLE_BACKENDS
     for p in ([] if portable else built):
         precision(p)
-    if req.outlier_channels and not (portable and any(p in ("fp8", "int8") for p in req.precisions)):
+    if req.outlier_channels and not (portable and any(p in ACTIVATION_QDQ for p in req.precisions)):
         raise SpecrtError("--outlier-channels applies to fp8 and int8 targets of the portable backends "
                           "(onnxruntime-portable, onnxruntime-cuda, tensorrt); add one to --precisions, or drop it")
     if portable and any(p in QDQ_PRECISIONS for p in built):
