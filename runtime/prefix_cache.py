@@ -97,11 +97,6 @@ class PrefixStore:
                    for k in self._kept.values())
 
     @_locked
-    def take(self, key: int) -> Kept:
-        """Remove a kept sequence and return it (it goes back into the engine)."""
-        return self._kept.pop(key)
-
-    @_locked
     def claim(self, ids, limit: int, longer_than: int) -> tuple[Kept | None, int]:
         """The kept sequence sharing the longest prefix with ids (at most limit), if that is more than longer_than
         tokens, and that length; (None, 0) otherwise. One that the request extends (it would overwrite fewer than

@@ -229,7 +229,8 @@ def test_the_prefix_store_evicts_the_least_recently_used_within_its_budget():
     assert len(store) == 2 and store.evictions == 1 and store.nbytes == 200 and not store.holds(a)
     assert not store.put(kept([4], 251)) and len(store) == 2  # alone over budget: not kept, nothing evicted
     assert store.put(kept(b + [5, 6], 100)) and len(store) == 2 and not store.holds(b)  # b's next turn replaces it
-    assert store.take(store.best(c, len(c))[0]).ids == c and len(store) == 1
+    kept_c, n = store.claim(c, len(c), 0)  # a request extending c takes it out
+    assert kept_c.ids == c and n == len(c) and len(store) == 1
 
 
 def test_a_kept_sequence_shared_only_in_its_head_stays_kept():
