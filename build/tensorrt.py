@@ -1,28 +1,35 @@
-"""TensorRT backend: the portable decoder graph (export/portable.py) -> a serialized TensorRT engine.
+"""TensorRT backends: the portable decoder graph (export/portable.py) -> a serialized TensorRT engine, by regular
+TensorRT (on the GPU that will run it) or TensorRT for RTX (ahead of time, on any machine, for the GPU
+architectures named): one build, the compiler a small descriptor (`Compiler`), as Polygraphy keeps TensorRT for
+RTX as a config over its TensorRT backend.
 
 The network is strongly typed (precision comes from the graph: an fp16 graph gives an fp16 engine; TensorRT 11
 has no other kind), and TF32 is off by default so an fp32 engine stays within fp32 parity of the CPU reference.
+Attention in fp32 has no dedicated kernel in either compiler, so fp32 attention layers are marked decomposable
+(IAttention.decomposable) after parsing; fp16 attention (every Q/DQ precision's base) keeps the dedicated kernels.
 Two optimization profiles, in this order (runtime/backends/tensorrt.py opens one execution context on each):
 prefill (1..max_prompt tokens, one sequence) and decode/verify (1..max_width tokens, the widths CUDA graphs
 capture, for 1..MAX_BATCH sequences: several streams' passes at once).
 TensorRT's KV-cache update (what the parser makes of TensorScatter) wants a static sequence dimension, so the
 cache capacity is fixed at max_capacity in the graph handed to the parser: every pass then attends
 over max_capacity slots, the mask hiding the unused ones. The timing cache is read and written back, so
-rebuilds on one GPU reuse their kernel timings. A serialized engine runs only under the TensorRT version and on
-the GPU architecture it was built with, which is why the facts record both.
+rebuilds on one GPU reuse their kernel timings. A serialized engine runs only under the compiler version and on
+the GPU architectures it was built for, which is why the facts record both.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import os
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecrtError, first_line
-from ..interface import PAST_PREFIX, PORTABLE_CACHE_DIMS, PORTABLE_INPUTS
+from ..interface import EAGLE_INPUTS, PAST_PREFIX, PORTABLE_CACHE_DIMS, PORTABLE_INPUTS
 
-INSTALL = ("TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your CUDA) on a "
-           "machine with an NVIDIA GPU; --backend tensorrt needs it")
 PREFILL_OPT, DECODE_OPT = 256, 8  # the widths TensorRT tunes each profile's kernels for
 MAX_BATCH = 8  # sequences one decode pass takes (--parallel); its kernels are tuned for one (the opt shape)
 WORKSPACE = 4 << 30  # bytes of scratch TensorRT may use while building and running
@@ -31,13 +38,64 @@ WORKSPACE = 4 << 30  # bytes of scratch TensorRT may use while building and runn
 CAPACITY_ALIGN = 64
 
 
+@dataclass(frozen=True)
+class Compiler:
+    """A TensorRT compiler: the backend it builds for, its Python module, how to install it, and whether it
+    compiles ahead of time for named GPU architectures (no GPU needed) or for the GPU it runs on."""
+
+    backend: str
+    module: str
+    label: str
+    install: str
+    ahead_of_time: bool
+
+    def require(self):
+        """The compiler's module, or a one-line SpecrtError naming the package to install."""
+        try:
+            return importlib.import_module(self.module)
+        except ImportError:
+            raise SpecrtError(self.install) from None
+
+
+TENSORRT = Compiler("tensorrt", "tensorrt", "TensorRT",
+                    "TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your CUDA) on "
+                    "a machine with an NVIDIA GPU; --backend tensorrt needs it", ahead_of_time=False)
+TENSORRT_RTX = Compiler("tensorrt-rtx", "tensorrt_rtx_bindings", "TensorRT for RTX",
+                        "TensorRT for RTX is not installed: `pip install 'specrt[tensorrt-rtx]'` "
+                        "(tensorrt-rtx-cu13-libs and -bindings 1.7.1.116); --backend tensorrt-rtx needs it",
+                        ahead_of_time=True)
+COMPILERS = {c.backend: c for c in (TENSORRT, TENSORRT_RTX)}
+INSTALL = TENSORRT.install
+
+# TensorRT for RTX's targets (its ComputeCapability enum: no SM90, Hopper is regular TensorRT's) and its default
+# set (docs: "CPU-Only AOT and TensorRT-RTX Engines"); the architectures with FP8 tensor cores (its support matrix)
+GPU_ARCHS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+DEFAULT_GPU_ARCHS = ("sm80", "sm86", "sm89", "sm120")
+FP8_ARCHS = ("sm89", "sm120", "sm121")
+
+
+def check_gpu_archs(archs: tuple[str, ...], precisions: tuple[str, ...]) -> tuple[str, ...]:
+    """--gpu-arch, checked before any work -> the architectures, lower case, in GPU_ARCHS' order."""
+    archs = tuple(a.strip().lower() for a in archs if a.strip())
+    bad = [a for a in archs if a not in GPU_ARCHS]
+    if bad:
+        hint = " (Hopper data-center GPUs are regular TensorRT's: --backend tensorrt)" if bad[0] == "sm90" else ""
+        raise SpecrtError(f"--gpu-arch {bad[0]} is not an architecture TensorRT for RTX compiles for{hint}; use some "
+                          f"of {', '.join(GPU_ARCHS)}")
+    if not archs:
+        raise SpecrtError(f"--gpu-arch is empty; name some of {', '.join(GPU_ARCHS)} (default: "
+                          f"{','.join(DEFAULT_GPU_ARCHS)})")
+    lacking = [a for a in archs if a not in FP8_ARCHS]
+    if "fp8" in precisions and lacking:
+        fp8 = ",".join(a for a in archs if a in FP8_ARCHS) or "sm89,sm120"
+        raise SpecrtError(f"fp8 needs FP8 tensor cores, which {', '.join(lacking)} lack; build fp8 with --gpu-arch "
+                          f"{fp8} (Ada and later), or drop fp8")
+    return tuple(a for a in GPU_ARCHS if a in archs)
+
+
 def require_tensorrt():
     """The tensorrt module, or a one-line SpecrtError naming the package to install."""
-    try:
-        import tensorrt
-    except ImportError:
-        raise SpecrtError(INSTALL) from None
-    return tensorrt
+    return TENSORRT.require()
 
 
 def compute_capability() -> str | None:
@@ -66,7 +124,7 @@ def profile_shapes(inputs: dict[str, tuple[int, ...]], seq: tuple[int, int, int]
     """The (min, opt, max) shape of every input of a portable decoder network for one profile. inputs: name ->
     the network's shape (-1 where dynamic); seq, logits, capacity, batch: (min, opt, max) of those dims (batch:
     the sequences of one pass, runtime/backends/cuda_batch.py). A dim the network fixes keeps its size."""
-    axes = {name: dims for name, dims, _ in PORTABLE_INPUTS}
+    axes = {name: dims for name, dims, _ in (*PORTABLE_INPUTS, *EAGLE_INPUTS)}  # an EAGLE head: features too
     ranges = {"batch": batch, "seq": seq, "num_logits": logits, "capacity": capacity}
     out = {}
     for name, shape in inputs.items():
@@ -97,19 +155,31 @@ def fix_capacity(onnx_path: Path, capacity: int) -> bytes:
 
 
 def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width: int, max_capacity: int,
-                 opt_level: int = 3, fp32_parity: bool = True, timing_cache: Path, workspace: int = WORKSPACE,
-                 max_batch: int = MAX_BATCH) -> dict:
+                 opt_level: int = 3, fp32_parity: bool = True, timing_cache: Path | None = None,
+                 workspace: int = WORKSPACE,
+                 max_batch: int = MAX_BATCH, compiler: Compiler = TENSORRT, gpu_archs: tuple[str, ...] = (),
+                 name: str | None = None, heads: bool = False) -> dict:
     """Build the engine of the portable graph at onnx_path into out_path (written whole or not at all) -> facts:
-    tensorrt (version), compute_capability, profiles, static_capacity (the fixed cache capacity), opt_level, tf32,
-    build_s, engine_bytes. max_capacity: the largest cache layout (max_context + max_width), rounded up to
-    CAPACITY_ALIGN; fp32_parity: TF32 off; max_batch: sequences per decode pass (prefills run one at a time)."""
-    trt = require_tensorrt()
-    logger = trt.Logger(trt.Logger.WARNING)
+    compiler, version, tensorrt (regular TensorRT's version, which the runtime checks), compute_capability (the
+    building GPU's) or gpu_archs (ahead of time), profiles, static_capacity (the fixed cache capacity), opt_level,
+    tf32, decomposable_attention, build_s, engine_bytes, onnx_sha256 (graph and weights), log (the compiler's log,
+    kept beside the engine). max_capacity: the largest cache layout (max_context + max_width), rounded up to
+    CAPACITY_ALIGN; fp32_parity: TF32 off; max_batch: sequences per decode pass (prefills run one at a time);
+    gpu_archs: TensorRT for RTX's targets (check_gpu_archs; () = its default set); name: the engine's name in
+    errors; heads: a Medusa heads graph (its rows, every dynamic dim, 1..max_width in one profile) instead of a
+    portable decoder or EAGLE head. A parser or builder failure is one line naming the engine, the node or the
+    first error, the ONNX file and the log file."""
+    trt = compiler.require()
+    name = name or Path(onnx_path).stem
+    log_path = Path(str(out_path) + ".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logger = _file_logger(trt, log_path)
     try:
         builder = trt.Builder(logger)
     except Exception as e:  # no GPU, or a driver TensorRT cannot use
-        raise SpecrtError(f"TensorRT cannot start a builder ({first_line(e)}); build TensorRT engines on the "
-                          "machine with the NVIDIA GPU that will run them") from None
+        raise SpecrtError(f"{compiler.label} cannot start a builder ({first_line(e)}); build TensorRT engines on the "
+                          "machine with the NVIDIA GPU that will run them, or compile them ahead of time with "
+                          "--backend tensorrt-rtx") from None
     # TensorRT 11 networks are always strongly typed (the flag is kept there, deprecated and ignored)
     strongly = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if strongly is None else 1 << int(strongly))
@@ -117,22 +187,31 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     max_capacity = -(-max_capacity // CAPACITY_ALIGN) * CAPACITY_ALIGN
     model = fix_capacity(onnx_path, max_capacity)
     if not parser.parse(model, str(onnx_path)):
-        errors = [first_line(parser.get_error(i)) for i in range(parser.num_errors)] or ["no error reported"]
-        raise SpecrtError(f"TensorRT {trt.__version__} cannot parse '{onnx_path}': {errors[0]}"
+        errors = [parser.get_error(i) for i in range(parser.num_errors)]
+        raise SpecrtError(f"{compiler.label} {trt.__version__} cannot parse {name} ('{onnx_path}'): "
+                          + (_parser_error(errors[0]) if errors else "no error reported")
                           + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")
-                          + "; rebuild the set with `specrt engines --backend onnxruntime-portable` instead")
+                          + f"; full log in {log_path}")
+    decomposable = mark_decomposable(trt, network)
     config = builder.create_builder_config()
     config.builder_optimization_level = opt_level
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
     if fp32_parity:
         config.clear_flag(trt.BuilderFlag.TF32)
-    timing_cache = Path(timing_cache)
-    try:
-        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
-    except Exception:  # noqa: BLE001 -- an unreadable cache file is only lost timings
-        cache = None
-    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):  # another GPU's: start anew
-        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+    if compiler.ahead_of_time:  # our own CUDA-graph capture needs it (TensorRT for RTX 1.2 release notes)
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
+    if gpu_archs:
+        config.num_compute_capabilities = len(gpu_archs)
+        for i, arch in enumerate(gpu_archs):
+            config.set_compute_capability(getattr(trt.ComputeCapability, arch.upper()), i)
+    timing_cache = None if compiler.ahead_of_time else Path(timing_cache)  # nothing is timed without a GPU
+    if timing_cache is not None:
+        try:
+            cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+        except Exception:  # noqa: BLE001 -- an unreadable cache file is only lost timings
+            cache = None
+        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):  # another GPU's: start anew
+            config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
     inputs = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)}
     capacity = (max_capacity, max_capacity, max_capacity)
     ranges = {"prefill": {"seq": (1, min(PREFILL_OPT, max_prompt), max_prompt), "num_logits": (1, 1, max_width),
@@ -140,24 +219,107 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
               "decode": {"seq": (1, min(DECODE_OPT, max_width), max_width),
                          "num_logits": (1, min(DECODE_OPT, max_width), max_width), "capacity": capacity,
                          "batch": (1, 1, max_batch)}}
-    for r in ranges.values():  # prefill first, then decode: the runtime's profile indices
+    if heads:
+        rows = (1, 1, max_width)
+        ranges = {"heads": {"rows": rows}}
+        shapes = [{k: tuple(tuple(d if d > 0 else rows[i] for d in dims) for i in range(3))
+                   for k, dims in inputs.items()}]
+    else:
+        shapes = [profile_shapes(inputs, r["seq"], r["num_logits"], r["capacity"], r["batch"])
+                  for r in ranges.values()]
+    for each in shapes:  # prefill first, then decode: the runtime's profile indices
         profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in profile_shapes(inputs, r["seq"], r["num_logits"], r["capacity"],
-                                                  r["batch"]).items():
-            profile.set_shape(name, lo, opt, hi)
+        for input_name, (lo, opt, hi) in each.items():
+            profile.set_shape(input_name, lo, opt, hi)
         config.add_optimization_profile(profile)
     t0 = time.perf_counter()
     blob = builder.build_serialized_network(network, config)
     if blob is None:
-        raise SpecrtError(f"TensorRT {trt.__version__} could not build an engine from '{onnx_path}' (see its log "
-                          "above); rebuild the set with `specrt engines --backend onnxruntime-portable` instead")
+        raise SpecrtError(f"{compiler.label} {trt.__version__} could not build {name} from '{onnx_path}': "
+                          f"{logger.first_error() or 'no error reported'}; full log in {log_path}")
     build_s = time.perf_counter() - t0
     _write_atomic(Path(out_path), memoryview(blob))
-    _write_atomic(timing_cache, memoryview(config.get_timing_cache().serialize()))
-    return {"tensorrt": trt.__version__, "compute_capability": compute_capability(),
-            "profiles": {k: {dim: list(v) for dim, v in r.items()} for k, r in ranges.items()},
-            "static_capacity": max_capacity, "opt_level": opt_level,
-            "tf32": not fp32_parity, "build_s": round(build_s, 1), "engine_bytes": Path(out_path).stat().st_size}
+    if timing_cache is not None:
+        _write_atomic(timing_cache, memoryview(config.get_timing_cache().serialize()))
+    facts = {"compiler": compiler.backend, "version": trt.__version__}
+    facts.update({"gpu_archs": list(gpu_archs or DEFAULT_GPU_ARCHS)} if compiler.ahead_of_time else
+                 {"tensorrt": trt.__version__, "compute_capability": compute_capability()})
+    return {**facts, "profiles": {k: {dim: list(v) for dim, v in r.items()} for k, r in ranges.items()},
+            "static_capacity": max_capacity, "opt_level": opt_level, "tf32": not fp32_parity,
+            "decomposable_attention": decomposable, "build_s": round(build_s, 1),
+            "engine_bytes": Path(out_path).stat().st_size, "onnx_sha256": onnx_sha256(Path(onnx_path)),
+            "log": log_path.name}
+
+
+def mark_decomposable(trt, network) -> int:
+    """Mark every fp32 attention of a parsed network decomposable (IAttention.decomposable: TensorRT may split it
+    into MatMul/Softmax layers); neither compiler has a dedicated fp32 attention kernel and both refuse such a layer
+    otherwise. fp16 attention keeps its dedicated kernel. -> how many were marked."""
+    kind = getattr(trt.LayerType, "ATTENTION_OUTPUT", None)
+    marked = 0
+    for i in range(network.num_layers if kind is not None else 0):
+        layer = network.get_layer(i)
+        if layer.type != kind:
+            continue
+        layer.__class__ = trt.IAttentionOutputLayer  # TensorRT's Python way to reach a layer's own interface
+        attention = layer.attention
+        if attention.get_input(0).dtype == trt.float32:
+            attention.decomposable = True
+            marked += 1
+    return marked
+
+
+def onnx_sha256(path: Path) -> str:
+    """sha256 over an ONNX graph and its external weights (path, then path.data when there is one)."""
+    h = hashlib.sha256()
+    for f in (path, Path(str(path) + ".data")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def _parser_error(e) -> str:
+    """One parser error in a line: the node (name and op) and the first line of its description."""
+    try:
+        node = f"node '{e.node_name()}' ({e.node_operator()}): " if e.node_name() else ""
+        return node + first_line(e.desc())
+    except AttributeError:  # an older parser's error object
+        return first_line(str(e))
+
+
+def _file_logger(trt, path: Path):
+    """A TensorRT logger that writes every message to path (warnings and up; the console stays quiet) and keeps
+    the first error for the one-line failure."""
+
+    class FileLogger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+            self._file = open(path, "w", encoding="utf-8")
+
+        def log(self, severity, msg):
+            if severity <= trt.ILogger.Severity.WARNING:
+                self._file.write(f"[{severity.name}] {msg}\n")
+                self._file.flush()
+            if severity <= trt.ILogger.Severity.ERROR:
+                self.errors.append(msg)
+
+        def first_error(self) -> str | None:
+            """The most telling error in a line: the builder's own (its last), without TensorRT's source locations
+            and exception names, at most 300 characters."""
+            if not self.errors:
+                return None
+            text = " ".join(self.errors[-1].split())
+            text = re.sub(r"\[[^\]]*\.(cpp|h)[^\]]*\]:? ?", "", text)  # [file.cpp:12: fn] locations
+            text = re.sub(r" In \w+ at /\S+", "", text)
+            text = re.sub(r"Error Code \d+: (\w+) \((.*?)\.?\)?$", r"\1: \2", text)
+            for marker in ("Internal Error: ", "MyelinCheckException: ", "IBuilder::buildSerializedNetwork: "):
+                text = text.split(marker, 1)[-1]
+            return text[:300] + ("..." if len(text) > 300 else "")
+
+    return FileLogger()
 
 
 def _write_atomic(path: Path, data) -> None:

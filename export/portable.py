@@ -33,7 +33,7 @@ from .graph import _Graph, read_initializers
 
 OPSET = 24
 IR_VERSION = 10
-FORMAT = 2  # bump when this graph changes: the pipeline keys its cache on it
+FORMAT = 3  # bump when this graph changes: the pipeline keys its cache on it
 _TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64}
 
 
@@ -104,21 +104,24 @@ def build_portable_decoder(spec: dict, weights: dict[str, np.ndarray], max_conte
         g.op("TensorScatter", [value, v4, WRITE_INDICES], axis=-2, name=present_name(i, "value"))
         att = g.op("Attention", [q4, present_name(i, "key"), present_name(i, "value"), mask], name=f"layers.{i}.attn")
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), shape_out])
-        o = g.op("MatMul", [att, w(p + "self_attn.o_proj.weight_t")])
+        o = g.op("MatMul", [att, w(p + "self_attn.o_proj.weight_t")], name=f"layers.{i}.o")
         if spec["o_bias"]:
             o = g.op("Add", [o, w(p + "self_attn.o_proj.bias")])
         x = g.op("Add", [x, o])
         gate, up = g.op("Split", [g.op("MatMul", [rmsnorm(x, p + "post_attention_layernorm.weight"),
-                                                  w(p + "mlp.gate_up_proj.weight_t")]), split_gu], n_out=2, axis=2)
+                                                  w(p + "mlp.gate_up_proj.weight_t")], name=f"layers.{i}.gateup"),
+                                  split_gu], n_out=2, axis=2)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, g.op("MatMul", [act, w(p + "mlp.down_proj.weight_t")])])
+        x = g.op("Add", [x, g.op("MatMul", [act, w(p + "mlp.down_proj.weight_t")], name=f"layers.{i}.down")])
     final = rmsnorm(x, "model.norm.weight", name=HIDDEN_STATES if fp32 else "final_norm")
     if not fp32:
         g.op("Cast", [final], to=TensorProto.FLOAT, name=HIDDEN_STATES)
     rows = g.op("Gather", [final, LOGITS_INDICES], axis=1)  # [B, N, H]
-    logits = g.op("MatMul", [rows, w("lm_head.weight_t")], name=LOGITS if fp32 else "")
+    logits = g.op("MatMul", [rows, w("lm_head.weight_t")], name=LOGITS if fp32 else "logits_half")
+    g.nodes[-1].name = LOGITS  # every precision's GEMMs have one set of names (build/quantize.py keeps them by name)
     if not fp32:
         g.op("Cast", [logits], to=TensorProto.FLOAT, name=LOGITS)
+        g.nodes[-1].name = LOGITS + ".cast"  # node names stay unique (TensorRT names its layers by them)
     g.op("ArgMax", [LOGITS], axis=-1, keepdims=0, name=GREEDY_TOKENS)
 
     sizes = {"num_kv_heads": kv, "head_dim": d, "hidden_size": spec["hidden_size"], "vocab_size": spec["vocab_size"]}

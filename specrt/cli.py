@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from .backends import BACKENDS
 from .errors import SpecrtError
 
 
@@ -110,11 +111,13 @@ def engines(
         help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "
              "(0-1; default 0.85, int4-awq 0.70); below it the build fails."),
     backend: str = typer.Option("onnxruntime", "--backend", "-b",
-                                help="onnxruntime (CPU, fused kernels, the fastest here); onnxruntime-portable "
-                                     "(the standard-op graph GPUs compile, run on the CPU: their parity reference); "
-                                     "onnxruntime-cuda (onnxruntime-gpu's CUDA EP with CUDA graphs); tensorrt "
-                                     "(serialized TensorRT engines, built on the GPU that runs them). The set's "
-                                     "default name gets -portable, -cuda or -tensorrt."),
+                                help="; ".join(f"{b.name} ({b.help})" for b in BACKENDS.values() if b.precisions)
+                                + ". The set's default name gets the backend's suffix (-portable, -cuda, ...)."),
+    gpu_arch: Optional[str] = typer.Option(
+        None, "--gpu-arch", metavar="ARCHS",
+        help="tensorrt-rtx: the GPU architectures to compile for, comma-separated: sm75 (Turing), sm80/sm86 "
+             "(Ampere), sm89 (Ada), sm120/sm121 (Blackwell). Default: sm80,sm86,sm89,sm120, TensorRT for RTX's "
+             "own; fp8 needs sm89 or later (e.g. --gpu-arch sm89,sm120)."),
     max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
     draft: Optional[str] = typer.Option(None, "--draft",
@@ -137,12 +140,12 @@ def engines(
     def run():
         from .pipeline import EngineSetRequest, check_destination, make_engine_set
 
-        from .pipeline.portable import DEFAULT_PRECISIONS, SET_SUFFIX, check_backend
+        from .pipeline.portable import check_backend
 
-        if backend not in DEFAULT_PRECISIONS:
+        if backend not in BACKENDS or not BACKENDS[backend].precisions:
             check_backend(backend, ())  # the one-line error naming the backends
         precs = (tuple(p.strip() for p in precisions.split(",") if p.strip()) if precisions is not None
-                 else DEFAULT_PRECISIONS[backend])
+                 else BACKENDS[backend].default_precisions)
         dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
         if not precs or not dprecs:
             raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
@@ -159,7 +162,7 @@ def engines(
             set_name = name or pre.name
         from .pipeline import default_eagle, default_heads, source_name
 
-        set_name = set_name or source_name(src) + SET_SUFFIX[backend]
+        set_name = set_name or source_name(src) + BACKENDS[backend].set_suffix
 
         heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
                  else default_heads(src))
@@ -167,7 +170,8 @@ def engines(
         path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
                                                 medusa_tree_nodes, eagle, backend, calibration_texts, quality_floor,
                                                 float_layers, tuple(k for k in float_gemms.split(",") if k),
-                                                outlier_channels))
+                                                outlier_channels,
+                                                None if gpu_arch is None else tuple(gpu_arch.split(","))))
         typer.echo(str(path))
 
     _guard(run)
@@ -472,6 +476,15 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
             console.print(f"memory at max context, target-{precision} with {', '.join(e.name for e in together[1:])}"
                           f": {total / 2**20:.0f} MiB{drafts}{streams}" if len(together) > 1 else
                           f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB{streams}")
+        for e in m.engines.values():  # what a TensorRT compiler made of each graph
+            b = e.build or {}
+            if b.get("compiler") or b.get("tensorrt"):
+                label = {"tensorrt-rtx": "TensorRT for RTX"}.get(b.get("compiler"), "TensorRT")
+                where = (f"for {', '.join(b['gpu_archs'])}" if b.get("gpu_archs") else
+                         f"on compute capability {b.get('compute_capability')}")
+                console.print(f"compiled: {e.name} by {label} {b.get('version', b.get('tensorrt'))} {where}: "
+                              f"{b.get('engine_bytes', 0) / 2**20:.0f} MiB in {b.get('build_s', 0):.0f} s, from ONNX "
+                              f"sha256 {str(b.get('onnx_sha256'))[:12]}…")
         src = m.raw.get("source", {})
         console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 

@@ -134,7 +134,10 @@ PORTABLE_OUTPUTS = (
 PORTABLE_CACHE_DIMS = ("batch", "num_kv_heads", "capacity", "head_dim")
 # precision -> dtype of activations and cache; fp8, int8 and int4-awq are Q/DQ GEMMs over the fp32 graph
 # (build/quantize.py)
-PORTABLE_DTYPES = {"fp32": "float32", "fp16": "float16", "fp8": "float32", "int8": "float32", "int4-awq": "float32"}
+# the Q/DQ precisions quantize GEMMs over an fp16 activation base: what GPU kernels take (FP8/INT8/INT4 GEMMs
+# over fp16 activations, attention in fp16) and what TensorRT's dedicated attention kernels accept
+QDQ_BASE = "fp16"
+PORTABLE_DTYPES = {"fp32": "float32", "fp16": "float16", "fp8": "float16", "int8": "float16", "int4-awq": "float16"}
 QDQ_PRECISIONS = ("fp8", "int8", "int4-awq")
 # the Q/DQ precisions that quantize GEMM inputs too (int4-awq's stay float): outlier channels and the sensitivity scan
 ACTIVATION_QDQ = ("fp8", "int8")

@@ -16,11 +16,15 @@ import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
+
+from .backends import BACKENDS as _BACKENDS
 from .errors import SpecrtError
+from .interface import PORTABLE_DTYPES
 
 SCHEMA_VERSION = 1
 ROLES = ("target", "draft", "medusa", "eagle")
-BACKENDS = ("onnxruntime", "onnxruntime-portable", "onnxruntime-cuda", "tensorrt", "reference")
+BACKENDS = tuple(_BACKENDS)  # specrt/backends.py
 RUNTIME_BACKENDS = BACKENDS  # runtime/backends/ opens them all (GPU ones refuse where their library or GPU is missing)
 
 
@@ -112,7 +116,6 @@ class EngineEntry:
 _WRITTEN = tuple(f.name for f in fields(EngineEntry) if f.name not in ("name", "width_exact", "raw"))
 
 
-CACHE_ITEMSIZE = {"fp16": 2, "bf16": 2}  # bytes per cache element of portable engines by precision; otherwise fp32
 
 
 def engine_memory(entry: EngineEntry, root: Path) -> dict:
@@ -120,8 +123,8 @@ def engine_memory(entry: EngineEntry, root: Path) -> dict:
     (every layer's keys and values, batch 1) and both at max_context; the same for a set is their sum
     (set_memory). A draft model costs its whole total on top of the target's."""
     weights = sum((Path(root) / f).stat().st_size for f in _files(entry))
-    portable = entry.backend in ("onnxruntime-portable", "onnxruntime-cuda", "tensorrt")
-    item = CACHE_ITEMSIZE.get(entry.precision, 4) if portable else 4
+    portable = entry.backend in _BACKENDS and _BACKENDS[entry.backend].portable
+    item = np.dtype(PORTABLE_DTYPES.get(entry.precision, "float32")).itemsize if portable else 4
     per_position = entry.num_layers * 2 * entry.num_kv_heads * entry.head_dim * item
     return {"weights_bytes": weights, "kv_bytes_per_position": per_position,
             "kv_bytes_at_max_context": per_position * entry.max_context,

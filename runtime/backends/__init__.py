@@ -10,15 +10,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ...backends import BACKENDS
 from ...errors import SpecrtError
 
-MODULES = {
-    "onnxruntime": "specrt.runtime.backends.onnxruntime_cpu",  # ONNX Runtime's CPU provider
-    "onnxruntime-portable": "specrt.runtime.backends.onnxruntime_portable",  # the portable graph, CPU provider
-    "onnxruntime-cuda": "specrt.runtime.backends.onnxruntime_cuda",  # the portable graph, CUDA EP + CUDA graphs
-    "tensorrt": "specrt.runtime.backends.tensorrt",  # serialized TensorRT engines of the portable graph
-    "reference": "specrt.runtime.backends.reference",          # numpy, for tests: the contract's executable spec
-}
+MODULES = {name: b.module for name, b in BACKENDS.items()}  # specrt/backends.py describes each
 
 
 def backend(entry) -> ModuleType:

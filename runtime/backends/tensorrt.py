@@ -1,5 +1,5 @@
-"""The TensorRT backend: a serialized engine of the portable graph (build/tensorrt.py) with one CUDA graph per
-(pass width, cache capacity).
+"""The TensorRT backends (tensorrt and tensorrt-rtx, one code): a serialized engine of the portable graph
+(build/tensorrt.py) with one CUDA graph per (pass width, cache capacity).
 
 The engine has two optimization profiles (prefill: widths up to max_prompt; decode/verify: up to max_width),
 and this backend one execution context for each, so neither ever switches profile. Every tensor address is set
@@ -12,12 +12,17 @@ captured as they come. Where capture fails, the engine carries on without graphs
 
 A serialized engine runs only under the TensorRT version and on the GPU architecture it was built with: opening
 one recorded otherwise (entry.build's "tensorrt" and "compute_capability") is a one-line SpecrtError, as is a
-machine without TensorRT or a GPU, and an engine whose profiles cannot hold max_context. Medusa heads run on
-ONNX Runtime's CPU provider (onnxruntime_cpu.OrtHeads): a few small MatMuls between two target passes.
+machine without TensorRT or a GPU, and an engine whose profiles cannot hold max_context. A TensorRT for RTX engine
+records the architectures it was compiled for (gpu_archs) instead; it is checked against this GPU, then by the
+library's own header check (get_engine_validity), and its contexts are made from a runtime configuration
+(rtx_runtime_config: a runtime cache per GPU under engines/.cache/tensorrt-rtx, EAGER kernel specialization, our
+own capture). Medusa heads run on ONNX Runtime's CPU provider (onnxruntime_cpu.OrtHeads): a few small MatMuls
+between two target passes.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -37,41 +42,144 @@ REBUILD = "rebuild the engine set here with `specrt engines --backend tensorrt`"
 
 def import_tensorrt():
     """The tensorrt module, or a one-line SpecrtError on how to install it (the same as build/tensorrt.py's)."""
-    try:
-        import tensorrt
-    except ImportError:
-        raise SpecrtError("TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your "
-                          "CUDA) on a machine with an NVIDIA GPU; TensorRT engines need it") from None
-    return tensorrt
+    from ...build.tensorrt import TENSORRT
+
+    return TENSORRT.require()
+
+
+def _rebuild(entry) -> str:
+    if entry.backend == "tensorrt-rtx":
+        return "rebuild the engine set with `specrt engines --backend tensorrt-rtx --gpu-arch ARCHS`"
+    return REBUILD
 
 
 def _deserialize(root: Path, entry):
-    """(engine, buckets, max_prompt, what must outlive it, the contexts' allocation strategy) of a manifest entry's
-    serialized engine, after every check that it runs here (TensorRT, a GPU, its version and architecture, its
-    profiles)."""
-    trt = import_tensorrt()
-    require_device("tensorrt")
+    """(engine, buckets, max_prompt, what must outlive it, the contexts' allocation strategy, TensorRT for RTX's
+    runtime config or None) of a manifest entry's serialized engine, after every check that it runs here (the
+    compiler, a GPU, the compiler version and the GPU architecture it was built for, its profiles)."""
+    from ...build.tensorrt import COMPILERS, TENSORRT
+
+    compiler = COMPILERS.get(entry.backend, TENSORRT)
+    trt = compiler.require()
+    require_device(entry.backend)
     built = entry.build or {}  # the pipeline's provisional entries (checks before the manifest) record nothing
-    if built.get("tensorrt") not in (None, trt.__version__):
-        raise SpecrtError(f"engine '{entry.name}' was built with TensorRT {built['tensorrt']}, this is "
-                          f"{trt.__version__}, and serialized engines run only under their own version; {REBUILD}")
+    version = built.get("version", built.get("tensorrt"))
+    if version not in (None, trt.__version__):
+        raise SpecrtError(f"engine '{entry.name}' was built with {compiler.label} {version}, this is "
+                          f"{trt.__version__}, and serialized engines run only under their own version; "
+                          f"{_rebuild(entry)}")
     here = compute_capability(0)
-    if built.get("compute_capability") not in (None, here):
+    if compiler.ahead_of_time:
+        check_targets(entry, here)
+    elif built.get("compute_capability") not in (None, here):
         raise SpecrtError(f"engine '{entry.name}' was built for compute capability {built['compute_capability']}, "
                           f"this GPU is {here}, and serialized engines run only on their own architecture; {REBUILD}")
     path = Path(root) / entry.file
     logger = trt.Logger(trt.Logger.WARNING)
     runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    blob = path.read_bytes()
+    if compiler.ahead_of_time:
+        check_validity(trt, runtime, blob, entry)
+    engine = runtime.deserialize_cuda_engine(blob)
     if engine is None:
-        raise SpecrtError(f"TensorRT cannot deserialize engine '{path}' (see its log above); {REBUILD}")
+        raise SpecrtError(f"{compiler.label} cannot deserialize engine '{path}' (see its log above); "
+                          f"{_rebuild(entry)}")
     if engine.num_optimization_profiles != 2:
         raise SpecrtError(f"engine '{path}' has {engine.num_optimization_profiles} optimization profiles, not the "
-                          f"prefill and decode ones build/tensorrt.py makes; {REBUILD}")
+                          f"prefill and decode ones build/tensorrt.py makes; {_rebuild(entry)}")
     max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
     max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
     buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
-    return engine, buckets, max_prompt, (logger, runtime), shared_scratch(trt)
+    config, cache = None, None
+    if compiler.ahead_of_time:
+        cache = RuntimeCache(trt, runtime_cache_path(Path(root), trt.__version__, here))
+        config = rtx_runtime_config(trt, engine, cache)
+    return engine, buckets, max_prompt, (logger, runtime, cache), shared_scratch(trt), config
+
+
+def check_targets(entry, here: str) -> None:
+    """A TensorRT for RTX engine runs on the architectures it was compiled for (entry.build's gpu_archs); Hopper and
+    data-center Blackwell are regular TensorRT's. One line naming the backend or --gpu-arch to build instead."""
+    from ...build.tensorrt import DEFAULT_GPU_ARCHS, GPU_ARCHS
+
+    arch = "sm" + here.replace(".", "")
+    targets = (entry.build or {}).get("gpu_archs") or list(DEFAULT_GPU_ARCHS)
+    if arch not in GPU_ARCHS:
+        raise SpecrtError(f"engine '{entry.name}' is a TensorRT for RTX engine, and this GPU (compute capability "
+                          f"{here}) is not one TensorRT for RTX runs on (it targets {', '.join(GPU_ARCHS)}); build "
+                          "the set on this machine with `specrt engines --backend tensorrt`")
+    if arch not in targets:
+        raise SpecrtError(f"engine '{entry.name}' was compiled for {', '.join(targets)}, and this GPU is {arch}; "
+                          f"rebuild the set with `specrt engines --backend tensorrt-rtx --gpu-arch "
+                          f"{','.join([*targets, arch])}`")
+
+
+def check_validity(trt, runtime, blob: bytes, entry) -> None:
+    """TensorRT for RTX's own check of an engine's header against this machine (Runtime.get_engine_validity),
+    before deserializing: an engine it calls invalid would fail there with less to say."""
+    size = int(getattr(runtime, "engine_header_size", 0) or 0)
+    if not size or not hasattr(runtime, "get_engine_validity"):
+        return
+    validity, diagnostics = runtime.get_engine_validity(memoryview(blob)[:size])
+    if validity != trt.EngineValidity.INVALID:
+        return
+    reasons = [n.lower().replace("_", " ") for n, v in trt.EngineInvalidityDiagnostics.__members__.items()
+               if diagnostics & int(v)] or ["no reason given"]
+    fix = ("update the NVIDIA driver" if any(r.startswith(("old cuda", "cuda error")) for r in reasons)
+           else _rebuild(entry))
+    raise SpecrtError(f"TensorRT for RTX says engine '{entry.name}' cannot run here ({', '.join(reasons)}); {fix}")
+
+
+def runtime_cache_path(root: Path, version: str, here: str) -> Path:
+    """The runtime cache of a set's TensorRT for RTX engines on this GPU: engines/.cache/tensorrt-rtx/, one file per
+    GPU model, compute capability and TensorRT for RTX version (a cache from another is ignored by the library)."""
+    name = "gpu"
+    try:
+        prop = check(cudart().cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
+        raw = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
+        name = "".join(c if c.isalnum() else "-" for c in raw.strip("\x00 ").lower()).strip("-") or name
+    except (SpecrtError, AttributeError):
+        pass
+    return root.resolve().parent / ".cache" / "tensorrt-rtx" / f"runtime-{name}-sm{here.replace('.', '')}-{version}.bin"
+
+
+class RuntimeCache:
+    """TensorRT for RTX's runtime cache (the kernels it compiles for this GPU when an engine first runs a shape),
+    read from its file at open and written back, whole, at close: the second start skips that compilation
+    (docs: "Work with the Runtime Cache")."""
+
+    def __init__(self, trt, path: Path):
+        self.path, self.cache = path, None
+        self._trt = trt
+
+    def attach(self, config) -> None:
+        self.cache = config.create_runtime_cache()
+        if self.path.is_file() and not self.cache.deserialize(self.path.read_bytes()):
+            self.path.unlink(missing_ok=True)  # another driver's or a damaged file: compiled anew, saved at close
+        config.set_runtime_cache(self.cache)
+
+    def save(self) -> None:
+        if self.cache is None:
+            return
+        data = self.cache.serialize()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
+        part.write_bytes(memoryview(data))
+        os.replace(part, self.path)
+
+
+def rtx_runtime_config(trt, engine, cache: RuntimeCache):
+    """TensorRT for RTX's runtime configuration for our contexts: the runtime cache; EAGER shape specialization, so
+    the uncaptured warm-up pass of a new (width, capacity) compiles its specialized kernels before we capture it (a
+    capture would freeze LAZY's fallback kernels); the library's own CUDA graphs off, since we capture ourselves
+    (its docs: turn RTX CUDA graphs off when capturing the stream externally; every pass shape is static here, the
+    cache capacity fixed in the graph); one USER_MANAGED scratch shared by the two contexts, as on TensorRT."""
+    config = engine.create_runtime_config()
+    cache.attach(config)
+    config.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.EAGER
+    config.cuda_graph_strategy = trt.CudaGraphStrategy.DISABLED
+    config.set_execution_context_allocation_strategy(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+    return config
 
 
 def shared_scratch(trt):
@@ -82,13 +190,13 @@ def shared_scratch(trt):
 
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
     """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
-    engine, buckets, max_prompt, keep, strategy = _deserialize(root, entry)
+    engine, buckets, max_prompt, keep, strategy, config = _deserialize(root, entry)
     graphs, note = graphs_wanted()
     memory = CudaMemory()
     try:
         return TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
                          width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep,
-                         strategy=strategy)
+                         strategy=strategy, runtime_config=config)
     except BaseException:
         memory.close()
         raise
@@ -135,16 +243,23 @@ def check_io(engine, addresses: dict[str, int], cache_dtype, name: str) -> None:
 class TrtContexts:
     """An engine's two execution contexts (prefill, decode), each kept on its own profile, every tensor address set
     at open, sharing one scratch buffer where `strategy` (shared_scratch) allows; the shapes each is set for, and
-    the CUDA graphs captured on them by key. note: why capture stopped (None while it works)."""
+    the CUDA graphs captured on them by key. note: why capture stopped (None while it works). runtime_config:
+    TensorRT for RTX's (rtx_runtime_config: USER_MANAGED scratch), the contexts are made from it; keep: what the
+    engine must outlive, whose runtime cache (RuntimeCache) is saved at close."""
 
-    def __init__(self, engine, memory, name: str, addresses: dict[str, int], cache_dtype, strategy=None):
-        self.engine, self.memory, self.name = engine, memory, name
+    def __init__(self, engine, memory, name: str, addresses: dict[str, int], cache_dtype, strategy=None,
+                 runtime_config=None, keep: tuple = ()):
+        self.engine, self.memory, self.name, self.keep = engine, memory, name, keep
         check_io(engine, addresses, cache_dtype, name)
-        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if strategy is not None else 0
+        shared = strategy is not None or runtime_config is not None
+        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if shared else 0
         self.scratch = memory.alloc(size) if size else None  # freed with the engine's memory
         self.contexts = []
         for profile in (PREFILL, DECODE):
-            ctx = engine.create_execution_context(strategy) if self.scratch else engine.create_execution_context()
+            if runtime_config is not None:
+                ctx = engine.create_execution_context(runtime_config)
+            else:
+                ctx = engine.create_execution_context(strategy) if self.scratch else engine.create_execution_context()
             if ctx is None or not ctx.set_optimization_profile_async(profile, memory.stream):
                 raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}' (out of GPU "
                                   "memory? see its log above)")
@@ -186,6 +301,10 @@ class TrtContexts:
         """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work). The
         stream is idle first, as trtexec's and TensorRT-Edge-LLM's captures have it."""
         rt, stream = cudart(), self.memory.stream
+        capturable = getattr(self.contexts[profile], "is_stream_capturable", None)
+        if capturable is not None and not capturable(stream):  # TensorRT for RTX says so before a capture
+            self.note = f"the engine cannot be captured on this stream at {key}"
+            return
         self.memory.sync()
         check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
               "cudaStreamBeginCapture")
@@ -207,6 +326,9 @@ class TrtContexts:
         for exe in self.graphs.values():
             cudart().cudaGraphExecDestroy(exe)
         self.graphs, self.contexts = {}, []
+        for kept in self.keep:
+            if isinstance(kept, RuntimeCache):
+                kept.save()
 
 
 def pass_shapes(g: Geometry, rows: int, width: int, capacity: int, logits_rows: int) -> dict[str, tuple]:
@@ -236,11 +358,12 @@ class TrtEngine(DeviceEngine):
 
     def __init__(self, engine, memory: CudaMemory, geometry: Geometry, buckets: Buckets, *, max_prompt: int,
                  name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = (),
-                 strategy=None):
+                 strategy=None, runtime_config=None):
         super().__init__(memory, geometry, buckets, max_prompt=max_prompt, name=name, width_exact=width_exact,
                          graphs=graphs, graphs_note=graphs_note)
         self._keep, self.engine = keep, engine
-        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy)
+        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy,
+                                runtime_config, keep)
 
     def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
         profile = DECODE if width <= self.max_pass_tokens else PREFILL
@@ -256,7 +379,7 @@ class TrtEngine(DeviceEngine):
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBatchEngine":
     """`slots` sequences of a manifest entry's TensorRT engine (runtime/batch.py's batch engine): the engine's
     decode profile must take that many sequences a pass (build/tensorrt.py's MAX_BATCH)."""
-    engine, buckets, max_prompt, keep, strategy = _deserialize(root, entry)
+    engine, buckets, max_prompt, keep, strategy, config = _deserialize(root, entry)
     most = int(engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][0])
     if most < slots:
         raise SpecrtError(f"engine '{entry.name}' takes {most} sequence(s) a pass, fewer than --parallel {slots}; "
@@ -267,7 +390,7 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBat
     try:
         return TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
                               name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
-                              keep=keep, strategy=strategy)
+                              keep=keep, strategy=strategy, runtime_config=config)
     except BaseException:
         memory.close()
         raise
@@ -281,7 +404,7 @@ class TrtBatchEngine(DeviceBatchEngine):
 
     def __init__(self, engine, memory, geometry: Geometry, buckets: Buckets, *, slots: int, max_prompt: int,
                  name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = (),
-                 strategy=None):
+                 strategy=None, runtime_config=None):
         super().__init__(memory, geometry, buckets, slots=slots, name=name, width_exact=width_exact, graphs=graphs,
                          graphs_note=graphs_note, max_prompt=max_prompt)
         self._keep, self.engine = keep, engine
@@ -289,7 +412,8 @@ class TrtBatchEngine(DeviceBatchEngine):
         if slots > 1 and stride % 256:  # TensorRT takes tensor addresses on 256-byte boundaries only
             raise SpecrtError(f"engine '{name}' holds {stride} bytes of cache a sequence, not a multiple of 256, so "
                               f"its slots cannot be bound one by one; {REBUILD}")
-        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy)
+        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy,
+                                runtime_config, keep)
         self._prefill_at: tuple[int, int] | None = (0, self.capacity)  # the slot and layout its cache addresses hold
 
     def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,

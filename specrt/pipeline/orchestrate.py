@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import SpecrtError
@@ -22,7 +22,7 @@ from ..interface import ACTIVATION_QDQ, QDQ_PRECISIONS
 from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
 from .buildcache import one_build_at_a_time, swap_into_place
 from .engines import build_engine, chat_template
-from .portable import PORTABLE_BACKENDS, build_portable_engine, check_backend
+from .portable import PORTABLE_BACKENDS, ahead_of_time, build_portable_engine, check_backend, compile_set
 from .tree_sizing import TREE_COSTS, build_medusa
 
 EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
@@ -41,7 +41,7 @@ class EngineSetRequest:
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
     eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-int8
-    backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt (pipeline/portable.py)
+    backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt | tensorrt-rtx
     calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
     quality_floor: float | None = None  # Q/DQ: the least top-1 agreement with fp32 on held-out text a build keeps
     #                                     (None: by precision, quality.DEFAULT_FLOORS)
@@ -49,6 +49,7 @@ class EngineSetRequest:
     float_gemms: tuple[str, ...] = ()  # Q/DQ targets: every layer's GEMMs of these kinds (qkv, o, gateup, down) too
     outlier_channels: int | None = None  # fp8/int8 targets: input channels per activation kept in float (None:
     #                                      build.quantize.DEFAULT_OUTLIERS)
+    gpu_archs: tuple[str, ...] | None = None  # tensorrt-rtx: the GPU architectures to compile for (None: its default)
 
 
 def _say(msg: str) -> None:
@@ -76,7 +77,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
     check_destination(Path(req.out_root), req.name)
     built = req.precisions + (req.draft_precisions if req.draft_source else ())
-    check_backend(req.backend, built)  # before any work: a missing library or precision is one line
+    # before any work: a missing library, precision or architecture is one line
+    req = replace(req, gpu_archs=check_backend(req.backend, built, req.gpu_archs) or None)
     portable = req.backend in PORTABLE_BACKENDS
     for p in ([] if portable else built):
         precision(p)
@@ -116,6 +118,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
         recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT,
                    req.float_layers, sorted(req.float_gemms), req.outlier_channels]
+        if req.gpu_archs:  # compiled ahead of time: by this compiler, for these architectures
+            recipes += [list(req.gpu_archs), tool_versions(("tensorrt-rtx-cu13-libs",))]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()
@@ -158,19 +162,22 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
     req.out_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{req.name}-", dir=req.out_root))
     tmp.chmod(0o755)
+    # an ahead-of-time compiler's set is built and checked as the portable set, then compiled (compile_set)
+    backend = "onnxruntime-portable" if req.backend in PORTABLE_BACKENDS and ahead_of_time(req.backend) \
+        else req.backend
     try:
         engines = {}
         for role, rcache, rfacts, precs in roles:
             mixed = dict(float_layers=req.float_layers, float_gemms=req.float_gemms,
                          outlier_channels=req.outlier_channels) if role == "target" else {}
             for p in precs:
-                engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, req.backend,
+                engines[f"{role}-{p}"] = (build_portable_engine(role, p, rcache, rfacts, tmp, log, backend,
                                                                 req.calibration_texts, req.quality_floor, **mixed)
                                           if req.backend in PORTABLE_BACKENDS
                                           else build_engine(role, p, rcache, rfacts, tmp, log))
         if req.medusa_heads is not None:
             engines["medusa-fp32"] = build_medusa(Path(req.medusa_heads), cache, facts, tmp, log,
-                                                  req.medusa_tree_nodes, engines, req.backend)
+                                                  req.medusa_tree_nodes, engines, backend)
             if req.backend in PORTABLE_BACKENDS and "target-fp32" in engines:  # heads at the set's Q/DQ precisions
                 from .quality import build_quantized_heads
 
@@ -193,6 +200,8 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if req.backend in PORTABLE_BACKENDS and "target-fp32" in engines:
             _measure_drafts(tmp, manifest, log)
+        if backend != req.backend:
+            compile_set(tmp, req.backend, req.gpu_archs, req.out_root / ".cache" / "compiled", log)
         swap_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

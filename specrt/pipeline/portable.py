@@ -1,7 +1,9 @@
-"""Portable engines of a set (`specrt engines --backend onnxruntime-portable | onnxruntime-cuda | tensorrt`): the
-portable graph written from the export's own graph (export/portable.py), cached beside the export, then, for
-TensorRT, compiled into a serialized engine; linked into the set, checked against PyTorch through the runtime
-backend that will run it, and described by its manifest entry (memory included).
+"""Portable engines of a set (`specrt engines --backend onnxruntime-portable | onnxruntime-cuda | tensorrt |
+tensorrt-rtx`): the portable graph written from the export's own graph (export/portable.py), cached beside the
+export, then, for TensorRT, compiled into a serialized engine; linked into the set, checked against PyTorch through
+the runtime backend that will run it, and described by its manifest entry (memory included). TensorRT for RTX
+compiles ahead of time on a machine that cannot run its engines: its set is built and checked as the portable set
+(every check on the very graph compiled, on the CPU), then compile_set turns each target and draft into an engine.
 """
 
 from __future__ import annotations
@@ -13,35 +15,48 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..backends import BACKENDS, BUILT
 from ..errors import SpecrtError
-from ..interface import PORTABLE_DTYPES, QDQ_PRECISIONS, portable_io_description
+from ..interface import PORTABLE_DTYPES, QDQ_BASE, QDQ_PRECISIONS, portable_io_description
 from ..manifest import EngineEntry, engine_memory, file_sha256, tool_versions
 from . import checks
 from .buildcache import link
 from .quality import QDQ_SESSION, build_quantized, measure_quality, require_quality
 from .runtime_link import provisional_entry
 
-PORTABLE_BACKENDS = ("onnxruntime-portable", "onnxruntime-cuda", "tensorrt")
-DEFAULT_PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "onnxruntime-portable": ("fp32", "fp16"),
-                      "onnxruntime-cuda": ("fp16",), "tensorrt": ("fp16",)}
-SET_SUFFIX = {"onnxruntime": "", "onnxruntime-portable": "-portable", "onnxruntime-cuda": "-cuda",
-              "tensorrt": "-tensorrt"}
+PORTABLE_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.portable)
 
 
-def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
-    """Before any work: the backend is known, its library is here, and it builds these precisions."""
-    if backend not in DEFAULT_PRECISIONS:
-        raise SpecrtError(f"--backend '{backend}' is not one specrt builds; use one of {', '.join(DEFAULT_PRECISIONS)}")
+def ahead_of_time(backend: str) -> bool:
+    """Whether the backend's engines are compiled ahead of time, without a GPU (TensorRT for RTX)."""
+    from ..build.tensorrt import COMPILERS
+
+    compiler = BACKENDS[backend].compiler
+    return compiler is not None and COMPILERS[compiler].ahead_of_time
+
+
+def check_backend(backend: str, precisions: tuple[str, ...], gpu_archs: tuple[str, ...] | None = None) -> tuple:
+    """Before any work: the backend is known, its library is here, and it builds these precisions (for these GPU
+    architectures, where it compiles ahead of time) -> the architectures to compile for (() where none apply)."""
+    b = BACKENDS.get(backend)
+    if b is None or not b.precisions:
+        raise SpecrtError(f"--backend '{backend}' is not one specrt builds; use one of {', '.join(BUILT)}")
+    if gpu_archs is not None and not ahead_of_time(backend):
+        raise SpecrtError(f"--gpu-arch is for --backend tensorrt-rtx, which compiles ahead of time; {backend} "
+                          "builds for the machine it runs on: drop --gpu-arch")
     if backend == "onnxruntime":
-        return
-    bad = [p for p in precisions if p not in PORTABLE_DTYPES]
+        return ()
+    bad = [p for p in precisions if p not in b.precisions]
     if bad:
-        raise SpecrtError(f"--backend {backend} builds precisions {', '.join(PORTABLE_DTYPES)}, not "
+        raise SpecrtError(f"--backend {backend} builds precisions {', '.join(b.precisions)}, not "
                           f"{', '.join(bad)}; pass e.g. --precisions fp16")
-    if backend == "tensorrt":
-        from ..build.tensorrt import require_tensorrt
+    if b.compiler is not None:
+        from ..build.tensorrt import COMPILERS, DEFAULT_GPU_ARCHS, check_gpu_archs
 
-        require_tensorrt()
+        compiler = COMPILERS[b.compiler]
+        compiler.require()
+        if compiler.ahead_of_time:
+            return check_gpu_archs(DEFAULT_GPU_ARCHS if gpu_archs is None else gpu_archs, precisions)
     elif backend == "onnxruntime-cuda":
         import onnxruntime as ort
 
@@ -49,6 +64,7 @@ def check_backend(backend: str, precisions: tuple[str, ...]) -> None:
             raise SpecrtError("--backend onnxruntime-cuda needs onnxruntime-gpu with CUDA, and this onnxruntime "
                               f"has only {', '.join(ort.get_available_providers())}; `pip install onnxruntime-gpu` "
                               "on a machine with an NVIDIA GPU, or build --backend onnxruntime-portable for the CPU")
+    return ()
 
 
 def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log, backend: str,
@@ -79,7 +95,8 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         if not graph.is_file():
             provisional = provisional_entry(fp32_graph, facts, backend="onnxruntime-portable")
             build_quantized(fp32_graph, graph, p, cache, facts, provisional, log, calibration_texts,
-                            float_layers=float_layers, float_gemms=float_gemms, outliers=outliers)
+                            float_layers=float_layers, float_gemms=float_gemms, outliers=outliers,
+                            base_graph=_portable_graph(role, QDQ_BASE, cache, facts, log, bdir))
         build = {**build, **json.loads(graph.with_suffix(".json").read_text())}
         session_config = dict(QDQ_SESSION)
     if p != "fp32":  # on the CPU, on the very graph a GPU backend compiles
@@ -169,3 +186,46 @@ def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
                              max_capacity=facts["max_context"] + 64, timing_cache=graph.parent / "tensorrt.cache")
         facts_file.write_text(json.dumps({**built, "build_seconds": round(time.time() - t0, 1)}))
     return out, json.loads(facts_file.read_text())
+
+
+def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root: Path, log) -> None:
+    """The portable set in tmp (built, checked and measured on the CPU) -> the `backend` set: every target and draft
+    graph compiled ahead of time for gpu_archs (engines cached under cache_root by the graph's sha256, the compiler
+    and its targets), its ONNX files replaced by the engine, its entry recording what was compiled; Medusa heads stay
+    ONNX graphs, run beside the target as on regular TensorRT. A parser or builder failure is one line naming the
+    engine, and nothing of the set is kept."""
+    from ..build.tensorrt import COMPILERS, MAX_BATCH, build_engine, onnx_sha256
+
+    compiler = COMPILERS[BACKENDS[backend].compiler]
+    trt = compiler.require()
+    path = tmp / "manifest.json"
+    manifest = json.loads(path.read_text())
+    targets = f"{'-'.join(gpu_archs)}-b{MAX_BATCH}"
+    for name, e in manifest["engines"].items():
+        if e["role"] not in ("target", "draft"):
+            if e["backend"] == "onnxruntime-portable":
+                e["backend"] = backend
+            continue
+        graph = tmp / e["file"]
+        sha = onnx_sha256(graph)
+        out = cache_root / f"{compiler.backend}-{trt.__version__}-{targets}" / f"{name}-{sha[:16]}.engine"
+        facts_file = out.with_suffix(".json")
+        if not (out.is_file() and facts_file.is_file()):
+            log(f"compiling {name} with {compiler.label} {trt.__version__} for {', '.join(gpu_archs)}")
+            built = build_engine(graph, out, max_prompt=min(e["max_context"], 2048), max_width=64,
+                                 max_capacity=e["max_context"] + 64, compiler=compiler, gpu_archs=gpu_archs,
+                                 name=name)
+            facts_file.write_text(json.dumps(built))
+        built = json.loads(facts_file.read_text())
+        log(f"{name}: {built['engine_bytes'] / 2**20:.0f} MiB engine, compiled in {built['build_s']:.0f} s")
+        for f in e["files"]:
+            (tmp / f).unlink()
+        engine = f"{name}.engine"
+        link(out, tmp / engine)
+        e.update(backend=backend, file=engine, files=[engine], session_config=None,
+                 build={**e["build"], **built, "log": str(out) + ".log"},
+                 parity={**e["parity"], "checked_on": "onnxruntime-portable, the graph compiled (on the CPU)"},
+                 build_versions={**e.get("build_versions", {}), compiler.backend: trt.__version__})
+        e.pop("session_config")
+        e["memory"] = engine_memory(EngineEntry.from_dict(name, e), tmp)
+    path.write_text(json.dumps(manifest, indent=1))

@@ -37,40 +37,71 @@ def _sequences(texts, cache: Path, facts: dict) -> list[np.ndarray]:
 
 def build_quantized(fp32_graph: Path, out: Path, precision: str, cache: Path, facts: dict, entry, log,
                     calibration_texts: int, lm_head_fp32: bool = True, float_layers: int = 0,
-                    float_gemms: tuple[str, ...] = (), outliers: int = 0) -> dict:
-    """out (+ .data): the Q/DQ graph of fp32_graph at `precision`, calibrated on `calibration_texts` packaged texts
-    (stdlib code and doc questions, never the bench's prompts) -> its build facts. float_layers: the first and
-    last that many decoder layers keep their GEMMs in float; float_gemms: every layer's GEMMs of these kinds
-    (build.quantize.GEMM_KINDS) too; outliers: per activation, its input channels of largest amax kept in float
-    (build.quantize.insert_qdq). Written whole or not at all."""
+                    float_gemms: tuple[str, ...] = (), outliers: int = 0, base_graph: Path | None = None) -> dict:
+    """out (+ .data): the Q/DQ graph of base_graph (the activation base: the fp16 portable graph; None = fp32_graph)
+    at `precision`, calibrated through fp32_graph on `calibration_texts` packaged texts (stdlib code and doc
+    questions, never the bench's prompts) -> its build facts. float_layers: the first and last that many decoder
+    layers keep their GEMMs in float; float_gemms: every layer's GEMMs of these kinds (build.quantize.GEMM_KINDS)
+    too; outliers: per activation, its input channels of largest amax kept in float (build.quantize.insert_qdq).
+    Written whole or not at all."""
     import onnx
 
     from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import float_kind_gemms, float_layer_gemms
-    from ..interface import LOGITS
+    from ..build.quantize import float_kind_gemms, float_layer_gemms, lm_head_gemms
     from .parity import prefill_feed
 
-    model = onnx.load(str(fp32_graph), load_external_data=False)
+    base_graph = base_graph or fp32_graph
+    model = onnx.load(str(base_graph), load_external_data=False)
     keep = tuple(dict.fromkeys(float_layer_gemms(model, float_layers) + float_kind_gemms(model, float_gemms)))
-    keep += (LOGITS,) if lm_head_fp32 else ()
+    keep += lm_head_gemms(model) if lm_head_fp32 else ()
     seqs = _sequences([t for _, t in texts(calibration_texts)], cache, facts)
     log(f"calibrating {precision} activations on {len(seqs)} texts")
-    info = _write_qdq(fp32_graph, out, precision, (prefill_feed(entry, s, 512) for s in seqs), keep, log, outliers)
+    info = _write_qdq(fp32_graph, out, precision, (prefill_feed(entry, s, 512) for s in seqs), keep, log, outliers,
+                      base_graph)
     info["calibration_texts"], info["float_layers"], info["float_gemms"] = len(seqs), float_layers, list(float_gemms)
+    info["activation_base"] = onnx_float_type(base_graph)
     out.with_suffix(".json").write_text(json.dumps(info))
     return info
 
 
+def onnx_float_type(path: Path) -> str:
+    """The float type of a portable graph's KV cache (its activation base): "float32" or "float16"."""
+    import onnx
+
+    from ..interface import past_name
+
+    model = onnx.load(str(path), load_external_data=False)
+    info = next(i for i in model.graph.input if i.name == past_name(0, "key"))
+    return str(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
+
+
+def calibration_for(base_graph: Path, fp32_graph: Path, calib: dict) -> dict:
+    """calibrate's statistics of fp32_graph by the activation names of base_graph (another portable graph of the
+    same model: the graphs share weight names, not every activation's)."""
+    import onnx
+
+    from ..build.quantize import gemm_weights
+
+    if Path(base_graph) == Path(fp32_graph):
+        return calib
+    by_weight = {w: a for a, w in gemm_weights(onnx.load(str(fp32_graph), load_external_data=False)).values()}
+    return {a: calib[by_weight[w]] for a, w in gemm_weights(onnx.load(str(base_graph), load_external_data=False))
+            .values() if by_weight.get(w) in calib}
+
+
 def _write_qdq(fp32_graph: Path, out: Path, precision: str, feeds, keep: tuple[str, ...], log,
-               outliers: int = 0) -> dict:
-    """out (+ .data), whole or not at all: fp32_graph calibrated on feeds (the statistics `precision` needs) with
-    Q/DQ inserted around its GEMMs but those in keep -> insert_qdq's facts."""
+               outliers: int = 0, base_graph: Path | None = None) -> dict:
+    """out (+ .data), whole or not at all: base_graph (None = fp32_graph) with Q/DQ inserted around its GEMMs but
+    those in keep, the statistics `precision` needs calibrated on fp32_graph over feeds (each activation found in
+    the base graph by the weights that read it) -> insert_qdq's facts."""
     from ..build.quantize import AWQ_ROWS, WEIGHT_ONLY, calibrate, insert_qdq, smoothquant_alpha
 
     calib = calibrate(fp32_graph, feeds, sample_rows=AWQ_ROWS if precision in WEIGHT_ONLY else 0)
+    base_graph = base_graph or fp32_graph
+    calib = calibration_for(base_graph, fp32_graph, calib)
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=out.parent))
     try:
-        info = insert_qdq(fp32_graph, part / out.name, precision, calib, keep=keep,
+        info = insert_qdq(base_graph, part / out.name, precision, calib, keep=keep,
                           smooth=smoothquant_alpha(precision, outliers), outliers=outliers, log=log)
         shutil.move(str(part / (out.name + ".data")), str(out) + ".data")
         shutil.move(str(part / out.name), str(out))

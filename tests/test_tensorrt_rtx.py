@@ -1,0 +1,345 @@
+"""TensorRT for RTX compiles for real here, without a GPU: the tiny model's portable graphs at every precision and a
+draft model through `specrt engines --backend tensorrt-rtx`, Medusa heads (fp32 and Q/DQ) and the EAGLE head
+through build/tensorrt.py, each a real parser and builder run that fails the test on any error; what the manifest
+records of it; the one-line refusals (bad --gpu-arch, fp8 where an architecture lacks it, a parser or builder
+failure, the library missing); and the runtime's checks of an engine against the GPU it is opened on. Running an
+engine needs a GPU TensorRT for RTX supports (tests/gpu/check.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt.errors import SpecrtError
+
+try:
+    import tensorrt_rtx_bindings  # noqa: F401
+except ImportError:  # CI installs it (make venv): there a missing compiler is a failure, not a skip
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("TensorRT for RTX is not installed (`pip install 'specrt[tensorrt-rtx]'`)", allow_module_level=True)
+
+PRECISIONS = ("fp32", "fp16", "fp8", "int8", "int4-awq")
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    from tiny import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-draft", "llama", seed=0, noise=0.5)
+
+
+@pytest.fixture(scope="module")
+def rtx_set(tiny_dir, draft_dir, tmp_path_factory):
+    """The tiny Llama at every precision and a draft at fp32 and fp16, compiled for sm89 (Ada): (set, log lines)."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    out, said = tmp_path_factory.mktemp("rtx"), []
+    path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-rtx", PRECISIONS, 256, out,
+                                            draft_source=str(draft_dir), draft_precisions=("fp32", "fp16"),
+                                            backend="tensorrt-rtx", calibration_texts=4, quality_floor=0.0,
+                                            gpu_archs=("sm89",)), log=said.append)
+    return path, said
+
+
+def test_every_precision_and_the_draft_compile_and_the_manifest_says_what_was_compiled(rtx_set):
+    from specrt.build.tensorrt import onnx_sha256
+    from specrt.manifest import load_manifest
+
+    path, said = rtx_set
+    m = load_manifest(path)
+    assert sorted(m.engines) == sorted([f"target-{p}" for p in PRECISIONS] + ["draft-fp32", "draft-fp16"])
+    assert not list(path.glob("*.onnx*"))  # the set ships engines only
+    for e in m.engines.values():
+        b = e.build
+        assert e.backend == "tensorrt-rtx" and e.files == [e.file] and e.file == f"{e.name}.engine"
+        assert b["compiler"] == "tensorrt-rtx" and b["version"] == tensorrt_rtx_bindings.__version__
+        assert b["gpu_archs"] == ["sm89"] and b["engine_bytes"] == (path / e.file).stat().st_size > 100_000
+        assert b["build_s"] > 0 and len(b["onnx_sha256"]) == 64 and Path(b["log"]).is_file()
+        assert e.memory["weights_bytes"] == b["engine_bytes"]
+        assert e.parity["checked_on"].startswith("onnxruntime-portable")  # the very graph, on the CPU
+        assert (b["decomposable_attention"] > 0) == (e.precision == "fp32")  # fp32 attention only; 2 layers
+        assert e.build_versions["tensorrt-rtx"] == b["version"]
+    assert m.engines["target-fp8"].build["activation_base"] == "float16"  # the Q/DQ precisions over fp16
+    assert m.engines["target-int8"].quality["top1"] > 0  # measured on the CPU, on the graph compiled
+    # the sha256 recorded is the graph's the engine was compiled from: the cached portable fp16 graph's
+    cache = next((path.parent / ".cache").glob("export-*/portable-v*/target-fp16.onnx"))
+    assert m.engines["target-fp16"].build["onnx_sha256"] == onnx_sha256(cache)
+    assert sum("compiling" in s for s in said) == len(m.engines)
+
+
+def test_info_shows_the_compiler_and_targets(rtx_set):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["info", str(rtx_set[0])])
+    assert r.exit_code == 0, r.output
+    assert f"compiled: target-fp8 by TensorRT for RTX {tensorrt_rtx_bindings.__version__} for sm89" in r.output
+
+
+def test_a_set_under_another_name_reuses_the_compiled_engines(rtx_set, tiny_dir):
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    path, said = rtx_set
+    again: list[str] = []
+    make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-rtx-again", ("fp16",), 256, path.parent,
+                                     backend="tensorrt-rtx", gpu_archs=("sm89",)), log=again.append)
+    assert not any("compiling" in s for s in again) and any("target-fp16:" in s for s in again)
+
+
+def _random_heads(hidden: int, vocab: int, k: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    w = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float16)  # noqa: E731
+    return {"w1": w(k, hidden, hidden), "b1": w(k, hidden), "w2": w(k, hidden, hidden), "b2": w(k, hidden),
+            "vocab": np.arange(min(vocab, 64), dtype=np.int32), "report": {}}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8", "int8", "int4-awq"])
+def test_medusa_heads_compile(precision, tmp_path):
+    """Medusa heads in the form the portable sets ship (per-head 2-D GEMMs; Q/DQ at the set's precision)."""
+    from specrt.build.quantize import calibrate, insert_qdq
+    from specrt.build.tensorrt import TENSORRT_RTX, build_engine
+    from specrt.export.medusa import export_heads_onnx
+    from specrt.interface import HEADS_HIDDEN
+
+    hidden, vocab = 64, 384
+    lm_head = np.random.default_rng(1).standard_normal((vocab, hidden)).astype(np.float32)
+    graph = tmp_path / "heads-fp32.onnx"
+    export_heads_onnx(_random_heads(hidden, vocab), lm_head, graph, topk=4, per_head=True)
+    if precision != "fp32":
+        feeds = [{HEADS_HIDDEN: np.random.default_rng(i).standard_normal((8, hidden)).astype(np.float32)}
+                 for i in range(2)]
+        calib = calibrate(graph, feeds, sample_rows=64)
+        graph, src = tmp_path / f"heads-{precision}.onnx", graph
+        insert_qdq(src, graph, precision, calib)
+    facts = build_engine(graph, tmp_path / "heads.engine", max_prompt=64, max_width=64, max_capacity=64,
+                         compiler=TENSORRT_RTX, gpu_archs=("sm89",), heads=True)
+    assert facts["engine_bytes"] > 0 and facts["profiles"] == {"heads": {"rows": [1, 1, 64]}}
+
+
+def test_the_eagle_head_compiles(tiny_dir, tmp_path):
+    """The EAGLE head's graph (standard ops: RotaryEmbedding, TensorScatter into its own cache, Attention), the
+    form its int8 CPU engine is quantized from, with its features input in the decoder's profiles."""
+    import torch
+    from transformers import AutoConfig
+
+    from specrt.build.tensorrt import TENSORRT_RTX, build_engine
+    from specrt.export.eagle import HeadShape, export_eagle_onnx, make_head, save_head
+
+    config = AutoConfig.from_pretrained(str(tiny_dir))
+    shape = HeadShape.of(config)
+    torch.manual_seed(0)
+    head = tmp_path / "eagle.npz"
+    save_head(head, make_head(shape), np.arange(config.vocab_size), {"shape": shape.__dict__})
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((config.vocab_size, config.hidden_size)).astype(np.float32)
+    export_eagle_onnx(head, embed, embed.copy(), tmp_path / "eagle-fp32.onnx", 256, 8)
+    facts = build_engine(tmp_path / "eagle-fp32.onnx", tmp_path / "eagle.engine", max_prompt=256, max_width=64,
+                         max_capacity=320, compiler=TENSORRT_RTX, gpu_archs=("sm89",))
+    assert facts["engine_bytes"] > 0 and facts["decomposable_attention"] == 1
+
+
+# --- refusals -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, says", [
+    (["--gpu-arch", "sm90"], "--gpu-arch sm90 is not an architecture TensorRT for RTX compiles for (Hopper"),
+    (["--gpu-arch", "sm86,sm89", "--precisions", "fp16,fp8"], "fp8 needs FP8 tensor cores, which sm86 lack"),
+    (["--precisions", "fp8"], "which sm80, sm86 lack; build fp8 with --gpu-arch sm89,sm120"),  # the default set
+    (["--gpu-arch", ","], "--gpu-arch is empty"),
+    (["--precisions", "int4"], "builds precisions fp32, fp16, fp8, int8, int4-awq, not int4"),
+])
+def test_bad_gpu_archs_and_precisions_are_one_line_before_any_work(tiny_dir, tmp_path, args, says):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["engines", "--source", str(tiny_dir), "--backend", "tensorrt-rtx",
+                                 "--out", str(tmp_path / "out"), *args])
+    assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_gpu_arch_is_refused_for_a_backend_that_builds_where_it_runs(tiny_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    r = CliRunner().invoke(app, ["engines", "--source", str(tiny_dir), "--backend", "onnxruntime-portable",
+                                 "--gpu-arch", "sm89", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--gpu-arch is for --backend tensorrt-rtx" in r.output, r.output
+
+
+def test_tensorrt_rtx_missing_is_one_line_naming_the_install(tiny_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx_bindings", None)  # import fails as if not installed
+    r = CliRunner().invoke(app, ["engines", "--source", str(tiny_dir), "--backend", "tensorrt-rtx",
+                                 "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "pip install 'specrt[tensorrt-rtx]'" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_builder_failure_is_one_line_naming_the_engine_and_the_log(portable_engines, tmp_path, monkeypatch):
+    """fp32 attention without its decomposable mark is what both compilers refuse: the error names the engine,
+    the compiler's own reason and the log that holds the rest."""
+    from specrt.build import tensorrt
+    from specrt.manifest import load_manifest
+
+    monkeypatch.setattr(tensorrt, "mark_decomposable", lambda trt, network: 0)
+    graph = portable_engines / load_manifest(portable_engines).engine("target", "fp32").file
+    with pytest.raises(SpecrtError) as e:
+        tensorrt.build_engine(graph, tmp_path / "t.engine", max_prompt=64, max_width=8, max_capacity=320,
+                              compiler=tensorrt.TENSORRT_RTX, gpu_archs=("sm89",), name="target-fp32")
+    msg = _one_line(e)
+    assert "could not build target-fp32" in msg and "decomposable" in msg and "t.engine.log" in msg
+    assert "Attention" in (tmp_path / "t.engine.log").read_text() and not (tmp_path / "t.engine").exists()
+
+
+def test_a_parser_failure_names_the_node(tmp_path):
+    from onnx import TensorProto, helper
+
+    from specrt.build.tensorrt import TENSORRT_RTX, build_engine
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    node = helper.make_node("FusedThing", ["x"], ["y"], name="layers.0.fused", domain="com.example")
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.example", 1)])
+    onnx.save(model, tmp_path / "bad.onnx")
+    with pytest.raises(SpecrtError) as e:
+        build_engine(tmp_path / "bad.onnx", tmp_path / "bad.engine", max_prompt=8, max_width=4, max_capacity=64,
+                     compiler=TENSORRT_RTX, heads=True, name="medusa-fp32")
+    msg = _one_line(e)
+    assert "cannot parse medusa-fp32" in msg and "node 'layers.0.fused' (FusedThing)" in msg and "bad.onnx" in msg
+
+
+# --- the runtime's checks before it deserializes -------------------------------------------------------------
+
+def _rtx_entry(tmp_path, **build):
+    from specrt.manifest import EngineEntry
+
+    (tmp_path / "t.engine").write_bytes(b"\0" * 64)
+    return EngineEntry(name="target-fp16", role="target", file="t.engine", backend="tensorrt-rtx", precision="fp16",
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=96,
+                       max_context=256, build={"compiler": "tensorrt-rtx", "version": "1.7.1.116",
+                                               "gpu_archs": ["sm89", "sm120"], **build})
+
+
+@pytest.mark.parametrize("here, build, says", [
+    ("9.0", {}, "this GPU (compute capability 9.0) is not one TensorRT for RTX runs on"),
+    ("8.6", {}, "was compiled for sm89, sm120, and this GPU is sm86; rebuild the set with `specrt engines "
+                "--backend tensorrt-rtx --gpu-arch sm89,sm120,sm86`"),
+    ("8.9", {"version": "1.6.0.1"}, "built with TensorRT for RTX 1.6.0.1, this is"),
+])
+def test_an_engine_for_another_gpu_or_version_is_refused(tmp_path, monkeypatch, here, build, says):
+    from specrt.runtime.backends import tensorrt as backend
+
+    monkeypatch.setattr(backend, "require_device", lambda name: None)
+    monkeypatch.setattr(backend, "compute_capability", lambda device=0: here)
+    with pytest.raises(SpecrtError) as e:
+        backend.open_engine(tmp_path, _rtx_entry(tmp_path, **build))
+    assert says in _one_line(e)
+    if here == "9.0":
+        assert "--backend tensorrt" in str(e.value)
+
+
+def test_the_library_header_check_is_one_line_with_its_reasons(tmp_path):
+    import tensorrt_rtx_bindings as trt
+
+    from specrt.runtime.backends.tensorrt import check_validity
+
+    D = trt.EngineInvalidityDiagnostics
+    runtime = types.SimpleNamespace(engine_header_size=64, get_engine_validity=lambda b: (
+        trt.EngineValidity.INVALID, int(D.VERSION_MISMATCH) | int(D.UNSUPPORTED_CC)))
+    with pytest.raises(SpecrtError) as e:
+        check_validity(trt, runtime, b"\0" * 128, _rtx_entry(tmp_path))
+    assert "(version mismatch, unsupported cc); rebuild the engine set with `specrt engines --backend " \
+           "tensorrt-rtx" in _one_line(e)
+    runtime.get_engine_validity = lambda b: (trt.EngineValidity.INVALID, int(D.OLD_CUDA_DRIVER))
+    with pytest.raises(SpecrtError, match="old cuda driver\\); update the NVIDIA driver"):
+        check_validity(trt, runtime, b"\0" * 128, _rtx_entry(tmp_path))
+    runtime.get_engine_validity = lambda b: (trt.EngineValidity.VALID, 0)
+    check_validity(trt, runtime, b"\0" * 128, _rtx_entry(tmp_path))  # passes
+
+
+class FakeRuntimeCache:
+    def __init__(self):
+        self.blob = b""
+
+    def deserialize(self, blob) -> bool:
+        if not bytes(blob).startswith(b"cache:"):
+            return False
+        self.blob = bytes(blob)
+        return True
+
+    def serialize(self):
+        return self.blob + b"+more"
+
+
+class FakeRuntimeConfig:
+    def __init__(self):
+        self.cache, self.strategy = None, None
+        self.dynamic_shapes_kernel_specialization_strategy = self.cuda_graph_strategy = None
+
+    def create_runtime_cache(self):
+        return FakeRuntimeCache()
+
+    def set_runtime_cache(self, cache) -> bool:
+        self.cache = cache
+        return True
+
+    def set_execution_context_allocation_strategy(self, strategy) -> None:
+        self.strategy = strategy
+
+
+def test_the_runtime_config_and_its_cache_file(tmp_path):
+    """rtx_runtime_config: EAGER specialization, the library's own graphs off, USER_MANAGED scratch, the runtime
+    cache read from its file (a file of another machine is dropped) and written back whole at close."""
+    import tensorrt_rtx_bindings as trt
+
+    from specrt.runtime.backends.tensorrt import RuntimeCache, rtx_runtime_config
+
+    path = tmp_path / ".cache" / "tensorrt-rtx" / "runtime.bin"
+    engine = types.SimpleNamespace(create_runtime_config=FakeRuntimeConfig)
+    cache = RuntimeCache(trt, path)
+    config = rtx_runtime_config(trt, engine, cache)
+    assert config.dynamic_shapes_kernel_specialization_strategy == \
+        trt.DynamicShapesKernelSpecializationStrategy.EAGER
+    assert config.cuda_graph_strategy == trt.CudaGraphStrategy.DISABLED
+    assert config.strategy == trt.ExecutionContextAllocationStrategy.USER_MANAGED and config.cache is cache.cache
+    cache.cache.blob = b"cache:1"
+    cache.save()
+    assert path.read_bytes() == b"cache:1+more" and not list(path.parent.glob("*.part"))
+    again = RuntimeCache(trt, path)
+    rtx_runtime_config(trt, engine, again)
+    assert again.cache.blob == b"cache:1+more"  # read back
+    path.write_bytes(b"another machine's")
+    third = RuntimeCache(trt, path)
+    rtx_runtime_config(trt, engine, third)
+    assert not path.exists() and third.cache.blob == b""  # dropped, compiled anew, saved at close
+
+
+def test_the_set_records_parity_and_quality_like_the_portable_set(rtx_set):
+    """Parity against PyTorch and quality against fp32, measured on the graph each engine was compiled from: the
+    same figures the portable set of the same inputs records."""
+    path, _ = rtx_set
+    raw = json.loads((path / "manifest.json").read_text())["engines"]
+    fp32 = raw["target-fp32"]["parity"]
+    assert fp32["greedy_agreement_vs_torch"] == 1.0 and fp32["max_abs_logit_diff_vs_torch"] < 1e-3
+    assert raw["draft-fp32"]["quality"]["drafting"]["against"] == "target-fp32"
