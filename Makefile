@@ -27,8 +27,16 @@ $(VENV)/.peers: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[peers]" || echo "llama-cpp-python did not install: the bench skips that peer"
 	touch $@
 
+# BACKEND=tensorrt-rtx compiles TensorRT for RTX engines here, no GPU needed (GPU_ARCH=sm89,sm120 for fp8;
+# PRECISIONS=fp16,int4-awq ...); other backends name their set engines/smollm2-135m-<backend suffix>.
+BACKEND ?= onnxruntime
+CPU_PRECISIONS := fp32,int8,int4
 engines: venv
-	$(SPECRT) engines --source smollm2-135m --precisions fp32,int8,int4 --out $(patsubst %/,%,$(dir $(ENGINES))) --name $(notdir $(ENGINES))
+ifeq ($(BACKEND),onnxruntime)
+	$(SPECRT) engines --source smollm2-135m --precisions $(or $(PRECISIONS),$(CPU_PRECISIONS)) --out $(patsubst %/,%,$(dir $(ENGINES))) --name $(notdir $(ENGINES))
+else
+	$(SPECRT) engines --source smollm2-135m --backend $(BACKEND) $(if $(PRECISIONS),--precisions $(PRECISIONS)) $(if $(GPU_ARCH),--gpu-arch $(GPU_ARCH)) --out $(patsubst %/,%,$(dir $(ENGINES)))
+endif
 
 demo: engines
 	$(SPECRT) generate --engines $(ENGINES) --prompt "$(PROMPT)" --max-new-tokens 128

@@ -205,9 +205,10 @@ def quantize_int4(w: np.ndarray, block: int, scale_dtype=np.float32) -> tuple[np
 
 
 def _scale(s: np.ndarray, dtype) -> np.ndarray:
-    """Positive scales in `dtype` (the graph's float type: a DQ's output type is its scale's), at least its smallest
-    normal value (an fp16 scale of 1e-12 would be 0)."""
-    return np.maximum(np.asarray(s, np.float32), np.finfo(dtype).tiny).astype(dtype)
+    """Positive scales in `dtype` (the graph's float type: a DQ's output type is its scale's), within its normal
+    range (an fp16 scale of 1e-12 would be 0, one of 1e5 infinite)."""
+    info = np.finfo(dtype)
+    return np.clip(np.asarray(s, np.float32), info.tiny, info.max).astype(dtype)
 
 
 def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) -> tuple[np.ndarray, dict]:

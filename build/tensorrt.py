@@ -20,13 +20,13 @@ the GPU architectures it was built for, which is why the facts record both.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..backends import (ARCH_LACKS, COMPILERS, DEFAULT_GPU_ARCHS, FP8_ARCHS, GPU_ARCHS,  # noqa: F401 (re-exported)
+                        TENSORRT, TENSORRT_RTX, Compiler)
 from ..errors import SpecrtError, first_line
 from ..interface import EAGLE_INPUTS, PAST_PREFIX, PORTABLE_CACHE_DIMS, PORTABLE_INPUTS
 
@@ -38,40 +38,7 @@ WORKSPACE = 4 << 30  # bytes of scratch TensorRT may use while building and runn
 CAPACITY_ALIGN = 64
 
 
-@dataclass(frozen=True)
-class Compiler:
-    """A TensorRT compiler: the backend it builds for, its Python module, how to install it, and whether it
-    compiles ahead of time for named GPU architectures (no GPU needed) or for the GPU it runs on."""
-
-    backend: str
-    module: str
-    label: str
-    install: str
-    ahead_of_time: bool
-
-    def require(self):
-        """The compiler's module, or a one-line SpecrtError naming the package to install."""
-        try:
-            return importlib.import_module(self.module)
-        except ImportError:
-            raise SpecrtError(self.install) from None
-
-
-TENSORRT = Compiler("tensorrt", "tensorrt", "TensorRT",
-                    "TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your CUDA) on "
-                    "a machine with an NVIDIA GPU; --backend tensorrt needs it", ahead_of_time=False)
-TENSORRT_RTX = Compiler("tensorrt-rtx", "tensorrt_rtx_bindings", "TensorRT for RTX",
-                        "TensorRT for RTX is not installed: `pip install 'specrt[tensorrt-rtx]'` "
-                        "(tensorrt-rtx-cu13-libs and -bindings 1.7.1.116); --backend tensorrt-rtx needs it",
-                        ahead_of_time=True)
-COMPILERS = {c.backend: c for c in (TENSORRT, TENSORRT_RTX)}
-INSTALL = TENSORRT.install
-
-# TensorRT for RTX's targets (its ComputeCapability enum: no SM90, Hopper is regular TensorRT's) and its default
-# set (docs: "CPU-Only AOT and TensorRT-RTX Engines"); the architectures with FP8 tensor cores (its support matrix)
-GPU_ARCHS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
-DEFAULT_GPU_ARCHS = ("sm80", "sm86", "sm89", "sm120")
-FP8_ARCHS = ("sm89", "sm120", "sm121")
+COMPILE_FORMAT = 1  # bump when build_engine changes what it compiles (flags, profiles, marks): cached engines rebuild
 
 
 def check_gpu_archs(archs: tuple[str, ...], precisions: tuple[str, ...]) -> tuple[str, ...]:
@@ -90,6 +57,13 @@ def check_gpu_archs(archs: tuple[str, ...], precisions: tuple[str, ...]) -> tupl
         fp8 = ",".join(a for a in archs if a in FP8_ARCHS) or "sm89,sm120"
         raise SpecrtError(f"fp8 needs FP8 tensor cores, which {', '.join(lacking)} lack; build fp8 with --gpu-arch "
                           f"{fp8} (Ada and later), or drop fp8")
+    for p in dict.fromkeys(precisions):
+        lacking = [a for a in archs if p in ARCH_LACKS.get(a, {})]
+        if lacking:
+            what = ARCH_LACKS[lacking[0]][p]
+            raise SpecrtError(f"{p} does not compile for {', '.join(lacking)} (TensorRT for RTX has no {what} "
+                              f"there); build {p} for the other architectures, or Turing engines from fp16 or int8 "
+                              f"(e.g. --gpu-arch sm75 --precisions fp16 --draft-precisions fp16)")
     return tuple(a for a in GPU_ARCHS if a in archs)
 
 
@@ -177,9 +151,10 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     try:
         builder = trt.Builder(logger)
     except Exception as e:  # no GPU, or a driver TensorRT cannot use
-        raise SpecrtError(f"{compiler.label} cannot start a builder ({first_line(e)}); build TensorRT engines on the "
-                          "machine with the NVIDIA GPU that will run them, or compile them ahead of time with "
-                          "--backend tensorrt-rtx") from None
+        fix = ("reinstall it: `pip install --force-reinstall 'specrt[tensorrt-rtx]'`" if compiler.ahead_of_time else
+               "build TensorRT engines on the machine with the NVIDIA GPU that will run them, or compile them ahead "
+               "of time with --backend tensorrt-rtx")
+        raise SpecrtError(f"{compiler.label} cannot start a builder ({first_line(e)}); {fix}") from None
     # TensorRT 11 networks are always strongly typed (the flag is kept there, deprecated and ignored)
     strongly = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if strongly is None else 1 << int(strongly))
@@ -204,7 +179,8 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
         config.num_compute_capabilities = len(gpu_archs)
         for i, arch in enumerate(gpu_archs):
             config.set_compute_capability(getattr(trt.ComputeCapability, arch.upper()), i)
-    timing_cache = None if compiler.ahead_of_time else Path(timing_cache)  # nothing is timed without a GPU
+    # nothing is timed without a GPU; a regular build without a cache file times anew
+    timing_cache = None if compiler.ahead_of_time or timing_cache is None else Path(timing_cache)
     if timing_cache is not None:
         try:
             cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")

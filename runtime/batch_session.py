@@ -12,6 +12,8 @@ prefill: a long prompt delays the other streams' next token by one chunk, not by
 
 from __future__ import annotations
 
+import importlib
+
 import threading
 from dataclasses import dataclass
 
@@ -108,9 +110,13 @@ class BatchSession:
         if entry.name not in self._batches:
             module = backend(entry)
             if not hasattr(module, "open_batch"):
+                from ..backends import BACKENDS
+                from .backends import MODULES
+
+                able = [n for n, b in BACKENDS.items()
+                        if b.precisions and hasattr(importlib.import_module(MODULES[n]), "open_batch")]
                 raise SpecrtError(f"the {entry.backend} backend cannot run several streams at once yet; "
-                                  "use --parallel 1 or an onnxruntime, onnxruntime-portable, onnxruntime-cuda or "
-                                  "tensorrt engine set")
+                                  f"use --parallel 1 or an engine set of {', '.join(able)}")
             self._batches[entry.name] = module.open_batch(self.manifest.root, entry, options, self.parallel)
         return self._batches[entry.name]
 

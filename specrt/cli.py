@@ -111,7 +111,7 @@ def engines(
         help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "
              "(0-1; default 0.85, int4-awq 0.70); below it the build fails."),
     backend: str = typer.Option("onnxruntime", "--backend", "-b",
-                                help="; ".join(f"{b.name} ({b.help})" for b in BACKENDS.values() if b.precisions)
+                                help="; ".join(f"{b.name}: {b.help}" for b in BACKENDS.values() if b.precisions)
                                 + ". The set's default name gets the backend's suffix (-portable, -cuda, ...)."),
     gpu_arch: Optional[str] = typer.Option(
         None, "--gpu-arch", metavar="ARCHS",

@@ -20,7 +20,7 @@ import numpy as np
 
 from .backends import BACKENDS as _BACKENDS
 from .errors import SpecrtError
-from .interface import PORTABLE_DTYPES
+from .interface import PAST_PREFIX, PORTABLE_DTYPES
 
 SCHEMA_VERSION = 1
 ROLES = ("target", "draft", "medusa", "eagle")
@@ -222,6 +222,13 @@ def load_manifest(root: Path) -> Manifest:
         if e.backend not in RUNTIME_BACKENDS:
             raise SpecrtError(f"engine '{e.name}' is a {e.backend} engine, which this specrt cannot run yet (only "
                               f"{', '.join(RUNTIME_BACKENDS)}); {rebuild}")
+    for e in engines.values():  # a portable graph's cache type follows its precision (fp8/int8/int4-awq: fp16 base)
+        want = PORTABLE_DTYPES.get(e.precision)
+        have = next((v[-1] for k, v in (e.inputs or {}).items() if k.startswith(PAST_PREFIX) and v), None)
+        if _BACKENDS[e.backend].portable and e.role in ("target", "draft") and have and want and have != want:
+            raise SpecrtError(f"engine '{e.name}' keeps its KV cache in {have}, and this specrt's {e.precision} "
+                              f"engines keep it in {want} (the Q/DQ precisions now quantize over an fp16 "
+                              f"activation base); {rebuild}")
     vocabs = {e.vocab_size for e in engines.values() if e.role in ("target", "draft")}
     if len(vocabs) > 1:
         raise SpecrtError(f"engine set '{root}' mixes vocabulary sizes {sorted(vocabs)}; target and draft "

@@ -318,7 +318,7 @@ class FakeTrtEngine:
         return ctx
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt"])
+@pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt", "tensorrt-rtx"])
 def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend):
     """OrtCudaEngine and TrtEngine (every buffer in HostMemory; ORT bound to it by address, TensorRT faked by a
     context that runs ORT at the addresses and shapes it was given) against PortableEngine with the same widths
@@ -344,6 +344,17 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
                         graphs=False, graphs_note="test", strategy="USER_MANAGED")
         # both contexts draw on one scratch buffer of the size the engine asks, allocated once
         assert [c.strategy for c in fake.contexts] == ["USER_MANAGED"] * 2
+        assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng._trt.scratch, 4096)
+    elif backend == "tensorrt-rtx":  # the same engine class, its contexts made from TensorRT for RTX's config
+        from specrt.runtime.backends.tensorrt import RuntimeCache
+
+        fake, config = FakeTrtEngine(session), object()
+        saved = []
+        cache = RuntimeCache(None, tmp_path / "runtime.bin")
+        cache.save = lambda: saved.append(True)
+        eng = TrtEngine(fake, HostMemory(), geometry, buckets, max_prompt=600, name="t", width_exact=True,
+                        graphs=False, graphs_note="test", keep=(cache,), runtime_config=config)
+        assert [c.strategy for c in fake.contexts] == [config] * 2
         assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng._trt.scratch, 4096)
     else:
         eng = OrtCudaEngine(session, HostMemory(), geometry, buckets, name="t", device="cpu")
@@ -405,8 +416,11 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     both("forward", rng.integers(0, 96, 4), num_logits=4)
     with pytest.raises(ValueError):
         eng.forward(np.zeros(3, np.int64), num_logits=4)
-    if backend == "tensorrt":  # decode passes on the decode profile's context, the wide one on the prefill's
+    if backend.startswith("tensorrt"):  # decode passes on the decode profile's context, the wide one on the prefill's
         assert {(p, w) for p, w, _ in fake.log} == {(1, 64), (1, 1), (1, 8), (1, 4), (0, 240)}
+    if backend == "tensorrt-rtx":
+        eng.close()
+        assert saved == [True]  # the runtime cache is written back at close
 
 
 class GraphRecordingSession:

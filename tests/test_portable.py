@@ -650,3 +650,27 @@ def test_outlier_channels_stay_float_and_the_rest_sets_the_int8_scale(tmp_path):
     with pytest.raises(ValueError, match="outlier channels are for fp8 and int8"):
         insert_qdq(src, tmp_path / "a.onnx", "int4-awq",
                    {"x": {**calib["x"], "rows": x, "mean_abs": np.abs(x).mean(0)}}, outliers=2)
+
+
+def test_qdq_engines_keep_an_fp16_cache_and_older_fp32_based_sets_are_refused_at_load(quantized_engines, tmp_path):
+    """The Q/DQ precisions quantize over the fp16 activation base (attention and the cache in fp16, as the GPU
+    kernels take them); a set whose Q/DQ engine records an fp32 cache (built before) is one line at load."""
+    import json
+    import shutil
+
+    from specrt.errors import SpecrtError
+
+    m = load_manifest(quantized_engines)
+    fp8 = m.engine("target", "fp8")
+    assert fp8.build["activation_base"] == "float16"
+    model = onnx.load(str(m.root / fp8.file), load_external_data=False)
+    cache = next(i for i in model.graph.input if i.name.startswith("past_key_values."))
+    assert cache.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    old = tmp_path / "old"
+    shutil.copytree(quantized_engines, old)
+    raw = json.loads((old / "manifest.json").read_text())
+    inputs = raw["engines"]["target-fp8"]["inputs"]
+    inputs[next(k for k in inputs if k.startswith("past_key_values."))][-1] = "float32"
+    (old / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(SpecrtError, match="'target-fp8' keeps its KV cache in float32.*rebuild the engine set"):
+        load_manifest(old)

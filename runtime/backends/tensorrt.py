@@ -37,12 +37,13 @@ from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
 from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
 
 PREFILL, DECODE = 0, 1  # optimization profiles, in the order build/tensorrt.py adds them
-REBUILD = "rebuild the engine set here with `specrt engines --backend tensorrt`"
+REBUILD = ("rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend tensorrt-rtx "
+           "--gpu-arch for it)")
 
 
 def import_tensorrt():
     """The tensorrt module, or a one-line SpecrtError on how to install it (the same as build/tensorrt.py's)."""
-    from ...build.tensorrt import TENSORRT
+    from ...backends import TENSORRT
 
     return TENSORRT.require()
 
@@ -57,7 +58,7 @@ def _deserialize(root: Path, entry):
     """(engine, buckets, max_prompt, what must outlive it, the contexts' allocation strategy, TensorRT for RTX's
     runtime config or None) of a manifest entry's serialized engine, after every check that it runs here (the
     compiler, a GPU, the compiler version and the GPU architecture it was built for, its profiles)."""
-    from ...build.tensorrt import COMPILERS, TENSORRT
+    from ...backends import COMPILERS, TENSORRT
 
     compiler = COMPILERS.get(entry.backend, TENSORRT)
     trt = compiler.require()
@@ -92,7 +93,7 @@ def _deserialize(root: Path, entry):
     buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
     config, cache = None, None
     if compiler.ahead_of_time:
-        cache = RuntimeCache(trt, runtime_cache_path(Path(root), trt.__version__, here))
+        cache = RuntimeCache(trt, runtime_cache_path(Path(root), entry.name, trt.__version__, here))
         config = rtx_runtime_config(trt, engine, cache)
     return engine, buckets, max_prompt, (logger, runtime, cache), shared_scratch(trt), config
 
@@ -100,7 +101,7 @@ def _deserialize(root: Path, entry):
 def check_targets(entry, here: str) -> None:
     """A TensorRT for RTX engine runs on the architectures it was compiled for (entry.build's gpu_archs); Hopper and
     data-center Blackwell are regular TensorRT's. One line naming the backend or --gpu-arch to build instead."""
-    from ...build.tensorrt import DEFAULT_GPU_ARCHS, GPU_ARCHS
+    from ...backends import DEFAULT_GPU_ARCHS, GPU_ARCHS
 
     arch = "sm" + here.replace(".", "")
     targets = (entry.build or {}).get("gpu_archs") or list(DEFAULT_GPU_ARCHS)
@@ -130,9 +131,10 @@ def check_validity(trt, runtime, blob: bytes, entry) -> None:
     raise SpecrtError(f"TensorRT for RTX says engine '{entry.name}' cannot run here ({', '.join(reasons)}); {fix}")
 
 
-def runtime_cache_path(root: Path, version: str, here: str) -> Path:
-    """The runtime cache of a set's TensorRT for RTX engines on this GPU: engines/.cache/tensorrt-rtx/, one file per
-    GPU model, compute capability and TensorRT for RTX version (a cache from another is ignored by the library)."""
+def runtime_cache_path(root: Path, engine: str, version: str, here: str) -> Path:
+    """The runtime cache of one TensorRT for RTX engine of a set on this GPU: engines/.cache/tensorrt-rtx/, one file
+    per set, engine, GPU model, compute capability and TensorRT for RTX version (each engine saves its own whole
+    cache at close; the library ignores a cache from another GPU or version)."""
     name = "gpu"
     try:
         prop = check(cudart().cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
@@ -140,7 +142,8 @@ def runtime_cache_path(root: Path, version: str, here: str) -> Path:
         name = "".join(c if c.isalnum() else "-" for c in raw.strip("\x00 ").lower()).strip("-") or name
     except (SpecrtError, AttributeError):
         pass
-    return root.resolve().parent / ".cache" / "tensorrt-rtx" / f"runtime-{name}-sm{here.replace('.', '')}-{version}.bin"
+    return (root.resolve().parent / ".cache" / "tensorrt-rtx" /
+            f"{root.resolve().name}-{engine}-{name}-sm{here.replace('.', '')}-{version}.bin")
 
 
 class RuntimeCache:
@@ -162,10 +165,13 @@ class RuntimeCache:
         if self.cache is None:
             return
         data = self.cache.serialize()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
-        part.write_bytes(memoryview(data))
-        os.replace(part, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            part.write_bytes(memoryview(data))
+            os.replace(part, self.path)
+        except OSError:  # a read-only engines folder only costs the next start its kernel compilation
+            part.unlink(missing_ok=True)
 
 
 def rtx_runtime_config(trt, engine, cache: RuntimeCache):
@@ -194,9 +200,11 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
     graphs, note = graphs_wanted()
     memory = CudaMemory()
     try:
-        return TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
-                         width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep,
-                         strategy=strategy, runtime_config=config)
+        opened = TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
+                           width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep,
+                           strategy=strategy, runtime_config=config)
+        opened.backend = entry.backend  # tensorrt or tensorrt-rtx, as descriptions say
+        return opened
     except BaseException:
         memory.close()
         raise
@@ -388,9 +396,11 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBat
     graphs, note = graphs_wanted()
     memory = CudaMemory()
     try:
-        return TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
-                              name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
-                              keep=keep, strategy=strategy, runtime_config=config)
+        opened = TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
+                                name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
+                                keep=keep, strategy=strategy, runtime_config=config)
+        opened.backend = entry.backend
+        return opened
     except BaseException:
         memory.close()
         raise

@@ -84,7 +84,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         precision(p)
     if req.outlier_channels and not (portable and any(p in ACTIVATION_QDQ for p in req.precisions)):
         raise SpecrtError("--outlier-channels applies to fp8 and int8 targets of the portable backends "
-                          "(onnxruntime-portable, onnxruntime-cuda, tensorrt); add one to --precisions, or drop it")
+                          f"({', '.join(PORTABLE_BACKENDS)}); add one to --precisions, or drop it")
     if portable and any(p in QDQ_PRECISIONS for p in built):
         if req.calibration_texts < 1:
             raise SpecrtError(f"--calibration-texts {req.calibration_texts} calibrates nothing; use at least 1 "
@@ -118,8 +118,12 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
         recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT,
                    req.float_layers, sorted(req.float_gemms), req.outlier_channels]
-        if req.gpu_archs:  # compiled ahead of time: by this compiler, for these architectures
-            recipes += [list(req.gpu_archs), tool_versions(("tensorrt-rtx-cu13-libs",))]
+        if req.gpu_archs:  # compiled ahead of time: by this compiler and recipe, for these architectures
+            from ..backends import BACKENDS
+            from ..build.tensorrt import COMPILE_FORMAT, COMPILERS
+
+            recipes += [list(req.gpu_archs), COMPILERS[BACKENDS[req.backend].compiler].require().__version__,
+                        COMPILE_FORMAT]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()

@@ -29,7 +29,7 @@ PORTABLE_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.portable)
 
 def ahead_of_time(backend: str) -> bool:
     """Whether the backend's engines are compiled ahead of time, without a GPU (TensorRT for RTX)."""
-    from ..build.tensorrt import COMPILERS
+    from ..backends import COMPILERS
 
     compiler = BACKENDS[backend].compiler
     return compiler is not None and COMPILERS[compiler].ahead_of_time
@@ -103,7 +103,7 @@ def build_portable_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path
         quality = _measured_quality(graph, fp32_graph, facts, p, cache, log, f"{role}-{p}")
         require_quality(f"{role}-{p}", quality, p, quality_floor)
     files = [graph, Path(str(graph) + ".data")]
-    if backend == "tensorrt":
+    if BACKENDS[backend].compiler is not None and not ahead_of_time(backend):  # on the GPU that runs it
         engine, trt_facts = _tensorrt_engine(graph, facts, log)
         files, build = [engine], {**build, **trt_facts}
     for f in files:
@@ -194,13 +194,13 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
     and its targets), its ONNX files replaced by the engine, its entry recording what was compiled; Medusa heads stay
     ONNX graphs, run beside the target as on regular TensorRT. A parser or builder failure is one line naming the
     engine, and nothing of the set is kept."""
-    from ..build.tensorrt import COMPILERS, MAX_BATCH, build_engine, onnx_sha256
+    from ..build.tensorrt import COMPILE_FORMAT, COMPILERS, MAX_BATCH, build_engine, onnx_sha256
 
     compiler = COMPILERS[BACKENDS[backend].compiler]
     trt = compiler.require()
     path = tmp / "manifest.json"
     manifest = json.loads(path.read_text())
-    targets = f"{'-'.join(gpu_archs)}-b{MAX_BATCH}"
+    targets = f"c{COMPILE_FORMAT}-{'-'.join(gpu_archs)}-b{MAX_BATCH}"
     for name, e in manifest["engines"].items():
         if e["role"] not in ("target", "draft"):
             if e["backend"] == "onnxruntime-portable":
@@ -215,7 +215,9 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
             built = build_engine(graph, out, max_prompt=min(e["max_context"], 2048), max_width=64,
                                  max_capacity=e["max_context"] + 64, compiler=compiler, gpu_archs=gpu_archs,
                                  name=name)
-            facts_file.write_text(json.dumps(built))
+            part = facts_file.with_name(facts_file.name + ".part")
+            part.write_text(json.dumps(built))
+            os.replace(part, facts_file)
         built = json.loads(facts_file.read_text())
         log(f"{name}: {built['engine_bytes'] / 2**20:.0f} MiB engine, compiled in {built['build_s']:.0f} s")
         for f in e["files"]:
@@ -223,7 +225,7 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
         engine = f"{name}.engine"
         link(out, tmp / engine)
         e.update(backend=backend, file=engine, files=[engine], session_config=None,
-                 build={**e["build"], **built, "log": str(out) + ".log"},
+                 build={**e["build"], **{k: v for k, v in built.items() if k != "log"}},
                  parity={**e["parity"], "checked_on": "onnxruntime-portable, the graph compiled (on the CPU)"},
                  build_versions={**e.get("build_versions", {}), compiler.backend: trt.__version__})
         e.pop("session_config")

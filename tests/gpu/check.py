@@ -7,6 +7,8 @@ CUDA graphs faithfully, and how fast is it. One summary table, also written as J
    toolchain here;
 2. the GPU sets, made from the reference's portable graphs: onnxruntime-cuda (the same files, its own manifest)
    where onnxruntime-gpu has CUDA; tensorrt (build/tensorrt.py on each graph) where tensorrt imports;
+   tensorrt-rtx (the same, by TensorRT for RTX for this GPU's architecture) where it imports and the GPU is one it
+   supports (sm75-sm121: not Hopper; the cell says so);
 3. per backend: parity against the CPU fp32 engine (teacher-forced greedy agreement over STEPS tokens and max
    |Δlogit|, at fp32 and fp16; each Q/DQ engine against the CPU running its own graph); CUDA-graph replay (a
    script of passes at changing lengths, widths, a tree and a capacity change, against the same script with
@@ -119,7 +121,7 @@ def _fmt(x) -> str:
     return getattr(x, "description", str(x))  # an engine: what it runs on
 
 
-COLUMNS = ["onnxruntime-portable (CPU)", "onnxruntime-cuda", "tensorrt"]
+COLUMNS = ["onnxruntime-portable (CPU)", "onnxruntime-cuda", "tensorrt", "tensorrt-rtx"]
 
 
 def specrt_cli(args: list[str], timeout: float) -> str:
@@ -151,17 +153,20 @@ def build_reference(args, work: Path, budget: Budget) -> Path:
 
 def derive_set(ref: Path, out: Path, backend: str, convert=None) -> Path:
     """A copy of the reference set whose target/draft engines run on `backend`: files linked, the manifest
-    rewritten; convert(entry_dict, out) -> entry_dict may build new files (TensorRT)."""
+    rewritten; convert(entry_dict, out) -> entry_dict may build new files (TensorRT), None leaves the engine out."""
     out.mkdir(parents=True, exist_ok=True)
     for f in ref.iterdir():
         if f.is_file() and f.name != "manifest.json" and not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())
     manifest = json.loads((ref / "manifest.json").read_text())
-    for entry in manifest["engines"].values():
+    for name, entry in list(manifest["engines"].items()):
         if entry["role"] in ("target", "draft") and entry["backend"] == "onnxruntime-portable":
             entry["backend"] = backend
-            if convert is not None:
-                entry.update(convert(entry, out))
+            made = convert(entry, out) if convert is not None else {}
+            if made is None:  # this backend cannot build it here: its cells say the set has no such engine
+                del manifest["engines"][name]
+            else:
+                entry.update(made)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -172,6 +177,20 @@ def tensorrt_entry(entry: dict, out: Path) -> dict:
     engine = out / (Path(entry["file"]).stem + ".engine")
     facts = build_engine(out / entry["file"], engine, max_prompt=min(entry["max_context"], 2048), max_width=64,
                          max_capacity=entry["max_context"] + 64, timing_cache=out / "tensorrt.cache")
+    return {"file": engine.name, "files": [engine.name], "build": {**(entry.get("build") or {}), **facts}}
+
+
+def tensorrt_rtx_entry(entry: dict, out: Path) -> dict | None:
+    """None for a precision TensorRT for RTX does not compile for this GPU (fp8 before Ada, ...): left out."""
+    from specrt.build.tensorrt import ARCH_LACKS, TENSORRT_RTX, build_engine
+    from specrt.runtime.backends.cuda_memory import compute_capability
+
+    engine = out / (Path(entry["file"]).stem + ".engine")
+    arch = "sm" + compute_capability(0).replace(".", "")
+    if entry["precision"] in ARCH_LACKS.get(arch, {}):
+        return None
+    facts = build_engine(out / entry["file"], engine, max_prompt=min(entry["max_context"], 2048), max_width=64,
+                         max_capacity=entry["max_context"] + 64, compiler=TENSORRT_RTX, gpu_archs=(arch,))
     return {"file": engine.name, "files": [engine.name], "build": {**(entry.get("build") or {}), **facts}}
 
 
@@ -348,6 +367,7 @@ def environment() -> dict[str, str]:
             ("onnxruntime", lambda: (lambda ort: f"{ort.__version__} {ort.get_available_providers()}")(
                 __import__("onnxruntime"))),
             ("tensorrt", lambda: __import__("tensorrt").__version__),
+            ("tensorrt-rtx", lambda: __import__("tensorrt_rtx_bindings").__version__),
             ("cuda-bindings", lambda: __import__("cuda.bindings", fromlist=["x"]).__version__),
             ("torch", lambda: __import__("torch").__version__)):
         try:
@@ -363,7 +383,7 @@ def run(args, table: Table, work: Path, budget: Budget) -> None:
 
     from specrt.manifest import load_manifest
 
-    cpu, cuda, trt = COLUMNS
+    cpu, cuda, trt, rtx = COLUMNS
     ref = table.cell("build/open", cpu, lambda: build_reference(args, work, budget), need_s=60)
     if ref is None:
         return
@@ -380,8 +400,23 @@ def run(args, table: Table, work: Path, budget: Budget) -> None:
             raise Skip("tensorrt is not installed") from None
         return derive_set(ref, work / "sets" / "tensorrt", "tensorrt", tensorrt_entry)
 
+    def make_rtx():
+        from specrt.build.tensorrt import GPU_ARCHS
+        from specrt.runtime.backends.cuda_memory import compute_capability
+
+        try:
+            import tensorrt_rtx_bindings  # noqa: F401
+        except ImportError:
+            raise Skip("tensorrt-rtx is not installed (pip install '.[tensorrt-rtx]')") from None
+        here = compute_capability(0)
+        if "sm" + here.replace(".", "") not in GPU_ARCHS:
+            raise Skip(f"TensorRT for RTX does not run on compute capability {here} (it targets "
+                       f"{', '.join(GPU_ARCHS)})")
+        return derive_set(ref, work / "sets" / "tensorrt-rtx", "tensorrt-rtx", tensorrt_rtx_entry)
+
     sets = {cpu: ref, cuda: table.cell("build/open", cuda, make_cuda, need_s=30),
-            trt: table.cell("build/open", trt, make_trt, need_s=30)}
+            trt: table.cell("build/open", trt, make_trt, need_s=30),
+            rtx: table.cell("build/open", rtx, make_rtx, need_s=30)}
     sets = {col: root for col, root in sets.items() if isinstance(root, Path)}
     for col, root in sets.items():
         table.rows["build/open"][col] = "built " + root.name
