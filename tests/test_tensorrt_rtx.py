@@ -42,14 +42,26 @@ def draft_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-draft", "llama", seed=0, noise=0.5)
 
 
+def random_heads_file(path: Path, hidden: int = 64, vocab: int = 384, k: int = 3) -> Path:
+    """A Medusa heads file as `specrt train-medusa` writes it, with random weights."""
+    from specrt.export.medusa import HEADS_FORMAT
+
+    heads = _random_heads(hidden, vocab, k)
+    np.savez(path, **{n: heads[n] for n in ("w1", "b1", "w2", "b2", "vocab")},
+             report=json.dumps({"format": HEADS_FORMAT, "rank_acc": [[0.5, 0.2, 0.1, 0.05]] * k}))
+    return path
+
+
 @pytest.fixture(scope="module")
 def rtx_set(tiny_dir, draft_dir, tmp_path_factory):
-    """The tiny Llama at every precision and a draft at fp32 and fp16, compiled for sm89 (Ada): (set, log lines)."""
+    """The tiny Llama at every precision, a draft at fp32 and fp16, and Medusa heads, compiled for sm89 (Ada):
+    (set, log lines)."""
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
     out, said = tmp_path_factory.mktemp("rtx"), []
     path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-rtx", PRECISIONS, 256, out,
                                             draft_source=str(draft_dir), draft_precisions=("fp32", "fp16"),
+                                            medusa_heads=random_heads_file(out / "heads.npz"),
                                             backend="tensorrt-rtx", calibration_texts=4, quality_floor=0.0,
                                             gpu_archs=("sm89",)), log=said.append)
     return path, said
@@ -61,7 +73,8 @@ def test_every_precision_and_the_draft_compile_and_the_manifest_says_what_was_co
 
     path, said = rtx_set
     m = load_manifest(path)
-    assert sorted(m.engines) == sorted([f"target-{p}" for p in PRECISIONS] + ["draft-fp32", "draft-fp16"])
+    heads = ["medusa-fp32", "medusa-fp8", "medusa-int8", "medusa-int4-awq"]
+    assert sorted(m.engines) == sorted([f"target-{p}" for p in PRECISIONS] + ["draft-fp32", "draft-fp16"] + heads)
     assert not list(path.glob("*.onnx*"))  # the set ships engines only
     for e in m.engines.values():
         b = e.build
@@ -70,6 +83,9 @@ def test_every_precision_and_the_draft_compile_and_the_manifest_says_what_was_co
         assert b["gpu_archs"] == ["sm89"] and b["engine_bytes"] == (path / e.file).stat().st_size > 100_000
         assert b["build_s"] > 0 and len(b["onnx_sha256"]) == 64 and "log" not in b
         assert e.memory["weights_bytes"] == b["engine_bytes"]
+        if e.role == "medusa":  # one profile of 1..64 rows; their tau measured with the ONNX heads on the CPU
+            assert b["profiles"] == {"heads": {"rows": [1, 1, 64]}} and e.quality["drafting"]["tau"] >= 1.0
+            continue
         assert e.parity["checked_on"].startswith("onnxruntime-portable")  # the very graph, on the CPU
         assert (b["decomposable_attention"] > 0) == (e.precision == "fp32")  # fp32 attention only; 2 layers
         assert e.build_versions["tensorrt-rtx"] == b["version"]
@@ -346,3 +362,91 @@ def test_the_set_records_parity_and_quality_like_the_portable_set(rtx_set):
     fp32 = raw["target-fp32"]["parity"]
     assert fp32["greedy_agreement_vs_torch"] == 1.0 and fp32["max_abs_logit_diff_vs_torch"] < 1e-3
     assert raw["draft-fp32"]["quality"]["drafting"]["against"] == "target-fp32"
+
+
+class _HostEngine:
+    """A compiled heads engine faked by an ONNX Runtime session of the same graph that reads its inputs from, and
+    writes its outputs to, the host addresses and shapes TrtHeads set: what reaches TensorRT is what a call needs."""
+
+    num_optimization_profiles = 1
+    device_memory_size_v2 = 1024
+
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.io = [*self.session.get_inputs(), *self.session.get_outputs()]
+        self.num_io_tensors = len(self.io)
+        self.contexts = []
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.io[i].name
+
+    def get_tensor_shape(self, name: str):
+        return [-1 if isinstance(d, str) else d for d in next(t.shape for t in self.io if t.name == name)]
+
+    def create_execution_context(self, config=None):
+        engine = self
+
+        class Context:
+            addresses, shapes, config_ = {}, {}, None
+
+            def set_optimization_profile_async(self, profile, stream):
+                return profile == 0
+
+            def set_device_memory(self, ptr, size):
+                self.scratch = (ptr, size)
+
+            def set_tensor_address(self, name, ptr):
+                self.addresses[name] = ptr
+                return True
+
+            def set_input_shape(self, name, shape):
+                self.shapes[name] = tuple(shape)
+                return True
+
+            def execute_async_v3(self, stream):
+                import ctypes
+
+                types_ = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+                feed = {}
+                for i in engine.session.get_inputs():
+                    a = np.empty(self.shapes[i.name], types_[i.type])
+                    ctypes.memmove(a.ctypes.data, self.addresses[i.name], a.nbytes)
+                    feed[i.name] = a
+                for o, v in zip(engine.session.get_outputs(), engine.session.run(None, feed)):
+                    v = np.ascontiguousarray(v)
+                    ctypes.memmove(self.addresses[o.name], v.ctypes.data, v.nbytes)
+                return True
+
+        ctx = Context()
+        ctx.config_ = config
+        self.contexts.append(ctx)
+        return ctx
+
+
+@pytest.mark.parametrize("token_input", [False, True])
+def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, token_input):
+    """TrtHeads (every buffer in HostMemory, TensorRT faked by a session of the same graph at the addresses it was
+    given) against OrtHeads on the CPU: the same candidates for every row, with and without the token input."""
+    from specrt.export.medusa import export_heads_onnx
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.backends.tensorrt import TrtHeads
+
+    hidden, vocab = 64, 384
+    rng = np.random.default_rng(3)
+    heads = _random_heads(hidden, vocab)
+    if token_input:
+        heads["a"] = (rng.standard_normal((hidden, hidden)) * 0.1).astype(np.float16)
+    graph = tmp_path / "heads.onnx"
+    export_heads_onnx(heads, rng.standard_normal((vocab, hidden)).astype(np.float32), graph, topk=4)
+    fake, config = _HostEngine(graph), object()
+    trt_heads = TrtHeads(fake, HostMemory(), "medusa-fp32", runtime_config=config)
+    cpu_heads = OrtHeads(graph)
+    assert (trt_heads.heads, trt_heads.topk) == (cpu_heads.heads, cpu_heads.topk) == (3, 4)
+    assert fake.contexts[0].config_ is config and fake.contexts[0].scratch[1] == 1024
+    for i in range(5):
+        h, t = rng.standard_normal(hidden).astype(np.float32), int(rng.integers(0, vocab))
+        np.testing.assert_array_equal(trt_heads(h, t), cpu_heads(h, t))
+    trt_heads.close()

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import SpecrtError
-from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
-                          POSITION_IDS, WRITE_INDICES, past_name, present_name)
+from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN,
+                          HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES, POSITION_IDS, WRITE_INDICES,
+                          past_name, present_name)
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
@@ -56,8 +57,23 @@ def _rebuild(entry) -> str:
 
 def _deserialize(root: Path, entry):
     """(engine, buckets, max_prompt, what must outlive it, the contexts' allocation strategy, TensorRT for RTX's
-    runtime config or None) of a manifest entry's serialized engine, after every check that it runs here (the
-    compiler, a GPU, the compiler version and the GPU architecture it was built for, its profiles)."""
+    runtime config or None) of a manifest entry's serialized decoder engine, after every check that it runs here
+    (_load's) and of its profiles."""
+    engine, keep, strategy, config = _load(root, entry)
+    path = Path(root) / entry.file
+    if engine.num_optimization_profiles != 2:
+        raise SpecrtError(f"engine '{path}' has {engine.num_optimization_profiles} optimization profiles, not the "
+                          f"prefill and decode ones build/tensorrt.py makes; {_rebuild(entry)}")
+    max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
+    max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
+    buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
+    return engine, buckets, max_prompt, keep, strategy, config
+
+
+def _load(root: Path, entry):
+    """(engine, what must outlive it, the contexts' allocation strategy, TensorRT for RTX's runtime config or None)
+    of a manifest entry's serialized engine, after every check that it runs here: the compiler, a GPU, the compiler
+    version and the GPU architecture it was built for (TensorRT for RTX: and its own header check)."""
     from ...backends import COMPILERS, TENSORRT
 
     compiler = COMPILERS.get(entry.backend, TENSORRT)
@@ -85,17 +101,11 @@ def _deserialize(root: Path, entry):
     if engine is None:
         raise SpecrtError(f"{compiler.label} cannot deserialize engine '{path}' (see its log above); "
                           f"{_rebuild(entry)}")
-    if engine.num_optimization_profiles != 2:
-        raise SpecrtError(f"engine '{path}' has {engine.num_optimization_profiles} optimization profiles, not the "
-                          f"prefill and decode ones build/tensorrt.py makes; {_rebuild(entry)}")
-    max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
-    max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
-    buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
     config, cache = None, None
     if compiler.ahead_of_time:
         cache = RuntimeCache(trt, runtime_cache_path(Path(root), entry.name, trt.__version__, here))
         config = rtx_runtime_config(trt, engine, cache)
-    return engine, buckets, max_prompt, (logger, runtime, cache), shared_scratch(trt), config
+    return engine, (logger, runtime, cache), shared_scratch(trt), config
 
 
 def check_targets(entry, here: str) -> None:
@@ -226,10 +236,79 @@ def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:
 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """Medusa heads, on ONNX Runtime's CPU provider (the heads' graph is standard ops; the GPU would not pay)."""
+    """Medusa heads: compiled heads (an .engine, as tensorrt-rtx sets hold them) on the GPU beside the target
+    (TrtHeads), an ONNX graph on ONNX Runtime's CPU provider."""
+    if entry.file.endswith(".engine"):
+        engine, keep, strategy, config = _load(root, entry)
+        memory = CudaMemory()
+        try:
+            return TrtHeads(engine, memory, entry.name, keep=keep, strategy=strategy, runtime_config=config)
+        except BaseException:
+            memory.close()
+            raise
     from .onnxruntime_cpu import OrtHeads
 
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
+
+
+class TrtHeads:
+    """runtime/engine.py's Heads over compiled Medusa heads: one execution context on their one profile at one row,
+    every buffer allocated and every address and shape set once; a call uploads the hidden row and the pending
+    token, runs, and downloads the candidates (K x topk token ids; the scores stay on the device). The target's
+    hidden state comes from the host (the Engine contract's `hidden`): one row of H floats a round."""
+
+    def __init__(self, engine, memory, name: str, keep: tuple = (), strategy=None, runtime_config=None):
+        self.engine, self.memory, self.name, self._keep = engine, memory, name, keep
+        tensors = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        if HEADS_HIDDEN not in tensors or HEADS_CANDIDATES not in tensors:
+            raise SpecrtError(f"engine '{name}' is not a Medusa heads engine (its tensors: {', '.join(tensors)}); "
+                              "rebuild the engine set with `specrt engines`")
+        shape = tuple(engine.get_tensor_shape(HEADS_CANDIDATES))  # [rows, K, topk]
+        self.heads, self.topk = int(shape[1]), int(shape[2])
+        hidden = int(engine.get_tensor_shape(HEADS_HIDDEN)[1])
+        host = {HEADS_HIDDEN: memory.host((1, hidden), np.float32), HEADS_TOKEN: memory.host((1,), np.int64),
+                HEADS_CANDIDATES: memory.host((1, self.heads, self.topk), np.int64),
+                HEADS_SCORES: memory.host((1, self.heads, self.topk), np.float32)}
+        self._host = {t: host[t] for t in tensors if t in host}
+        self._device = {t: memory.alloc(a.nbytes) for t, a in self._host.items()}
+        if runtime_config is not None:
+            ctx = engine.create_execution_context(runtime_config)
+        else:
+            ctx = (engine.create_execution_context(strategy) if strategy is not None
+                   else engine.create_execution_context())
+        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if (strategy or runtime_config) else 0
+        if ctx is None or not ctx.set_optimization_profile_async(0, memory.stream):
+            raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}'")
+        if size:
+            ctx.set_device_memory(memory.alloc(size), size)
+        for tensor, ptr in self._device.items():
+            if not ctx.set_tensor_address(tensor, ptr):
+                raise SpecrtError(f"engine '{name}' has no tensor '{tensor}'; {REBUILD}")
+        for tensor in (HEADS_HIDDEN, HEADS_TOKEN):
+            if tensor in self._host and not ctx.set_input_shape(tensor, self._host[tensor].shape):
+                raise SpecrtError(f"engine '{name}' does not take {tensor} of one row; {REBUILD}")
+        self.context = ctx
+
+    def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
+        h = self._host[HEADS_HIDDEN]
+        h[0] = hidden
+        self.memory.upload(self._device[HEADS_HIDDEN], h)
+        if HEADS_TOKEN in self._host:
+            self._host[HEADS_TOKEN][0] = token
+            self.memory.upload(self._device[HEADS_TOKEN], self._host[HEADS_TOKEN])
+        if not self.context.execute_async_v3(self.memory.stream):
+            raise SpecrtError(f"TensorRT failed to run engine '{self.name}' (see its log above)")
+        out = self._host[HEADS_CANDIDATES]
+        self.memory.download(out, self._device[HEADS_CANDIDATES])
+        self.memory.sync()
+        return out[0].copy()
+
+    def close(self) -> None:
+        self.context = None
+        for kept in self._keep:
+            if isinstance(kept, RuntimeCache):
+                kept.save()
+        self.memory.close()
 
 
 TRT_DTYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16"}  # numpy's name -> trt.DataType's

@@ -189,11 +189,12 @@ def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
 
 
 def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root: Path, log) -> None:
-    """The portable set in tmp (built, checked and measured on the CPU) -> the `backend` set: every target and draft
-    graph compiled ahead of time for gpu_archs (engines cached under cache_root by the graph's sha256, the compiler
-    and its targets), its ONNX files replaced by the engine, its entry recording what was compiled; Medusa heads stay
-    ONNX graphs, run beside the target as on regular TensorRT. A parser or builder failure is one line naming the
-    engine, and nothing of the set is kept."""
+    """The portable set in tmp (built, checked and measured on the CPU) -> the `backend` set: every target, draft and
+    Medusa heads graph compiled ahead of time for gpu_archs (engines cached under cache_root by the graph's sha256,
+    the compiler recipe and its targets), its ONNX files replaced by the engine, its entry recording what was
+    compiled. The EAGLE head keeps its int8 ONNX Runtime engine (runtime/backends/onnxruntime_cpu.py), which no
+    GPU backend runs yet. A parser or builder failure is one line naming the engine, and nothing of the set is
+    kept."""
     from ..build.tensorrt import COMPILE_FORMAT, COMPILERS, MAX_BATCH, build_engine, onnx_sha256
 
     compiler = COMPILERS[BACKENDS[backend].compiler]
@@ -202,9 +203,8 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
     manifest = json.loads(path.read_text())
     targets = f"c{COMPILE_FORMAT}-{'-'.join(gpu_archs)}-b{MAX_BATCH}"
     for name, e in manifest["engines"].items():
-        if e["role"] not in ("target", "draft"):
-            if e["backend"] == "onnxruntime-portable":
-                e["backend"] = backend
+        heads = e["role"] == "medusa"
+        if e["role"] not in ("target", "draft", "medusa"):
             continue
         graph = tmp / e["file"]
         sha = onnx_sha256(graph)
@@ -214,7 +214,7 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
             log(f"compiling {name} with {compiler.label} {trt.__version__} for {', '.join(gpu_archs)}")
             built = build_engine(graph, out, max_prompt=min(e["max_context"], 2048), max_width=64,
                                  max_capacity=e["max_context"] + 64, compiler=compiler, gpu_archs=gpu_archs,
-                                 name=name)
+                                 name=name, heads=heads)
             part = facts_file.with_name(facts_file.name + ".part")
             part.write_text(json.dumps(built))
             os.replace(part, facts_file)
@@ -224,10 +224,11 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
             (tmp / f).unlink()
         engine = f"{name}.engine"
         link(out, tmp / engine)
-        e.update(backend=backend, file=engine, files=[engine], session_config=None,
-                 build={**e["build"], **{k: v for k, v in built.items() if k != "log"}},
-                 parity={**e["parity"], "checked_on": "onnxruntime-portable, the graph compiled (on the CPU)"},
-                 build_versions={**e.get("build_versions", {}), compiler.backend: trt.__version__})
-        e.pop("session_config")
+        e.update(backend=backend, file=engine, files=[engine],
+                 build={**(e.get("build") or {}), **{k: v for k, v in built.items() if k != "log"}},
+                 build_versions={**(e.get("build_versions") or {}), compiler.backend: trt.__version__})
+        if "parity" in e:
+            e["parity"] = {**e["parity"], "checked_on": "onnxruntime-portable, the graph compiled (on the CPU)"}
+        e.pop("session_config", None)
         e["memory"] = engine_memory(EngineEntry.from_dict(name, e), tmp)
     path.write_text(json.dumps(manifest, indent=1))
