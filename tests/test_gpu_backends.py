@@ -110,6 +110,8 @@ def test_onnxruntime_cuda_refuses_a_cpu_only_onnxruntime(tmp_path, monkeypatch):
     assert "pip install onnxruntime-gpu" in msg and "--backend onnxruntime-portable" in msg
     with pytest.raises(SpecrtError, match="runs on the CPU only"):  # several streams: the same line
         onnxruntime_cuda.open_batch(tmp_path, _entry("onnxruntime-cuda", "target-fp16.onnx"), EngineOptions(), 2)
+    with pytest.raises(SpecrtError, match="runs on the CPU only"):  # Medusa heads run on the CUDA EP too
+        onnxruntime_cuda.open_heads(tmp_path, _entry("onnxruntime-cuda", "medusa-fp32.onnx"))
     # a session that asked for CUDA and got the CPU (ORT falls back with a warning) is refused the same way
     model = _identity_model(tmp_path / "id.onnx")
     session = ort.InferenceSession(str(model), providers=[("CUDAExecutionProvider", {"device_id": "0"})])

@@ -265,6 +265,7 @@ def _rtx_entry(tmp_path, **build):
     ("8.6", {}, "was compiled for sm89, sm120, and this GPU is sm86; rebuild the set with `specrt engines "
                 "--backend tensorrt-rtx --gpu-arch sm89,sm120,sm86`"),
     ("8.9", {"version": "1.6.0.1"}, "built with TensorRT for RTX 1.6.0.1, this is"),
+    ("8.9", {"compiler": "tensorrt"}, "was compiled by TensorRT, and its entry names the tensorrt-rtx backend"),
 ])
 def test_an_engine_for_another_gpu_or_version_is_refused(tmp_path, monkeypatch, here, build, says):
     from specrt.runtime.backends import tensorrt as backend

@@ -41,13 +41,14 @@ def bind_in_place(io, layers) -> None:
             io.bind_ortvalue_output(present_name(i, kind), value)
 
 
-def open_session(onnx_path: Path, options: ort.SessionOptions, graph: bytes | None = None) -> ort.InferenceSession:
-    """A CPU session for onnx_path (or for `graph`, a serialized variant of it); a corrupt or incomplete engine file
-    is a one-line SpecrtError, not ORT's traceback (ORT raises its own exception types: InvalidProtobuf, Fail,
-    NoSuchFile, ...)."""
+def open_session(onnx_path: Path, options: ort.SessionOptions, graph: bytes | None = None,
+                 providers=("CPUExecutionProvider",)) -> ort.InferenceSession:
+    """A session for onnx_path (or for `graph`, a serialized variant of it) on `providers` (the CPU's unless
+    asked); a corrupt or incomplete engine file is a one-line SpecrtError, not ORT's traceback (ORT raises its own
+    exception types: InvalidProtobuf, Fail, NoSuchFile, ...)."""
     try:
         return ort.InferenceSession(graph if graph is not None else str(onnx_path), options,
-                                    providers=["CPUExecutionProvider"])
+                                    providers=list(providers))
     except MemoryError:
         raise
     except Exception as e:
@@ -117,13 +118,14 @@ class OrtHeads:
     """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first.
     session_config: the entry's (a Q/DQ heads graph runs as written)."""
 
-    def __init__(self, onnx_path: Path, threads: int = 1, session_config: dict[str, str] | None = None):
+    def __init__(self, onnx_path: Path, threads: int = 1, session_config: dict[str, str] | None = None,
+                 providers=("CPUExecutionProvider",)):
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         for key, value in (session_config or {}).items():
             so.add_session_config_entry(key, value)
-        self.session = open_session(onnx_path, so)
+        self.session = open_session(onnx_path, so, providers=providers)
         shape = self.session.get_outputs()[0].shape   # [batch, K, topk]
         self.heads, self.topk = int(shape[1]), int(shape[2])
         self._h = np.zeros((1, self.session.get_inputs()[0].shape[1]), np.float32)

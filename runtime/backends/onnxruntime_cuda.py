@@ -126,10 +126,17 @@ def _open(root: Path, entry, options: EngineOptions, make):
 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """Medusa heads, on ONNX Runtime's CPU provider (their graph is a few MatMuls; the GPU would not pay)."""
+    """Medusa heads on the CUDA EP beside the target: one row a round, the hidden row in and the candidates out
+    through the host (a few KB), as TensorRT's heads (tensorrt.TrtHeads)."""
+    import onnxruntime as ort
+
     from .onnxruntime_cpu import OrtHeads
 
-    return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
+    require_cuda_provider(ort.get_available_providers())
+    heads = OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config,
+                     providers=("CUDAExecutionProvider",))
+    require_cuda_provider(heads.session.get_providers())  # ORT falls back to the CPU with only a warning
+    return heads
 
 
 class _Bindings:

@@ -80,6 +80,10 @@ def _load(root: Path, entry):
     trt = compiler.require()
     require_device(entry.backend)
     built = entry.build or {}  # the pipeline's provisional entries (checks before the manifest) record nothing
+    if built.get("compiler") not in (None, compiler.backend):  # each compiler's engines run only under it
+        made = COMPILERS.get(built["compiler"], compiler).label
+        raise SpecrtError(f"engine '{entry.name}' was compiled by {made}, and its entry names the {entry.backend} "
+                          f"backend ({compiler.label}); {_rebuild(entry)}")
     version = built.get("version", built.get("tensorrt"))
     if version not in (None, trt.__version__):
         raise SpecrtError(f"engine '{entry.name}' was built with {compiler.label} {version}, this is "
