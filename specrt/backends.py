@@ -50,9 +50,6 @@ BACKENDS = {b.name: b for b in (
 BUILT = tuple(name for name, b in BACKENDS.items() if b.precisions)  # what --backend takes
 
 
-def get(name: str) -> Backend | None:
-    return BACKENDS.get(name)
-
 
 @dataclass(frozen=True)
 class Compiler:
