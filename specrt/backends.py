@@ -50,7 +50,6 @@ BACKENDS = {b.name: b for b in (
 BUILT = tuple(name for name, b in BACKENDS.items() if b.precisions)  # what --backend takes
 
 
-
 @dataclass(frozen=True)
 class Compiler:
     """A TensorRT compiler: the backend it builds for, its Python module, how to install it, and whether it
