@@ -140,13 +140,17 @@ class BatchSession:
 
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), chat: bool = True,
-               ignore_eos: bool = False) -> Stream:
+               ignore_eos: bool = False, grammar=None) -> Stream:
         ids = self.slots[0].generator.prepare(prompt, chat, max_new_tokens)
         stream = Stream(iter(()))
         run = self._run(ids, stream, dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                          ignore_eos=ignore_eos))
+                                          ignore_eos=ignore_eos, grammar=grammar))
         stream._it = _detached(run, stream) if self.detach else run
         return stream
+
+    def grammar(self, source: str):
+        """A fresh matcher for one request's stream(grammar=...) (Generator.grammar)."""
+        return self.slots[0].generator.grammar(source)
 
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         s = self.stream(prompt, **kwargs)

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions, open_engine
+from .grammar import Grammar, grammar_tokenizer, masked
 from .prefix_cache import SAVE_MIN_LOST, Kept, PrefixStore, common_prefix
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tokenizer import Detokenizer, Message, TextCodec
@@ -100,11 +101,15 @@ class Stream:
 
 
 def plain_decode(engine: Engine, prompt: list[int], sampling: SamplingParams,
-                 rng: np.random.Generator, stats: Stats) -> Iterator[list[int]]:
+                 rng: np.random.Generator, stats: Stats, grammar: Grammar | None = None) -> Iterator[list[int]]:
     """Target-only decoding: one pass, one token. The cache keeps the first stats.cached_tokens positions of the
-    prompt (KV reuse: Generator.keep_cache; 0 otherwise); only the rest is prefilled."""
+    prompt (KV reuse: Generator.keep_cache; 0 otherwise); only the rest is prefilled. grammar: each token is drawn
+    from the logits the grammar allows (runtime/grammar.py)."""
     engine.rewind(stats.cached_tokens)
     done = engine.length
+    if grammar is not None:
+        yield from _plain_constrained(engine, np.asarray(prompt[done:], np.int64), sampling, rng, stats, grammar)
+        return
     if sampling.greedy:  # argmax(): an engine with a logit screen reads its lm_head in 8 bits, exactly
         token = int(engine.argmax(np.asarray(prompt[done:], np.int64))[0])
         engine.commit(len(prompt) - done)
@@ -124,14 +129,32 @@ def plain_decode(engine: Engine, prompt: list[int], sampling: SamplingParams,
         engine.commit(1)
 
 
+def _plain_constrained(engine: Engine, pending: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
+                       stats: Stats, grammar: Grammar) -> Iterator[list[int]]:
+    """plain_decode under a grammar: full logits each pass (the logit screen's argmax knows no mask)."""
+    probs = None if sampling.greedy else np.empty((1, engine.vocab_size), np.float32)
+    while True:
+        logits = engine.forward(pending, num_logits=1)
+        engine.commit(pending.size)
+        logits = masked(logits[-1:], grammar.allowed()[None])
+        if sampling.greedy:
+            token = int(np.argmax(logits[0]))
+        else:
+            token = sample(probs_from_logits(logits, sampling, out=probs)[0], rng)
+        grammar.advance([token])
+        stats.rounds += 1
+        yield [token]
+        pending = np.array([token], np.int64)
+
+
 class PlainDecoder:
     """The decode strategy of --speculate off."""
 
     name, proposer, control = "off", None, None
 
     def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                 stats: Stats) -> Iterator[list[int]]:
-        return plain_decode(engine, prompt, sampling, rng, stats)
+                 stats: Stats, grammar: Grammar | None = None) -> Iterator[list[int]]:
+        return plain_decode(engine, prompt, sampling, rng, stats, grammar)
 
 
 def _stop_prefix(text: str, stop) -> int:
@@ -174,6 +197,11 @@ class Generator:
     def load(cls, path: str | Path, precision: str = "fp32", options: EngineOptions = EngineOptions()) -> "Generator":
         return cls(load_manifest(Path(path)), precision, options)
 
+    def grammar(self, source: str) -> Grammar:
+        """A fresh matcher of an llguidance grammar (grammar.json_schema_grammar makes one of a JSON Schema) for
+        one request's stream(grammar=...); SpecrtError names what does not compile."""
+        return grammar_tokenizer(self.codec, self.engine.vocab_size).matcher(source)
+
     def prompt_ids(self, prompt: str | list[Message], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -190,14 +218,15 @@ class Generator:
 
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
-               chat: bool = True, decode=None, ignore_eos: bool = False) -> Stream:
+               chat: bool = True, decode=None, ignore_eos: bool = False, grammar: Grammar | None = None) -> Stream:
         """decode: a strategy like `plain_decode` (the default); speculative decoders plug in here.
         ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
-        string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed."""
+        string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed.
+        grammar: a fresh Grammar (runtime/grammar.py) the output is held to, under any decode strategy."""
         ids = self.prepare(prompt, chat, max_new_tokens)
         stream = Stream(iter(()))
         stream._it = self.run_ids(ids, stream, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                  decode=decode, ignore_eos=ignore_eos)
+                                  decode=decode, ignore_eos=ignore_eos, grammar=grammar)
         return stream
 
     def prepare(self, prompt: str | list[Message], chat: bool, max_new_tokens: int) -> list[int]:
@@ -208,10 +237,10 @@ class Generator:
 
     def run_ids(self, ids: list[int], stream: Stream, *, max_new_tokens: int = 256,
                 sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), decode=None,
-                ignore_eos: bool = False) -> Iterator[str]:
+                ignore_eos: bool = False, grammar: Grammar | None = None) -> Iterator[str]:
         """The text deltas of a checked prompt's tokens, for `stream` (its close() flag and result)."""
         eos = frozenset() if ignore_eos else self.codec.eos_token_ids
-        return self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream, eos)
+        return self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream, eos, grammar)
 
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         s = self.stream(prompt, **kwargs)
@@ -257,7 +286,8 @@ class Generator:
         self.prefix_store.put(Kept(np.asarray(self._held, np.int64), self.engine.save_prefix(n),
                                    {p.name: p.save_state(n) for p in _state_holders(decode)}))
 
-    def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset) -> Iterator[str]:
+    def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset,
+             grammar: Grammar | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
         engine = self.engine
         stats = Stats(prompt_tokens=len(ids), logit_screen=engine.screen and sampling.greedy, engine=engine.description)
@@ -271,7 +301,8 @@ class Generator:
         stats.cached_tokens = keep
         self._held = []  # until this request ends, the cache holds a mix
         engine.reserve(len(ids) + budget + engine.max_pass_tokens)  # a speculative pass writes past the budget
-        rounds = decode(engine, ids, sampling, sampling.generator(), stats)
+        rounds = (decode(engine, ids, sampling, sampling.generator(), stats) if grammar is None else
+                  decode(engine, ids, sampling, sampling.generator(), stats, grammar=grammar))
         produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
         fed = list(ids)  # the prompt + every emitted token: the committed cache holds a prefix of it
         sent, longest = 0, max(map(len, stop), default=0)  # stops: text[:sent] has been yielded

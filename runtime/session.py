@@ -43,6 +43,10 @@ class Session:
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         return self.generator.generate(prompt, decode=self.decoder, **kwargs)
 
+    def grammar(self, source: str):
+        """A fresh matcher for one request's stream(grammar=...) (Generator.grammar)."""
+        return self.generator.grammar(source)
+
     parallel = 1
 
     @property

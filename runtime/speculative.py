@@ -25,22 +25,25 @@ from ..manifest import Manifest
 from .control import AdaptiveK, Controller, FixedK, GatedK, Round
 from .engine import Engine, EngineOptions, open_eagle, open_engine, open_heads
 from .generate import PlainDecoder, Stats
+from .grammar import Grammar, masked
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import LookupEagle, LookupMedusa
 from .proposers.medusa import Medusa
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
-from .verify import Draft, verify, verify_greedy, verify_typical
+from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
 MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "eagle", "lookup+eagle", "auto")
 
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                       stats: Stats, *, proposer: Proposer, control: Controller, accept=verify) -> Iterator[list[int]]:
+                       stats: Stats, *, proposer: Proposer, control: Controller, accept=verify,
+                       grammar: Grammar | None = None) -> Iterator[list[int]]:
     """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
-    explicit, lossy opt-in, which Stats.exact and Stats.lossy report)."""
+    explicit, lossy opt-in, which Stats.exact and Stats.lossy report). grammar: every row the target's pass
+    returns is masked to what the grammar allows after that row's context (runtime/grammar.py)."""
     ctx = Context(prompt, engine.max_context + 1)
     ctx.target, ctx.cached = engine, stats.cached_tokens
     engine.rewind(stats.cached_tokens)  # KV reuse (Generator.keep_cache): the first pass feeds the rest
@@ -60,14 +63,21 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             first = False
             draft = proposer.propose(ctx, k)
             if draft.tokens.size > room:  # a tree of depth <= k can hold more nodes than fit (at the context end)
-                draft = _first(draft, room)
+                draft = draft.first(room)
+            masks = None
+            if grammar is not None:  # a chain stops at its first token the grammar forbids
+                draft, masks = grammar.check_draft(draft, sampling.greedy)
             # 2. verify: one target pass over the pending token(s) + the n draft nodes gives p [n + 1, V]
             t1 = time.perf_counter()
             pending = ctx.ids[engine.length:]
             P, n = len(pending), draft.tokens.size
             pos, mask = (None, None) if draft.parents is None else tree_inputs(engine.length, P, draft.parents)
             tokens = np.concatenate([pending, draft.tokens])
-            if sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one
+            if masks is not None:  # full logits: the logit screen's argmax knows no mask
+                logits = masked(engine.forward(tokens, pos, mask, num_logits=n + 1), masks)
+                result = (verify_greedy(logits.argmax(-1), draft) if sampling.greedy else
+                          accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng))
+            elif sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one
                 result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
             else:
                 logits = engine.forward(tokens, pos, mask, num_logits=n + 1)
@@ -76,6 +86,8 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             t2 = time.perf_counter()
             path = None if draft.parents is None else np.concatenate([np.arange(P), P + result.path])
             engine.commit(P + result.num_accepted, path)
+            if grammar is not None:
+                grammar.advance(result.tokens.tolist())
             # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
             proposer.observe(result)
             r = Round(bucket, k, n, P + n, result, t1 - t0, t2 - t1, P > 1)
@@ -91,12 +103,6 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
         used = drafted > 0  # denominators, so runs pool by counts (a bench's mean of rates weighs a 1-round run fully)
         stats.acceptance_by_position = np.round(accepted[used] / drafted[used], 4).tolist()
         stats.drafted_by_position = drafted[used].tolist()
-
-
-def _first(draft: Draft, n: int) -> Draft:
-    """The first n nodes of a draft: a chain's prefix, or a subtree (parents come before children)."""
-    cut = lambda a: None if a is None else a[:n]  # noqa: E731
-    return Draft(draft.tokens[:n], cut(draft.parents), cut(draft.q))
 
 
 def tree_inputs(length: int, P: int, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -242,9 +248,9 @@ class SpeculativeDecoder:
         self.name = proposer.name
 
     def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                 stats: Stats) -> Iterator[list[int]]:
+                 stats: Stats, grammar: Grammar | None = None) -> Iterator[list[int]]:
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=self.proposer, control=self.control,
-                                  accept=self.accept)
+                                  accept=self.accept, grammar=grammar)
 
 
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,

@@ -67,6 +67,11 @@ class Draft:
         if n and tokens.min() < 0:
             raise ValueError("Draft.tokens must be >= 0 token ids")
 
+    def first(self, n: int) -> "Draft":
+        """The first n nodes: a chain's prefix, or a subtree (parents come before children)."""
+        cut = lambda a: None if a is None else a[:n]  # noqa: E731
+        return Draft(self.tokens[:n], cut(self.parents), cut(self.q))
+
     def children(self) -> list[list[int]]:
         """children[r] = nodes whose parent row is r (row 0 = root, r = i + 1 = node i)."""
         n = self.tokens.size

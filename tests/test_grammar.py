@@ -1,0 +1,212 @@
+"""Constrained decoding (runtime/grammar.py): output held to a grammar, exact under every proposer (greedy equals
+plain constrained greedy token for token), and sampled speculation keeping the constrained distribution."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime.engine import EngineOptions
+from specrt.runtime.generate import Generator, Stats, plain_decode
+from specrt.runtime.grammar import Grammar, json_schema_grammar, masked
+from specrt.runtime.proposers import OneBucket
+from specrt.runtime.sampling import SamplingParams, probs_from_logits
+from specrt.runtime.session import load
+from specrt.runtime.speculative import FixedK, SpeculativeConfig, speculative_decode
+from specrt.runtime.verify import Draft
+from test_speculative import ALPHA, Oracle, same_distribution_p
+
+pytest.importorskip("llguidance")
+
+# bounded JSON (an enum, a short string, a boolean): a random model finishes it well within the budget
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                           "note": {"type": "string", "maxLength": 12},
+                                           "ok": {"type": "boolean"}},
+          "required": ["city", "note", "ok"], "additionalProperties": False}
+PROMPT = 'Answer in JSON like {"city": "Rome", "note": "sunny", "ok": true}. {"city": "Oslo", "note": "'
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_engines):
+    return Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
+
+
+def _json(gen) -> Grammar:
+    return gen.grammar(json_schema_grammar(SCHEMA))
+
+
+def test_output_is_json_of_the_schema_greedy_and_sampled(gen):
+    free = gen.generate(PROMPT, max_new_tokens=60)
+    with pytest.raises(ValueError):
+        json.loads(free.text)  # the random model alone writes no JSON: the grammar is what makes it
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=7),
+                     SamplingParams(temperature=1.5, seed=9)):
+        r = gen.generate(PROMPT, max_new_tokens=80, sampling=sampling, grammar=_json(gen))
+        assert r.stats.finish_reason == "eos", (sampling, r.text)
+        obj = json.loads(r.text)
+        assert set(obj) == {"city", "note", "ok"} and obj["city"] in ("Paris", "Rome", "Oslo")
+        assert isinstance(obj["ok"], bool) and len(obj["note"]) <= 12
+
+
+def test_a_budget_too_short_for_the_grammar_ends_with_length(gen):
+    r = gen.generate(PROMPT, max_new_tokens=3, grammar=_json(gen))
+    assert r.stats.finish_reason == "length" and len(r.token_ids) == 3
+
+
+def test_a_grammar_that_does_not_compile_is_one_line(gen):
+    with pytest.raises(SpecrtError, match="does not compile.*strnig"):
+        gen.grammar(json_schema_grammar({"type": "object", "properties": {"a": {"type": "strnig"}}}))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_an_oracle_of_the_unconstrained_path_keeps_constrained_greedy_exact(gen, tree):
+    """The oracle drafts the unconstrained greedy continuation: most of its tokens are forbidden, chains are cut
+    at them and tree nodes are never accepted; the output is plain constrained greedy's, token for token."""
+    prompt = gen.prompt_ids(PROMPT)
+    free = _tokens(plain_decode, gen, prompt, 40)
+    ref = _tokens(plain_decode, gen, prompt, 40, grammar=_json(gen))
+    assert ref != free
+    for oracle in (Oracle(free, 384, tree), Oracle(ref, 384, tree)):
+        stats = Stats()
+        out = _tokens(lambda *a, **kw: speculative_decode(*a, proposer=oracle, control=FixedK(3), **kw), gen, prompt,
+                      40, stats, grammar=_json(gen))
+        assert out == ref
+    assert stats.acceptance_by_position[0] == 1.0  # the constrained oracle is accepted whole
+
+
+def _tokens(decode, gen, prompt, n, stats=None, sampling=SamplingParams(), rng=None, grammar=None) -> list[int]:
+    out: list[int] = []
+    kw = {} if grammar is None else {"grammar": grammar}
+    rounds = decode(gen.engine, prompt, sampling, rng or np.random.default_rng(0), stats or Stats(), **kw)
+    for toks in rounds:
+        out += toks
+        if len(out) >= n or gen.codec.eos_token_ids & set(toks):
+            break
+    rounds.close()
+    return out[:n]
+
+
+@pytest.fixture(scope="module")
+def every_proposer(tiny_dir, tmp_path_factory):
+    """The tiny Llama with a noisy draft model and a random EAGLE head: one set, every --speculate mode but
+    Medusa's (its heads are trained: tested on the real default set below)."""
+    import torch
+    from transformers import AutoConfig
+
+    from specrt.export.eagle import HeadShape, make_head, save_head
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from tiny import make_checkpoint
+
+    draft = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-draft-g", "llama", seed=0, noise=0.3)
+    config = AutoConfig.from_pretrained(str(tiny_dir))
+    shape = HeadShape.of(config)
+    torch.manual_seed(0)
+    head = tmp_path_factory.mktemp("eagle-g") / "head.npz"
+    save_head(head, make_head(shape), np.arange(config.vocab_size), {"shape": shape.__dict__})
+    return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-grammar", ("fp32",), 256,
+                                            tmp_path_factory.mktemp("engines-g"), str(draft), eagle_head=head),
+                           log=lambda m: None)
+
+
+@pytest.mark.parametrize("mode", ["prompt-lookup", "draft", "eagle", "lookup+eagle", "eagle-chain"])
+def test_every_proposer_under_a_grammar_equals_plain_constrained_greedy(every_proposer, mode):
+    config = SpeculativeConfig(eagle_tree=mode != "eagle-chain")
+    spec = load(every_proposer, "fp32", mode.replace("-chain", ""), config=config)
+    plain = load(every_proposer, "fp32", "off")
+    rounds = 0
+    for prompt in (PROMPT, 'Reply {"city": "Paris", "note": "rain", "ok": false} or {"city": "Rome", "note": "'):
+        a = spec.generate(prompt, max_new_tokens=80, grammar=spec.grammar(json_schema_grammar(SCHEMA)))
+        b = plain.generate(prompt, max_new_tokens=80, grammar=plain.grammar(json_schema_grammar(SCHEMA)))
+        assert a.token_ids == b.token_ids, (mode, prompt)
+        assert a.stats.finish_reason == "eos" and json.loads(a.text)
+        rounds += a.stats.rounds
+        assert a.stats.proposer != "off" and any(a.stats.drafted_by_position)
+    assert rounds < 2 * 60
+
+
+# --- sampling: the constrained distribution ------------------------------------------------------------------
+
+LETTERS = 'start: /[a-z ]{1,6}/'  # about a third of the tiny vocabulary is letters and spaces
+
+
+class SampledOracle(OneBucket):
+    """Drafts each token from a fixed q (most of its mass on tokens the grammar forbids), as a sampled draft model
+    does: a forbidden token's rejection must still draw from the residual norm(max(0, p - q))."""
+
+    name, max_tokens, adaptive = "sampled-oracle", 4, True
+
+    def __init__(self, q: np.ndarray):
+        self.q = q
+
+    def start(self, ctx, sampling, rng):
+        self.rng = rng
+
+    def propose(self, ctx, k):
+        tokens = self.rng.choice(self.q.size, size=k, p=self.q)
+        return Draft(tokens, q=np.repeat(self.q[None], k, 0))
+
+    def observe(self, result):
+        pass
+
+
+def _constrained_joint(gen, prompt, params, grammar_text):
+    """Exact P(t1, t2) under the grammar's masks, from one-token passes."""
+    eng, V = gen.engine, gen.engine.vocab_size
+    g = gen.grammar(grammar_text)
+    eng.rewind(0)
+    p1 = probs_from_logits(masked(eng.forward(np.array(prompt, np.int64)), g.allowed()[None]), params)[0]
+    eng.commit(len(prompt))
+    joint = np.zeros((V, V))
+    for t1 in np.flatnonzero(p1):
+        eng.rewind(len(prompt))
+        g.advance([t1])
+        row = probs_from_logits(masked(eng.forward(np.array([t1])), g.allowed()[None]), params)[0]
+        joint[t1] = p1[t1] * row
+        g.m.rollback(1)
+    return joint
+
+
+def _sampled_counts(gen, prompt, params, q, k, n, greedy_cut=False):
+    counts = np.zeros((gen.engine.vocab_size,) * 2)
+    rng = np.random.default_rng(2024)
+    for _ in range(n):
+        g = gen.grammar(LETTERS)
+        if greedy_cut:  # the plausible bug: a sampled chain cut before its forbidden token, as greedy's is
+            check = g.check_draft
+            g.check_draft = lambda draft, greedy: check(draft, True)
+        oracle = SampledOracle(q)
+        t = _tokens(lambda *a, **kw: speculative_decode(*a, proposer=oracle, control=FixedK(k), **kw), gen, prompt,
+                    2, sampling=params, rng=rng, grammar=g)
+        counts[t[0], t[1]] += 1
+    return counts
+
+
+def _q_mostly_forbidden(gen, prompt, params):
+    """q: 0.3 on the likeliest allowed first token, 0.7 spread over forbidden ones."""
+    p = _constrained_joint(gen, prompt, params, LETTERS).sum(1)
+    forbidden = np.flatnonzero(~gen.grammar(LETTERS).allowed())[:8]
+    q = np.zeros(gen.engine.vocab_size)
+    q[int(p.argmax())], q[forbidden] = 0.3, 0.7 / forbidden.size
+    return q
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampled_speculation_keeps_the_constrained_distribution(gen, k):
+    prompt = gen.prompt_ids("Hello, how are you today?")
+    params = SamplingParams(temperature=1.0, top_k=4)
+    joint = _constrained_joint(gen, prompt, params, LETTERS)
+    assert (joint.sum(1) > 0).sum() >= 3  # several tokens are possible first, and the draft's q differs from p
+    counts = _sampled_counts(gen, prompt, params, _q_mostly_forbidden(gen, prompt, params), k, 1500)
+    p = same_distribution_p(counts, joint)
+    assert p > ALPHA, f"constrained speculative sampling differs from the target: chi-square p = {p:.2g}"
+
+
+def test_the_constrained_distribution_test_catches_a_greedy_cut_of_a_sampled_chain(gen):
+    prompt = gen.prompt_ids("Hello, how are you today?")
+    params = SamplingParams(temperature=1.0, top_k=4)
+    joint = _constrained_joint(gen, prompt, params, LETTERS)
+    counts = _sampled_counts(gen, prompt, params, _q_mostly_forbidden(gen, prompt, params), 1, 1500, greedy_cut=True)
+    assert same_distribution_p(counts, joint) < ALPHA
