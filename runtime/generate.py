@@ -48,6 +48,7 @@ class Stats:
     # many positions of the cache and prefill the rest
     cached_tokens: int = 0
     cancel_s: float = 0.0  # cancelled: from Stream.close() to the loop's end (the engine free again)
+    queue_s: float = 0.0   # a server's request: waiting for the engine before the loop started (ttft_s excludes it)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -202,12 +203,13 @@ class Generator:
         one request's stream(grammar=...); SpecrtError names what does not compile."""
         return grammar_tokenizer(self.codec, self.engine.vocab_size).matcher(source)
 
-    def prompt_ids(self, prompt: str | list[Message], chat: bool = True) -> list[int]:
+    def prompt_ids(self, prompt: str | list[Message], chat: bool = True, tools: list[dict] | None = None) -> list[int]:
+        """tools: OpenAI's function tools, rendered with a chat (TextCodec.render_chat)."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SpecrtError("the prompt is empty; pass some text with --prompt or a --messages file")
             prompt = [Message("user", prompt)] if chat else prompt
-        text = self.codec.render_chat(prompt) if isinstance(prompt, list) else prompt
+        text = self.codec.render_chat(prompt, tools) if isinstance(prompt, list) else prompt
         ids = self.codec.encode(text)
         if not ids:
             raise SpecrtError("the prompt encodes to no tokens; pass some text")
@@ -218,22 +220,25 @@ class Generator:
 
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
-               chat: bool = True, decode=None, ignore_eos: bool = False, grammar: Grammar | None = None) -> Stream:
+               chat: bool = True, decode=None, ignore_eos: bool = False, grammar: Grammar | None = None,
+               tools: list[dict] | None = None) -> Stream:
         """decode: a strategy like `plain_decode` (the default); speculative decoders plug in here.
         ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
         string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed.
-        grammar: a fresh Grammar (runtime/grammar.py) the output is held to, under any decode strategy."""
-        ids = self.prepare(prompt, chat, max_new_tokens)
+        grammar: a fresh Grammar (runtime/grammar.py) the output is held to, under any decode strategy.
+        tools: OpenAI's function tools, shown to the model with the chat (TextCodec.render_chat)."""
+        ids = self.prepare(prompt, chat, max_new_tokens, tools)
         stream = Stream(iter(()))
         stream._it = self.run_ids(ids, stream, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                   decode=decode, ignore_eos=ignore_eos, grammar=grammar)
         return stream
 
-    def prepare(self, prompt: str | list[Message], chat: bool, max_new_tokens: int) -> list[int]:
+    def prepare(self, prompt: str | list[Message], chat: bool, max_new_tokens: int,
+                tools: list[dict] | None = None) -> list[int]:
         """A request's checked prompt tokens (one-line errors before anything runs)."""
         if max_new_tokens < 1:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        return self.prompt_ids(prompt, chat)
+        return self.prompt_ids(prompt, chat, tools)
 
     def run_ids(self, ids: list[int], stream: Stream, *, max_new_tokens: int = 256,
                 sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), decode=None,

@@ -12,9 +12,38 @@ from ..errors import SpecrtError, first_line
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call the assistant made: OpenAI's id, the function's name and its arguments (a JSON object's text)."""
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()   # an assistant turn's calls
+    tool_call_id: str | None = None         # a role "tool" turn: the call it answers
+
+
+# Tools for chat templates that take none (SmolLM2's): the Hermes function-calling prompt, which Qwen2.5's own template
+# also writes, so one parser reads both (docs/runtime-notes.md, "Tool calls")
+HERMES_TOOLS = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def tool_call_text(call: ToolCall) -> str:
+    """A call as the Hermes format writes it."""
+    return f'<tool_call>\n{{"name": {json.dumps(call.name)}, "arguments": {call.arguments}}}\n</tool_call>'
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    """transformers' `tojson` for chat templates (jinja2's own escapes <, > and & as HTML)."""
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 def parse_messages(raw) -> list[Message]:
@@ -63,29 +92,72 @@ class TextCodec:
         self.bos_token = bos_token
         self._template = None
         if chat_template:
-            from jinja2 import TemplateSyntaxError
+            from jinja2 import TemplateSyntaxError, meta
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(chat_template)
+                self.template_takes_tools = "tools" in meta.find_undeclared_variables(env.parse(chat_template))
             except TemplateSyntaxError as e:
                 raise SpecrtError(f"the chat template does not parse (line {e.lineno}: {e.message}); rebuild the "
                                   "engine set with `specrt engines`") from None
 
-    def render_chat(self, messages: list[Message]) -> str:
+    template_takes_tools = False
+
+    def render_chat(self, messages: list[Message], tools: list[dict] | None = None) -> str:
+        """The prompt of a chat; tools: OpenAI's [{"type": "function", "function": {...}}], given to a template that
+        takes them, else written into the system turn as the Hermes prompt (tool rounds in the history likewise)."""
         if self._template is None:
             return "".join(m.content for m in messages)
         eos = self.tokenizer.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
-        return self._template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
-                                     add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=eos)
+        if self.template_takes_tools:
+            rows = [_template_row(m) for m in messages]
+            extra = {"tools": tools} if tools else {}
+        else:
+            rows, extra = _hermes_rows(messages, tools), {}
+        return self._template.render(messages=rows, add_generation_prompt=True, bos_token=self.bos_token or "",
+                                     eos_token=eos, **extra)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _template_row(m: Message) -> dict:
+    """A message as chat templates read it (transformers' convention: a call's arguments as an object)."""
+    row = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        row["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        row["tool_call_id"] = m.tool_call_id
+    return row
+
+
+def _hermes_rows(messages: list[Message], tools: list[dict] | None) -> list[dict]:
+    """Tools and tool rounds for a template that knows neither: the tool list in the system turn, calls in the
+    assistant's text, results as user turns in <tool_response> tags (as Qwen2.5's template writes them)."""
+    rows = []
+    for m in messages:
+        if m.tool_calls:
+            text = "\n".join([m.content] * bool(m.content) + [tool_call_text(c) for c in m.tool_calls])
+            rows.append({"role": m.role, "content": text})
+        elif m.role == "tool":
+            rows.append({"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
+        else:
+            rows.append({"role": m.role, "content": m.content})
+    if tools:
+        prompt = HERMES_TOOLS.format(tools="\n".join(_tojson(t) for t in tools))
+        if rows and rows[0]["role"] == "system":
+            rows[0] = {"role": "system", "content": f"{rows[0]['content']}\n\n{prompt}"}
+        else:
+            rows.insert(0, {"role": "system", "content": prompt})
+    return rows
 
 
 def _raise(message: str):

@@ -2,25 +2,31 @@
 
 parse() turns a request body into a GenRequest or raises ApiError (status, OpenAI's error JSON); the builders
 make the `chat.completion(.chunk)` and `text_completion` objects. Fields we cannot honour (n > 1, logprobs,
-penalties, tools) are refused with a 400 rather than ignored; unknown fields are ignored, as OpenAI's own
-clients send a few (user, metadata, ...).
+penalties) are refused with a 400 rather than ignored; unknown fields are ignored, as OpenAI's own clients send a
+few (user, metadata, ...). Tools and `response_format` become a grammar (tool_calls.py, runtime/grammar.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
 
+from .errors import SpecrtError
 from .runtime.generate import Stats
+from .runtime.grammar import json_schema_grammar
 from .runtime.sampling import SamplingParams
-from .runtime.tokenizer import Message
+from .runtime.tokenizer import Message, ToolCall
+from .tool_calls import grammar as tools_grammar
 
 # Stats.finish_reason -> OpenAI's finish_reason ("cancelled" only reaches a client that is gone)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 MAX_STOPS = 4  # OpenAI's limit
+ROLES = ("system", "developer", "user", "assistant", "tool")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 class ApiError(Exception):
@@ -50,6 +56,11 @@ class GenRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    tools: tuple[dict, ...] = ()        # OpenAI's tools, as sent ({"type": "function", "function": {...}})
+    parse_calls: bool = False           # the reply's <tool_call> blocks become tool_calls (tool_choice not "none")
+    grammar: str | None = None          # llguidance grammar the reply is held to (tools or response_format)
+    grammar_for: str = ""               # what the grammar comes from, for its errors ("tools[0] 'book_table'", ...)
+    tool_grammars: tuple[tuple[str, str], ...] = ()  # (where, grammar) of each tool's parameters, checked one by one
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -83,16 +94,43 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _content(m: dict, i: int) -> str:
-    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...})."""
+def _content(m: dict, i: int, optional: bool = False) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}); optional: null too
+    (an assistant turn that only calls tools)."""
     c = m.get("content")
     if isinstance(c, str):
         return c
+    if c is None and optional:
+        return ""
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                    for p in c):
         return "".join(p["text"] for p in c)
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts; only text is supported",
                    "messages")
+
+
+def _calls(raw, i: int) -> tuple[ToolCall, ...]:
+    """An assistant turn's tool_calls, as OpenAI sends them back."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise ApiError(400, f"{where} must be a list of {{\"id\", \"type\": \"function\", \"function\"}} "
+                            "objects", "messages")
+    out = []
+    for j, c in enumerate(raw):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(c.get("id"), str) or not isinstance(f.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] needs a string 'id' and a 'function' with a string 'name'",
+                           "messages")
+        args = f.get("arguments", "{}")
+        try:
+            ok = isinstance(json.loads(args), dict) if isinstance(args, str) else False
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON object in a string, like "
+                                "'{\"party\": 4}'", "messages")
+        out.append(ToolCall(c["id"], f["name"], args))
+    return tuple(out)
 
 
 def _messages(raw) -> list[Message]:
@@ -101,14 +139,103 @@ def _messages(raw) -> list[Message]:
                        "messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-    out = []
+    out, called = [], set()
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role' and 'content'", "messages")
-        out.append(Message(m["role"], _content(m, i)))
-    if not any(m.content.strip() for m in out):
+        role = m["role"]
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role '{role}' is not one of {', '.join(ROLES)}", "messages")
+        calls = _calls(m["tool_calls"], i) if role == "assistant" and m.get("tool_calls") else ()
+        called.update(c.id for c in calls)
+        call_id = None
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise ApiError(400, f"messages[{i}] (role 'tool') needs 'tool_call_id', the id of the call it answers",
+                               "messages")
+            if call_id not in called:
+                raise ApiError(400, f"messages[{i}].tool_call_id '{call_id}' answers no earlier assistant tool call",
+                               "messages")
+        # `developer` is the system turn of OpenAI's newer models; templates know only `system`
+        out.append(Message("system" if role == "developer" else role, _content(m, i, optional=bool(calls)),
+                           calls, call_id))
+    if not any(m.content.strip() or m.tool_calls for m in out):
         raise ApiError(400, "the messages are empty (every 'content' is blank); put some text in them", "messages")
     return out
+
+
+def _tools(body: dict) -> tuple[tuple[dict, ...], list[dict]]:
+    """OpenAI's `tools` as sent, and each one's {"name", "parameters"}."""
+    raw = body.get("tools")
+    if raw is None:
+        return (), []
+    if not isinstance(raw, list):
+        raise ApiError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(raw):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}; only "
+                                "function tools are supported", "tools")
+        name = f.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ApiError(400, f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', got "
+                                f"{json.dumps(name)}", "tools")
+        if name in seen:
+            raise ApiError(400, f"tools[{i}]: the function name '{name}' is given twice", "tools")
+        seen.add(name)
+        params = f.get("parameters")
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            raise ApiError(400, f"tools[{i}] '{name}': 'parameters' must be a JSON Schema of an object "
+                                "({\"type\": \"object\", \"properties\": {...}})", "tools")
+        out.append({"name": name, "parameters": params})
+    return tuple(raw), out
+
+
+def _tool_choice(body: dict, tools: list[dict]) -> str:
+    """'none', 'auto', 'required', or the name of the one function to call."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+    if choice in ("none", "auto", "required"):
+        return choice
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                            "\"function\": {\"name\": ...}}", "tool_choice")
+    if name not in {t["name"] for t in tools}:
+        raise ApiError(400, f"'tool_choice' names the function '{name}', which is not in 'tools'", "tool_choice")
+    return name
+
+
+def _schema_grammar(schema: dict, param: str) -> str:
+    try:
+        return json_schema_grammar(schema)
+    except SpecrtError as e:
+        raise ApiError(400, str(e), param) from None
+
+
+def _response_format(body: dict) -> dict | None:
+    """The JSON Schema `response_format` asks for (json_object: any object), or None for text."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise ApiError(400, "'response_format' json_schema needs 'json_schema': {\"name\": ..., \"schema\": {...}}",
+                           "response_format")
+        return js["schema"]
+    raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
 
 
 def _prompt(raw) -> str:
@@ -139,10 +266,12 @@ def _unsupported(body: dict) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise ApiError(400, f"'{name}' is not supported; omit it or pass 0", name)
-    for name in ("logprobs", "echo"):
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise ApiError(400, "'top_logprobs' is only allowed when 'logprobs' is true", "top_logprobs")
+    for name in ("logprobs", "echo", "top_logprobs"):
         if body.get(name) not in (None, False, 0):
             raise ApiError(400, f"'{name}' is not supported; omit it", name)
-    for name in ("tools", "functions", "logit_bias", "suffix"):
+    for name in ("functions", "function_call", "logit_bias", "suffix"):
         if body.get(name):
             raise ApiError(400, f"'{name}' is not supported; omit it", name)
     if body.get("best_of") not in (None, 1):
@@ -169,16 +298,38 @@ def check_model(body: dict, model: str) -> None:
                        "model_not_found")
 
 
-def parse(body: dict, chat: bool, max_context: int) -> GenRequest:
-    """A validated generation request. max_tokens defaults to the rest of the context for chat, 16 for
-    completions (OpenAI's defaults); above the engine's context it is refused."""
+def parse(body: dict, chat: bool, max_context: int, default_max_tokens: int | None = None) -> GenRequest:
+    """A validated generation request. max_tokens defaults to default_max_tokens (None: the rest of the context) for
+    chat, 16 for completions (OpenAI's default); above the engine's context it is refused."""
     n = _int(body, "n", 1, 1, 1 << 31)
     if n != 1:
         raise ApiError(400, "'n' must be 1: this server returns one choice per request", "n")
     _unsupported(body)
     prompt = _messages(body.get("messages")) if chat else _prompt(body.get("prompt"))
+    if not chat:
+        for name in ("tools", "tool_choice", "response_format"):
+            if body.get(name) is not None:
+                raise ApiError(400, f"'{name}' belongs to /v1/chat/completions; /v1/completions takes a raw prompt",
+                               name)
+    raw_tools, tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    parallel = _bool(body, "parallel_tool_calls", True)
+    schema = _response_format(body)
+    if schema is not None and choice != "none":
+        raise ApiError(400, "'response_format' with tools that may be called is not supported yet; send "
+                            "'tool_choice': \"none\" or omit one of them", "response_format")
+    grammar, grammar_for, each = None, "", ()
+    if choice not in ("none",):
+        chosen = tools if choice in ("auto", "required") else [t for t in tools if t["name"] == choice]
+        grammar = tools_grammar(chosen, required=choice != "auto", parallel=parallel and choice in ("auto", "required"))
+        grammar_for = "tools"
+        each = tuple((f"tools[{i}] '{t['name']}'", _schema_grammar(t["parameters"] or {"type": "object"}, "tools"))
+                     for i, t in enumerate(tools))
+    elif schema is not None:
+        grammar, grammar_for = _schema_grammar(schema, "response_format"), "response_format"
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, max_context if chat else 16, 1, max_context)
+    default = min(default_max_tokens or max_context, max_context) if chat else 16
+    max_tokens = _int(body, name, default, 1, max_context)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, 0, 1 << 31)       # not OpenAI's; vLLM's extension (-1 is not accepted)
@@ -191,7 +342,8 @@ def parse(body: dict, chat: bool, max_context: int) -> GenRequest:
     if opts is not None and not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
     return GenRequest(chat, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                      _stop(body.get("stop")), stream, include_usage, _bool(body, "ignore_eos"))
+                      _stop(body.get("stop")), stream, include_usage, _bool(body, "ignore_eos"), raw_tools,
+                      choice != "none", grammar, grammar_for, each)
 
 
 class Shapes:
@@ -205,12 +357,15 @@ class Shapes:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, first: bool, finish: str | None = None) -> dict:
-        """A streamed chunk: a text delta (the role goes with the first one), or the last one (finish set)."""
+    def chunk(self, text: str | None, first: bool, finish: str | None = None, calls: dict | None = None) -> dict:
+        """A streamed chunk: a text delta (the role goes with the first one), a tool call's delta (calls: OpenAI's
+        {"index", ...} of one call), or the last one (finish set)."""
         if self.chat:
             delta = {} if text is None else {"content": text}
             if first:
-                delta = {"role": "assistant", "content": text or ""}
+                delta = {"role": "assistant", "content": text or ("" if calls is None else None)}
+            if calls is not None:
+                delta["tool_calls"] = [calls]
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {**self._base("chat.completion.chunk"), "system_fingerprint": None, "choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -220,15 +375,28 @@ class Shapes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage(stats), "metrics": metrics(stats)}
 
-    def completion(self, text: str, stats: Stats) -> dict:
-        finish = FINISH[stats.finish_reason]
+    def completion(self, text: str, stats: Stats, calls: list[ToolCall] | None = None) -> dict:
+        """The whole reply; calls: the tool calls parsed out of it (text is then what is outside them)."""
+        finish = finish_reason(stats, calls)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+            if calls:
+                message["tool_calls"] = [call_json(c) for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice, obj = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}, "text_completion"
         return {**self._base(obj), "choices": [choice], "usage": usage(stats), "metrics": metrics(stats)}
+
+
+def finish_reason(stats: Stats, calls) -> str:
+    """OpenAI's finish_reason: "tool_calls" when a reply that ended by itself called tools."""
+    finish = FINISH[stats.finish_reason]
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def call_json(c: ToolCall) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def usage(st: Stats) -> dict:
@@ -239,6 +407,7 @@ def usage(st: Stats) -> dict:
 
 def metrics(st: Stats) -> dict:
     """specrt's own figures beside `usage` (not an OpenAI field; clients keep it in model_extra)."""
-    return {"ttft_s": round(st.ttft_s, 6), "tok_s": round(st.tok_s, 3), "tau": round(st.tau, 4),
+    return {"queue_s": round(st.queue_s, 6), "ttft_s": round(st.ttft_s, 6), "tok_s": round(st.tok_s, 3),
+            "tau": round(st.tau, 4),
             "acceptance_by_position": [round(a, 4) for a in st.acceptance_by_position], "proposer": st.proposer,
             "exact": st.exact}

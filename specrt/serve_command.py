@@ -62,6 +62,10 @@ def serve(
                                   help="Host memory for the KV caches of other conversations, kept while one runs "
                                        "(least recently used out; 0 = reuse only the last request's). Like "
                                        "llama.cpp's server --cache-ram."),
+    default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",  # server.DEFAULT_MAX_TOKENS
+                                           help="A chat reply's length when the request sends no max_tokens (Pipecat "
+                                                "and LiveKit send none): one runaway reply holds the engine while "
+                                                "every other caller waits. 0 = the rest of the context."),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
@@ -70,6 +74,9 @@ def serve(
 
     def run():
         check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk)
+        if default_max_tokens < 0:
+            raise SpecrtError(f"--default-max-tokens must be >= 0 (0 = the rest of the context), got "
+                              f"{default_max_tokens}")
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401
@@ -89,6 +96,6 @@ def serve(
         config.check()
         run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
                                 parallel=parallel, prefill_chunk=prefill_chunk),
-                   manifest.name, host, port, api_key, max_queue, cache_ram)
+                   manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None)
 
     _guard(run)

@@ -44,15 +44,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import SpecrtError, first_line
-from .openai_api import FINISH, ApiError, Shapes, check_model, error_body, parse, parse_body
+from .openai_api import ApiError, Shapes, check_model, error_body, finish_reason, parse, parse_body
 from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
+from .tool_calls import CallParser, Event, split
 
 log = logging.getLogger("specrt.server")
 
 # host memory for sequences kept besides the engine's (KV reuse across conversations), as llama.cpp's --cache-ram
 DEFAULT_CACHE_RAM_MIB = 1024
+# a chat reply's length when the request names none (voice agents' frameworks send no max_tokens): long enough for
+# any spoken turn or a page of code, short enough that one runaway reply does not hold the engine for minutes
+DEFAULT_MAX_TOKENS = 512
 
 
 def _sse(obj) -> str:
@@ -92,8 +96,8 @@ class _Metrics:
         m = cls()
         m.prom, m.registry = prom, prom.CollectorRegistry()
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        m.ttft = prom.Histogram("specrt_time_to_first_token_seconds", "Prefill + first round", buckets=buckets,
-                                registry=m.registry)
+        m.ttft = prom.Histogram("specrt_time_to_first_token_seconds", "From the request's arrival to its first token "
+                                "(queue, prefill and first round)", buckets=buckets, registry=m.registry)
         m.e2e = prom.Histogram("specrt_request_latency_seconds", "Whole generation", buckets=buckets,
                                registry=m.registry)
         m.queue = prom.Histogram("specrt_request_queue_time_seconds", "Waiting for the engine", buckets=buckets,
@@ -127,7 +131,7 @@ class _Metrics:
 
     def observe(self, st: Stats, store=None) -> None:
         if st.new_tokens:
-            self.ttft.observe(st.ttft_s)
+            self.ttft.observe(st.queue_s + st.ttft_s)
         self.e2e.observe(st.total_s)
         if st.finish_reason == "cancelled" and st.cancel_s:
             self.cancel.observe(st.cancel_s)
@@ -157,8 +161,10 @@ class Server:
     key, and the stats of the last requests (`history`, newest last: for logs and tests)."""
 
     def __init__(self, session: Session | None, model: str | None = None, api_key: str | None = None,
-                 max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB):
+                 max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
         self.session: Session | None = None
+        self.default_max_tokens = default_max_tokens
         self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
         self.worker: ThreadPoolExecutor | None = None  # one thread per stream the session runs at once (attach)
         self.history: deque[Stats] = deque(maxlen=64)
@@ -219,23 +225,37 @@ class Server:
     def open(self, body: dict, chat: bool):
         """Validate a request and open its Stream (not started: it runs when the worker takes it)."""
         check_model(body, self.model)
-        req = parse(body, chat, self.max_context)
+        req = parse(body, chat, self.max_context, self.default_max_tokens)
+        grammar = None
+        if req.grammar is not None:
+            for where, source in req.tool_grammars:  # each tool's own error names it
+                self._grammar(source, f"{where}: its parameters", "tools")
+            grammar = self._grammar(req.grammar, req.grammar_for, req.grammar_for)
         try:
             stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
-                                         stop=req.stop, chat=chat, ignore_eos=req.ignore_eos)
+                                         stop=req.stop, chat=chat, ignore_eos=req.ignore_eos, grammar=grammar,
+                                         tools=list(req.tools) or None)
         except SpecrtError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), "messages" if chat else "prompt", code) from None
         return req, stream
 
+    def _grammar(self, source: str, what: str, param: str):
+        try:
+            return self.session.grammar(source)
+        except SpecrtError as e:
+            reason = str(e).removeprefix("the grammar does not compile: ")
+            raise ApiError(400, f"{what} cannot be enforced: {reason}; fix the JSON Schema", param) from None
+
     def submit(self, stream: Stream) -> asyncio.Queue:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        queued, last = time.perf_counter(), [None]
+        queued, last, waited = time.perf_counter(), [None], [0.0]
         self.open_streams.add(stream)
 
         def started():
+            waited[0] = time.perf_counter() - queued
             if self.metrics is not None:
-                self.metrics.queue.observe(time.perf_counter() - queued)
+                self.metrics.queue.observe(waited[0])
 
         def push(item):
             now = time.perf_counter()
@@ -246,8 +266,9 @@ class Server:
                 self.open_streams.discard(stream)
                 self.release()
             if item[0] != "delta" and stream.result is not None:
-                self.history.append(stream.result.stats)
                 st = stream.result.stats
+                st.queue_s = waited[0]
+                self.history.append(st)
                 if self.metrics is not None:
                     self.metrics.observe(st, self.session.prefix_store)
                 log.info("%d prompt + %d new tokens, ttft %.0f ms, %.1f tok/s, %s, tau %.2f", st.prompt_tokens,
@@ -260,10 +281,33 @@ class Server:
         self.worker.submit(_drive, stream, push, started, self.session.stash)
         return queue
 
-    async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool):
+    async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool,
+                     parse_calls: bool = False):
         """The SSE body of a streamed request (submitted already: the worker releases its place in the queue even
-        if this body never runs)."""
+        if this body never runs). parse_calls: <tool_call> blocks go out as delta.tool_calls (id and name first,
+        then the arguments), the text around them as content."""
         first = True
+        parser = CallParser() if parse_calls else None
+
+        def chunks(text: str | None, finish: str | None = None):
+            nonlocal first
+            events = [Event(content=text)] if parser is None or text is None else parser.feed(text)
+            for e in events:
+                if e.call is None:
+                    if not e.content:
+                        continue
+                    out = [shapes.chunk(e.content, first)]
+                else:
+                    i = len(parser.calls) - 1
+                    out = [shapes.chunk(None, first, calls={"index": i, "id": e.call.id, "type": "function",
+                                                            "function": {"name": e.call.name, "arguments": ""}}),
+                           shapes.chunk(None, False, calls={"index": i, "function": {"arguments": e.call.arguments}})]
+                for chunk in out:
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                    first = False
+
         try:
             while True:
                 if first:  # the queue or a long prefill: keep the connection alive
@@ -275,13 +319,17 @@ class Server:
                 else:
                     kind, value = await queue.get()
                 if kind == "delta":
-                    chunk = shapes.chunk(value, first)
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
-                    first = False
+                    for line in chunks(value):
+                        yield line
                 elif kind == "done":
-                    chunk = shapes.chunk(None, first, FINISH[value.stats.finish_reason])
+                    if parser is not None:
+                        for line in chunks(None):
+                            yield line
+                        rest = parser.finish()
+                        if rest:  # a call cut short (max_tokens): its text, as content
+                            yield _sse(shapes.chunk(rest, first))
+                            first = False
+                    chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls))
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
@@ -296,12 +344,15 @@ class Server:
         finally:
             stream.close()  # the client went away (or we finished): the loop stops at its next round boundary
 
-    async def complete(self, shapes: Shapes, stream: Stream) -> dict:
+    async def complete(self, shapes: Shapes, stream: Stream, parse_calls: bool = False) -> dict:
         queue = self.submit(stream)
         try:
             while True:
                 kind, value = await queue.get()
                 if kind == "done":
+                    if parse_calls:
+                        text, calls = split(value.text)
+                        return shapes.completion(text, value.stats, calls)
                     return shapes.completion(value.text, value.stats)
                 if kind == "error":
                     raise RuntimeError(first_line(value))
@@ -338,13 +389,14 @@ def _retry_later(why: str, code: str) -> JSONResponse:
 
 def create_app(session: Session | None = None, model: str | None = None, api_key: str | None = None,
                max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
-               loader=None) -> FastAPI:
+               loader=None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The FastAPI app for one session; `app.state.server` is its Server. loader (instead of session): a callable
     that loads the session, run in a thread when the app starts, so the port answers (/health 503, /v1 routes
-    503 with Retry-After) while the engines load; `model` names it meanwhile."""
+    503 with Retry-After) while the engines load; `model` names it meanwhile. default_max_tokens: a chat reply's
+    length when the request names none (None: the rest of the context)."""
     if (session is None) == (loader is None):
         raise ValueError("create_app takes a session or a loader")
-    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib)
+    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -426,10 +478,10 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
         shapes = Shapes(chat, server.model)
         if req.stream:
             queue = server.submit(stream)
-            return StreamingResponse(server.events(shapes, stream, queue, req.include_usage),
+            return StreamingResponse(server.events(shapes, stream, queue, req.include_usage, req.parse_calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await server.complete(shapes, stream)
+        return await server.complete(shapes, stream, req.parse_calls)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -443,13 +495,14 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
 
 
 def serve(loader, model: str, host: str, port: int, api_key: str | None = None, max_queue: int = 16,
-          cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB) -> None:
+          cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> None:
     """Listen at once and load the session (loader()) in the background; a failed load stops the server with a
     one-line SpecrtError."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib)
+    app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib,
+                     default_max_tokens=default_max_tokens)
     uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     server = app.state.server
     server.on_load_error = lambda: setattr(uv, "should_exit", True)

@@ -40,7 +40,7 @@ def make_tokenizer(out: Path, vocab: int = 384) -> None:
 
 
 def make_checkpoint(out: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-                    vocab: int = 384, noise: float = 0.0, tie: bool | None = None) -> Path:
+                    vocab: int = 384, noise: float = 0.0, tie: bool | None = None, positions: int = 512) -> Path:
     """A random decoder saved as a Hugging Face directory (config, safetensors, tokenizer).
 
     The output must depend on the whole context, or tests of the KV cache cannot fail: a random
@@ -58,7 +58,7 @@ def make_checkpoint(out: Path, arch: str = "llama", seed: int = 0, layers: int =
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                   bos_token_id=1, eos_token_id=2)
     tie = (arch == "qwen2") if tie is None else tie
     if arch == "llama":
