@@ -152,6 +152,10 @@ class BatchSession:
         """A fresh matcher for one request's stream(grammar=...) (Generator.grammar)."""
         return self.slots[0].generator.grammar(source)
 
+    def grammar_literal(self, text: str) -> str:
+        """How a grammar writes `text` for this tokenizer (grammar.GrammarTokenizer.literal)."""
+        return self.slots[0].generator.grammar_tokenizer().literal(text)
+
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         s = self.stream(prompt, **kwargs)
         for _ in s:

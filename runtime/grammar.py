@@ -16,6 +16,7 @@ conditioned on the grammar, token by token:
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -57,6 +58,14 @@ class GrammarTokenizer:
         self.eos = sorted(eos_token_ids)
         self.tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos or None)
         self.words = (vocab_size + 31) // 32
+
+    def literal(self, text: str) -> str:
+        """How a grammar writes `text`: the token of its own that llguidance reads as special (Qwen2.5's
+        <tool_call>, which a model emits as one token, never spelt out), else a quoted string."""
+        ids = self.tok.tokenize_str(text)
+        if len(ids) == 1 and self.tok.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def check(self, grammar: str) -> str:
         """'' when the grammar compiles for this tokenizer, else the compiler's one-line reason."""

@@ -47,6 +47,10 @@ class Session:
         """A fresh matcher for one request's stream(grammar=...) (Generator.grammar)."""
         return self.generator.grammar(source)
 
+    def grammar_literal(self, text: str) -> str:
+        """How a grammar writes `text` for this tokenizer (grammar.GrammarTokenizer.literal)."""
+        return self.generator.grammar_tokenizer().literal(text)
+
     parallel = 1
 
     @property

@@ -20,7 +20,6 @@ from .runtime.generate import Stats
 from .runtime.grammar import json_schema_grammar
 from .runtime.sampling import SamplingParams
 from .runtime.tokenizer import Message, ToolCall
-from .tool_calls import grammar as tools_grammar
 
 # Stats.finish_reason -> OpenAI's finish_reason ("cancelled" only reaches a client that is gone)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -58,8 +57,10 @@ class GenRequest:
     ignore_eos: bool
     tools: tuple[dict, ...] = ()        # OpenAI's tools, as sent ({"type": "function", "function": {...}})
     parse_calls: bool = False           # the reply's <tool_call> blocks become tool_calls (tool_choice not "none")
-    grammar: str | None = None          # llguidance grammar the reply is held to (tools or response_format)
-    grammar_for: str = ""               # what the grammar comes from, for its errors ("tools[0] 'book_table'", ...)
+    grammar: str | None = None          # the llguidance grammar of response_format's JSON Schema
+    call_tools: tuple[dict, ...] = ()   # the tools a reply may call ({"name", "parameters"}; tool_calls.grammar)
+    call_required: bool = False         # "required" or a named function: the reply is calls only
+    call_parallel: bool = True          # more than one call
     tool_grammars: tuple[tuple[str, str], ...] = ()  # (where, grammar) of each tool's parameters, checked one by one
 
 
@@ -318,15 +319,10 @@ def parse(body: dict, chat: bool, max_context: int, default_max_tokens: int | No
     if schema is not None and choice != "none":
         raise ApiError(400, "'response_format' with tools that may be called is not supported yet; send "
                             "'tool_choice': \"none\" or omit one of them", "response_format")
-    grammar, grammar_for, each = None, "", ()
-    if choice not in ("none",):
-        chosen = tools if choice in ("auto", "required") else [t for t in tools if t["name"] == choice]
-        grammar = tools_grammar(chosen, required=choice != "auto", parallel=parallel and choice in ("auto", "required"))
-        grammar_for = "tools"
-        each = tuple((f"tools[{i}] '{t['name']}'", _schema_grammar(t["parameters"] or {"type": "object"}, "tools"))
-                     for i, t in enumerate(tools))
-    elif schema is not None:
-        grammar, grammar_for = _schema_grammar(schema, "response_format"), "response_format"
+    chosen = () if choice == "none" else tuple(t for t in tools if choice in ("auto", "required", t["name"]))
+    each = tuple((f"tools[{i}] '{t['name']}'", _schema_grammar(t["parameters"] or {"type": "object"}, "tools"))
+                 for i, t in enumerate(tools))
+    grammar = None if schema is None else _schema_grammar(schema, "response_format")
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = min(default_max_tokens or max_context, max_context) if chat else 16
     max_tokens = _int(body, name, default, 1, max_context)
@@ -343,7 +339,8 @@ def parse(body: dict, chat: bool, max_context: int, default_max_tokens: int | No
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
     return GenRequest(chat, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed),
                       _stop(body.get("stop")), stream, include_usage, _bool(body, "ignore_eos"), raw_tools,
-                      choice != "none", grammar, grammar_for, each)
+                      choice != "none", grammar, chosen, choice != "auto",
+                      parallel and choice in ("auto", "required"), each)
 
 
 class Shapes:

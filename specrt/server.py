@@ -49,6 +49,7 @@ from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
 from .tool_calls import CallParser, Event, split
+from .tool_calls import grammar as tools_grammar
 
 log = logging.getLogger("specrt.server")
 
@@ -227,10 +228,13 @@ class Server:
         check_model(body, self.model)
         req = parse(body, chat, self.max_context, self.default_max_tokens)
         grammar = None
-        if req.grammar is not None:
-            for where, source in req.tool_grammars:  # each tool's own error names it
-                self._grammar(source, f"{where}: its parameters", "tools")
-            grammar = self._grammar(req.grammar, req.grammar_for, req.grammar_for)
+        for where, source in req.tool_grammars:  # each tool's own error names it
+            self._grammar(source, f"{where}: its parameters", "tools")
+        if req.call_tools:
+            grammar = self._grammar(tools_grammar(list(req.call_tools), req.call_required, req.call_parallel,
+                                                  self.session.grammar_literal), "tools", "tools")
+        elif req.grammar is not None:
+            grammar = self._grammar(req.grammar, "response_format", "response_format")
         try:
             stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
                                          stop=req.stop, chat=chat, ignore_eos=req.ignore_eos, grammar=grammar,

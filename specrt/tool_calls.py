@@ -29,14 +29,18 @@ def call_schema(tools: list[dict]) -> dict:
     return {**(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}), "x-guidance": JSON_OPTIONS}
 
 
-def grammar(tools: list[dict], required: bool, parallel: bool = True) -> str:
+def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=json.dumps) -> str:
     """The Lark grammar of a reply: text with calls anywhere (required False: OpenAI's "auto"), or calls alone
-    (required: "required" or a named function, whose one tool is then `tools`). tools: [{"name", "parameters"}]."""
-    call = f'"\\n" %json {json.dumps(call_schema(tools))} "\\n{CLOSE}"'
+    (required: "required" or a named function, whose one tool is then `tools`). tools: [{"name", "parameters"}].
+    literal: how the grammar writes the tags (GrammarTokenizer.literal: Qwen2.5's are tokens of their own)."""
+    open_, close = literal(OPEN), literal(CLOSE)
+    call = f'"\\n" %json {json.dumps(call_schema(tools))} "\\n" {close}'
     if required:
         more = ' ("\\n" seg)*' if parallel else ""
-        return f'%llguidance {{}}\nstart: seg{more}\nseg: "{OPEN}" {call}\n'
-    return (f'%llguidance {{}}\nstart: seg* tail\nseg: trig {call}\ntrig[lazy]: TEXT "{OPEN}"\ntail: TEXT\n'
+        return f'%llguidance {{}}\nstart: seg{more}\nseg: {open_} {call}\n'
+    if not open_.startswith('"'):  # a special token ends the text by itself (llguidance's StructTag does the same)
+        return f'%llguidance {{}}\nstart: seg* tail\nseg: TEXT {open_} {call}\ntail: TEXT\nTEXT: /(.|\\n)*/\n'
+    return (f'%llguidance {{}}\nstart: seg* tail\nseg: trig {call}\ntrig[lazy]: TEXT {open_}\ntail: TEXT\n'
             f'TEXT: /(.|\\n)*/\n')
 
 

@@ -210,3 +210,38 @@ def test_the_constrained_distribution_test_catches_a_greedy_cut_of_a_sampled_cha
     joint = _constrained_joint(gen, prompt, params, LETTERS)
     counts = _sampled_counts(gen, prompt, params, _q_mostly_forbidden(gen, prompt, params), 1, 1500, greedy_cut=True)
     assert same_distribution_p(counts, joint) < ALPHA
+
+
+def test_tags_that_are_tokens_of_their_own_are_written_as_tokens(tiny_engines, tmp_path):
+    """Qwen2.5 has <tool_call> and </tool_call> as added tokens (not `special` to transformers, special to
+    llguidance): a grammar spelling them as text would force the model to write them in pieces, which it never
+    does, and llguidance refuses the token itself. The grammar names the token instead."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from specrt.runtime.grammar import GrammarTokenizer
+    from specrt.tool_calls import grammar, split
+
+    tok = Tokenizer.from_file(str(tiny_engines / "tokenizer.json"))
+    tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
+    V = tok.get_vocab_size()
+    opened = tok.token_to_id("<tool_call>")
+    gt = GrammarTokenizer(tok.to_str(), V, [tok.token_to_id("<|im_end|>")])
+    plain = GrammarTokenizer(Tokenizer.from_file(str(tiny_engines / "tokenizer.json")).to_str(), 384, [2])
+    assert gt.literal("<tool_call>") == f"<[{opened}]>" and plain.literal("<tool_call>") == '"<tool_call>"'
+    tools = [{"name": "book_table", "parameters": {"type": "object", "properties": {"party": {"enum": [2, 4]}},
+                                                   "required": ["party"], "additionalProperties": False}}]
+    g = gt.matcher(grammar(tools, required=True, literal=gt.literal))
+    assert np.flatnonzero(g.allowed()).tolist() == [opened]
+    out = [opened]
+    g.advance(out)
+    for _ in range(80):  # a "model" that takes the lowest allowed id (single characters: about 50 tokens)
+        ok = np.flatnonzero(g.allowed())
+        if ok.tolist() == [tok.token_to_id("<|im_end|>")]:
+            break
+        out.append(int(ok[0]))
+        g.advance(out[-1:])
+    text = tok.decode(out, skip_special_tokens=True)
+    content, calls = split(text)
+    assert content == "" and calls[0].name == "book_table" and json.loads(calls[0].arguments)["party"] in (2, 4)
+    auto = gt.matcher(grammar(tools, required=False, literal=gt.literal))
+    assert auto.allowed()[opened] and auto.allowed().sum() > 100  # text, or the call's token
