@@ -49,6 +49,7 @@ class Stats:
     cached_tokens: int = 0
     cancel_s: float = 0.0  # cancelled: from Stream.close() to the loop's end (the engine free again)
     queue_s: float = 0.0   # a server's request: waiting for the engine before the loop started (ttft_s excludes it)
+    grammar_s: float = 0.0  # a constrained request: time in the grammar engine (masks, draft checks, advancing)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -132,17 +133,33 @@ def plain_decode(engine: Engine, prompt: list[int], sampling: SamplingParams,
 
 def _plain_constrained(engine: Engine, pending: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
                        stats: Stats, grammar: Grammar) -> Iterator[list[int]]:
-    """plain_decode under a grammar: full logits each pass (the logit screen's argmax knows no mask)."""
+    """plain_decode under a grammar. Greedy on an engine with a logit screen: the screen's token wherever the grammar
+    allows it (it is then the masked argmax), else the same pass again for full logits; after such a miss, full
+    logits until the model's own argmax agrees with the grammar again (docs/runtime-notes.md, "Grammars under
+    speculation")."""
     probs = None if sampling.greedy else np.empty((1, engine.vocab_size), np.float32)
+    screen = try_screen = sampling.greedy and engine.screen
     while True:
-        logits = engine.forward(pending, num_logits=1)
+        t0 = time.perf_counter()
+        allowed = grammar.allowed()[None]
+        stats.grammar_s += time.perf_counter() - t0
+        token = -1
+        if try_screen:
+            token = int(engine.argmax(pending)[0])
+            if not (token < allowed.shape[1] and allowed[0, token]):
+                token = -1  # nothing committed yet: the pass is read again in full below
+        if token < 0:
+            raw = engine.forward(pending, num_logits=1)[-1:]
+            logits = masked(raw, allowed)
+            if sampling.greedy:
+                token = int(np.argmax(logits[0]))
+                try_screen = screen and int(np.argmax(raw[0])) == token
+            else:
+                token = sample(probs_from_logits(logits, sampling, out=probs)[0], rng)
         engine.commit(pending.size)
-        logits = masked(logits[-1:], grammar.allowed()[None])
-        if sampling.greedy:
-            token = int(np.argmax(logits[0]))
-        else:
-            token = sample(probs_from_logits(logits, sampling, out=probs)[0], rng)
+        t0 = time.perf_counter()
         grammar.advance([token])
+        stats.grammar_s += time.perf_counter() - t0
         stats.rounds += 1
         yield [token]
         pending = np.array([token], np.int64)

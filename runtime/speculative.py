@@ -25,7 +25,7 @@ from ..manifest import Manifest
 from .control import AdaptiveK, Controller, FixedK, GatedK, Round
 from .engine import Engine, EngineOptions, open_eagle, open_engine, open_heads
 from .generate import PlainDecoder, Stats
-from .grammar import Grammar, masked
+from .grammar import Grammar, emitted_allowed, masked
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import LookupEagle, LookupMedusa
@@ -53,6 +53,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
     drafted, accepted = np.zeros(engine.max_pass_tokens, np.int64), np.zeros(engine.max_pass_tokens, np.int64)
     stats.proposer = proposer.name
     first = getattr(proposer, "reads_prompt", False)  # the first round is the target's alone (see Proposer)
+    screen = try_screen = grammar is not None and sampling.greedy and engine.screen  # as in _plain_constrained
     try:
         while True:
             # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
@@ -66,17 +67,29 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
                 draft = draft.first(room)
             masks = None
             if grammar is not None:  # a chain stops at its first token the grammar forbids
+                tg = time.perf_counter()
                 draft, masks = grammar.check_draft(draft, sampling.greedy)
+                stats.grammar_s += time.perf_counter() - tg
             # 2. verify: one target pass over the pending token(s) + the n draft nodes gives p [n + 1, V]
             t1 = time.perf_counter()
             pending = ctx.ids[engine.length:]
             P, n = len(pending), draft.tokens.size
             pos, mask = (None, None) if draft.parents is None else tree_inputs(engine.length, P, draft.parents)
             tokens = np.concatenate([pending, draft.tokens])
-            if masks is not None:  # full logits: the logit screen's argmax knows no mask
-                logits = masked(engine.forward(tokens, pos, mask, num_logits=n + 1), masks)
-                result = (verify_greedy(logits.argmax(-1), draft) if sampling.greedy else
-                          accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng))
+            if masks is not None:
+                result = None
+                if try_screen:  # the screen's tokens, where the grammar allows every one emitted
+                    result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
+                    result = result if emitted_allowed(result, masks) else None  # else the same pass, in full
+                if result is None:  # full logits: the screen's argmax knows no mask
+                    raw = engine.forward(tokens, pos, mask, num_logits=n + 1)
+                    logits = masked(raw, masks)
+                    if sampling.greedy:
+                        result = verify_greedy(logits.argmax(-1), draft)
+                        rows = np.concatenate([[0], 1 + result.path])
+                        try_screen = screen and bool((raw[rows].argmax(-1) == result.tokens).all())
+                    else:
+                        result = accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
             elif sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one
                 result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
             else:
@@ -87,7 +100,9 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             path = None if draft.parents is None else np.concatenate([np.arange(P), P + result.path])
             engine.commit(P + result.num_accepted, path)
             if grammar is not None:
+                tg = time.perf_counter()
                 grammar.advance(result.tokens.tolist())
+                stats.grammar_s += time.perf_counter() - tg
             # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
             proposer.observe(result)
             r = Round(bucket, k, n, P + n, result, t1 - t0, t2 - t1, P > 1)

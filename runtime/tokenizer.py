@@ -141,14 +141,15 @@ def _template_row(m: Message) -> dict:
 
 def _hermes_rows(messages: list[Message], tools: list[dict] | None) -> list[dict]:
     """Tools and tool rounds for a template that knows neither: the tool list in the system turn, calls in the
-    assistant's text, results as user turns in <tool_response> tags (as Qwen2.5's template writes them)."""
+    assistant's text, results as `tool` turns in <tool_response> tags (Hermes 2 Pro's format; a small model echoes
+    them back when they come as user turns, as Qwen2.5's template writes them: docs/runtime-notes.md, "Tool calls")."""
     rows = []
     for m in messages:
         if m.tool_calls:
             text = "\n".join([m.content] * bool(m.content) + [tool_call_text(c) for c in m.tool_calls])
             rows.append({"role": m.role, "content": text})
         elif m.role == "tool":
-            rows.append({"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
+            rows.append({"role": "tool", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
         else:
             rows.append({"role": m.role, "content": m.content})
     if tools:

@@ -1,4 +1,5 @@
-"""Helpers several test files share: a server on a loopback port, and the one-line user-error check."""
+"""Helpers several test files share: a server on a loopback port, a recorder of its chat requests, and the one-line
+user-error check."""
 
 from __future__ import annotations
 
@@ -28,6 +29,34 @@ def loopback(app):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class Recorder:
+    """ASGI middleware around the server's app: each /v1/chat/completions request body and response status."""
+
+    def __init__(self, app) -> None:
+        self.app, self.requests = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
+            return await self.app(scope, receive, send)
+        entry = {"body": b"", "status": None, "text": b""}
+        self.requests.append(entry)
+
+        async def rx():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                entry["body"] += msg.get("body", b"")
+            return msg
+
+        async def tx(msg):
+            if msg["type"] == "http.response.start":
+                entry["status"] = msg["status"]
+            elif msg["type"] == "http.response.body":
+                entry["text"] += msg.get("body", b"")
+            await send(msg)
+
+        await self.app(scope, rx, tx)
 
 
 def assert_user_error(r, *words):

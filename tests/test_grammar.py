@@ -127,6 +127,34 @@ def test_every_proposer_under_a_grammar_equals_plain_constrained_greedy(every_pr
     assert rounds < 2 * 60
 
 
+@pytest.mark.parametrize("mode", ["off", "prompt-lookup", "eagle"])
+def test_the_logit_screen_gives_constrained_greedy_the_tokens_of_full_logits(every_proposer, mode):
+    """Greedy under a grammar reads the screen's argmax where the grammar allows every emitted token and reads the
+    pass again in full where it does not: the output is the full-logits one, and both branches ran."""
+    screened = load(every_proposer, "fp32", mode)
+    full = load(every_proposer, "fp32", mode, options=EngineOptions(logit_screen=False))
+    assert screened.engine.screen and not full.engine.screen
+    calls = {"argmax": 0, "forward": 0}
+    engine = screened.engine
+    for name in calls:
+        def counted(*a, _f=getattr(engine, name), _n=name, **kw):
+            calls[_n] += not calls.get("inside")  # a backend's argmax may run its own forward: one pass
+            calls["inside"] = True
+            try:
+                return _f(*a, **kw)
+            finally:
+                calls["inside"] = False
+        setattr(engine, name, counted)
+    rounds = 0
+    for prompt in (PROMPT, 'Reply {"city": "Paris", "note": "rain", "ok": false} or {"city": "Rome", "note": "'):
+        a = screened.generate(prompt, max_new_tokens=80, grammar=screened.grammar(json_schema_grammar(SCHEMA)))
+        b = full.generate(prompt, max_new_tokens=80, grammar=full.grammar(json_schema_grammar(SCHEMA)))
+        assert a.token_ids == b.token_ids and json.loads(a.text), (mode, prompt)
+        rounds += a.stats.rounds
+    # a round is one screened pass (a hit), a screened pass read again in full (a miss), or a full pass
+    assert 0 < calls["forward"] < rounds and calls["argmax"] > rounds - calls["forward"], (calls, rounds)
+
+
 # --- sampling: the constrained distribution ------------------------------------------------------------------
 
 LETTERS = 'start: /[a-z ]{1,6}/'  # about a third of the tiny vocabulary is letters and spaces

@@ -119,7 +119,7 @@ def test_a_history_with_a_tool_round_is_rendered_and_answered(client, session):
     assert text.startswith("<|im_start|>system\nYou may call one or more functions")
     assert '"name": "book_table"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "book_table", "arguments": {"party": 4}}\n</tool_call>' in text
-    assert "<|im_start|>user\n<tool_response>\n{\"booked\": true}\n</tool_response>" in text
+    assert "<|im_start|>tool\n<tool_response>\n{\"booked\": true}\n</tool_response>" in text
 
 
 def test_a_template_that_takes_tools_gets_them(long_engines):
