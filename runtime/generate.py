@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions, open_engine
-from .grammar import Grammar, grammar_tokenizer, masked
+from .grammar import MAX_FORCED, Grammar, grammar_tokenizer, masked
 from .prefix_cache import SAVE_MIN_LOST, Kept, PrefixStore, common_prefix
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tokenizer import Detokenizer, Message, TextCodec
@@ -133,18 +133,23 @@ def plain_decode(engine: Engine, prompt: list[int], sampling: SamplingParams,
 
 def _plain_constrained(engine: Engine, pending: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
                        stats: Stats, grammar: Grammar) -> Iterator[list[int]]:
-    """plain_decode under a grammar. Greedy on an engine with a logit screen: the screen's token wherever the grammar
-    allows it (it is then the masked argmax), else the same pass again for full logits; after such a miss, full
-    logits until the model's own argmax agrees with the grammar again (docs/runtime-notes.md, "Grammars under
-    speculation")."""
+    """plain_decode under a grammar. Tokens the grammar leaves no choice about join the next pass unread (on
+    width-exact engines, where a wider pass gives the same logits). Greedy on an engine with a logit screen: the
+    screen's token wherever the grammar allows it (it is then the masked argmax), else the same pass read again in
+    full; after such a miss, full logits until the model's own argmax agrees with the grammar again
+    (docs/runtime-notes.md, "Grammars under speculation")."""
     probs = None if sampling.greedy else np.empty((1, engine.vocab_size), np.float32)
     screen = try_screen = sampling.greedy and engine.screen
     while True:
         t0 = time.perf_counter()
+        room = engine.max_context - engine.length - pending.size - 1
+        forced = grammar.forced(min(MAX_FORCED, room)) if engine.width_exact else []
+        if forced:
+            pending = np.concatenate([pending, np.asarray(forced, np.int64)])
         allowed = grammar.allowed()[None]
         stats.grammar_s += time.perf_counter() - t0
         token = -1
-        if try_screen:
+        if try_screen and pending.size - len(forced) == 1:  # a miss on a prefill would read it twice
             token = int(engine.argmax(pending)[0])
             if not (token < allowed.shape[1] and allowed[0, token]):
                 token = -1  # nothing committed yet: the pass is read again in full below
@@ -161,7 +166,7 @@ def _plain_constrained(engine: Engine, pending: np.ndarray, sampling: SamplingPa
         grammar.advance([token])
         stats.grammar_s += time.perf_counter() - t0
         stats.rounds += 1
-        yield [token]
+        yield forced + [token]
         pending = np.array([token], np.int64)
 
 

@@ -93,6 +93,9 @@ def grammar_tokenizer(codec, vocab_size: int) -> GrammarTokenizer:
         return gt
 
 
+MAX_FORCED = 16  # forced tokens one pass takes along
+
+
 class Grammar:
     """One request's matcher: the masks of the next token, and its state as the output grows."""
 
@@ -103,9 +106,19 @@ class Grammar:
         if self.m.is_error():
             raise SpecrtError(f"the grammar does not compile: {self.m.get_error()}")
         self._bits = np.empty(tokenizer.words, np.int32)
+        self._root: np.ndarray | None = None  # the mask at the current state
 
     def allowed(self, out: np.ndarray | None = None) -> np.ndarray:
-        """[V] bool: the tokens the grammar admits next (EOS alone once it is complete)."""
+        """[V] bool: the tokens the grammar admits next (EOS alone once it is complete). Kept until the state
+        moves: do not write to it."""
+        if self._root is None:
+            self._root = self._mask()
+        if out is None:
+            return self._root
+        out[:] = self._root
+        return out
+
+    def _mask(self, out: np.ndarray | None = None) -> np.ndarray:
         self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self.m.is_error():
             raise SpecrtError(f"the grammar failed: {self.m.get_error()}")
@@ -122,9 +135,28 @@ class Grammar:
         for t in tokens:
             if self.m.is_stopped():
                 return
+            self._root = None
             if not self.m.consume_token(int(t)):
                 raise SpecrtError(f"the grammar refused token {int(t)} that its own mask allowed: "
                                   f"{self.m.get_error()}")
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n tokens advanced past."""
+        self._root = None
+        self.m.rollback(n)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` next tokens the grammar leaves no choice about (each the only one its mask admits),
+        moved past: they need no logits, so they ride along in the next pass (docs/runtime-notes.md, "Grammars
+        under speculation")."""
+        out: list[int] = []
+        while len(out) < limit and not self.m.is_stopped():
+            only = np.flatnonzero(self.allowed())
+            if only.size != 1:
+                break
+            out.append(int(only[0]))
+            self.advance(out[-1:])
+        return out
 
     def check_draft(self, draft: Draft, greedy: bool) -> tuple[Draft, np.ndarray]:
         """The draft to verify and the masks [n + 1, V] of the target's rows for it (row 0: after the context,
@@ -148,7 +180,7 @@ class Grammar:
                         return draft.first(cut), masks[:cut + 1]
                     self.m.consume_token(tok)
                     depth += 1
-                    self.allowed(masks[i + 1])
+                    self._mask(masks[i + 1])
                 return draft, masks
             finally:
                 self.m.rollback(depth)
@@ -177,7 +209,7 @@ class Grammar:
                 self.m.consume_token(tok)
                 path.append(i)
                 ok[i] = True
-                self.allowed(masks[i + 1])
+                self._mask(masks[i + 1])
             return draft, masks
         finally:
             if path:

@@ -25,7 +25,7 @@ from ..manifest import Manifest
 from .control import AdaptiveK, Controller, FixedK, GatedK, Round
 from .engine import Engine, EngineOptions, open_eagle, open_engine, open_heads
 from .generate import PlainDecoder, Stats
-from .grammar import Grammar, emitted_allowed, masked
+from .grammar import MAX_FORCED, Grammar, emitted_allowed, masked
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import LookupEagle, LookupMedusa
@@ -58,9 +58,15 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
         while True:
             # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
             t0 = time.perf_counter()
+            forced: list[int] = []
+            if grammar is not None and engine.width_exact:
+                # tokens the grammar leaves no choice about: this round's pass takes them along, undrafted
+                forced = grammar.forced(min(MAX_FORCED, engine.max_context - ctx.length))
+                ctx.extend(np.asarray(forced, np.int64))
+                stats.grammar_s += time.perf_counter() - t0
             bucket = proposer.bucket(ctx)
             room = engine.max_context - ctx.length  # draft nodes the cache still has places for
-            k = 0 if first else min(control.k(bucket), room)
+            k = 0 if first or forced else min(control.k(bucket), room)
             first = False
             draft = proposer.propose(ctx, k)
             if draft.tokens.size > room:  # a tree of depth <= k can hold more nodes than fit (at the context end)
@@ -78,7 +84,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             tokens = np.concatenate([pending, draft.tokens])
             if masks is not None:
                 result = None
-                if try_screen:  # the screen's tokens, where the grammar allows every one emitted
+                if try_screen and P - len(forced) == 1:  # the screen's tokens where the grammar allows each one
                     result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
                     result = result if emitted_allowed(result, masks) else None  # else the same pass, in full
                 if result is None:  # full logits: the screen's argmax knows no mask
@@ -113,7 +119,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             accepted[:d] += result.acceptance
             out = result.tokens
             ctx.extend(out)
-            yield out.tolist()
+            yield forced + out.tolist()
     finally:  # the Generator closes us when it stops: write the per-position acceptance once, with its
         used = drafted > 0  # denominators, so runs pool by counts (a bench's mean of rates weighs a 1-round run fully)
         stats.acceptance_by_position = np.round(accepted[used] / drafted[used], 4).tolist()

@@ -193,7 +193,7 @@ def _constrained_joint(gen, prompt, params, grammar_text):
         g.advance([t1])
         row = probs_from_logits(masked(eng.forward(np.array([t1])), g.allowed()[None]), params)[0]
         joint[t1] = p1[t1] * row
-        g.m.rollback(1)
+        g.rollback(1)
     return joint
 
 
