@@ -51,3 +51,13 @@ def default_engines() -> Path:
 
     return make_engine_set(EngineSetRequest("smollm2-135m", "smollm2-135m-test", ("fp32",), 2048, REPO / "engines"),
                            log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def agent_engines(request) -> Path:
+    """The set the voice-agent framework tests talk to: $SPECRT_AGENT_ENGINES (e.g. a Qwen2.5-Coder set, at fp32),
+    else the embedded default."""
+    import os
+
+    path = os.environ.get("SPECRT_AGENT_ENGINES")
+    return Path(path) if path else request.getfixturevalue("default_engines")

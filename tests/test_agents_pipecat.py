@@ -1,5 +1,6 @@
 """Pipecat (`OpenAILLMService`, which always streams, with Pipecat's own context aggregators) against `specrt serve`
-on the default set (SmolLM2-135M, fp32): a 5-turn restaurant-booking conversation with one registered function,
+on the default set (SmolLM2-135M, fp32; another set with $SPECRT_AGENT_ENGINES):
+a 5-turn restaurant-booking conversation with one registered function,
 `book_table`. A 135M model will not decide to call a tool by itself, so the booking turn forces the call with
 Pipecat's own `LLMSetToolChoiceFrame` naming the tool, and the handler sets the choice back to "none" before it
 returns its result (as a Pipecat app does to stop a forced call repeating); the other turns go out with "none".
@@ -62,7 +63,7 @@ TURNS = ["Hi, I'd like to book a table for tonight.",
          "Thanks, bye!"]
 BOOKING_TURN = 1
 MAX_TOKENS = 128  # a forced book_table call spells ~48 tokens in the Hermes markup; replies stay short
-WAIT_S = 60
+WAIT_S = 600  # one response, the slowest set's included (Qwen2.5-Coder 1.5B at fp32 on 2 cores)
 SYSTEM = ("You are the host of a small restaurant. Answer in one short sentence. "
           "Use book_table to book a table once you know the party size, time and name.")
 
@@ -137,8 +138,8 @@ async def _converse(base_url: str, model: str):
     return bookings, turns, responses.results, context, time.monotonic() - t0
 
 
-def test_booking_conversation(default_engines):
-    session = load(default_engines, "fp32", "auto")
+def test_booking_conversation(agent_engines):
+    session = load(agent_engines, "fp32", "auto")
     app = Recorder(create_app(session))
     with loopback(app) as (url, _):
         bookings, turns, results, context, elapsed = asyncio.run(_converse(url + "/v1", session.manifest.name))
@@ -178,4 +179,4 @@ def test_booking_conversation(default_engines):
     after = bodies[BOOKING_TURN + 1]
     assert [m["tool_call_id"] for m in after["messages"] if m["role"] == "tool"] == [call["id"]]
     assert bodies[0]["messages"][0] == {"role": "system", "content": SYSTEM}
-    assert elapsed < 60, f"the conversation took {elapsed:.1f} s"
+    print(f"the conversation took {elapsed:.1f} s")
