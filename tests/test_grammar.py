@@ -155,6 +155,27 @@ def test_the_logit_screen_gives_constrained_greedy_the_tokens_of_full_logits(eve
     assert 0 < calls["forward"] < rounds and calls["argmax"] > rounds - calls["forward"], (calls, rounds)
 
 
+def test_a_batch_session_gives_each_stream_the_constrained_output(tiny_engines, gen):
+    """Two streams at once (load(parallel=2)), each under its own grammar: each equals the one-stream output."""
+    import threading
+
+    batch = load(tiny_engines, "fp32", "auto", parallel=2)
+    prompts = [PROMPT, 'Reply {"city": "Paris", "note": "rain", "ok": false} or {"city": "Rome", "note": "']
+    want = [gen.generate(p, max_new_tokens=80, grammar=_json(gen)).token_ids for p in prompts]
+    got = [None, None]
+
+    def run(i):
+        got[i] = batch.generate(prompts[i], max_new_tokens=80,
+                                grammar=batch.grammar(json_schema_grammar(SCHEMA))).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+
+
 # --- sampling: the constrained distribution ------------------------------------------------------------------
 
 LETTERS = 'start: /[a-z ]{1,6}/'  # about a third of the tiny vocabulary is letters and spaces
