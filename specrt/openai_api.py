@@ -55,7 +55,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
-    tools: tuple[dict, ...] = ()        # OpenAI's tools, as sent ({"type": "function", "function": {...}})
+    tools: tuple[dict, ...] = ()        # the tools the prompt shows, as sent (none under tool_choice "none")
     parse_calls: bool = False           # the reply's <tool_call> blocks become tool_calls (tool_choice not "none")
     grammar: str | None = None          # the llguidance grammar of response_format's JSON Schema
     call_tools: tuple[dict, ...] = ()   # the tools a reply may call ({"name", "parameters"}; tool_calls.grammar)
@@ -338,7 +338,8 @@ def parse(body: dict, chat: bool, max_context: int, default_max_tokens: int | No
     if opts is not None and not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
     return GenRequest(chat, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                      _stop(body.get("stop")), stream, include_usage, _bool(body, "ignore_eos"), raw_tools,
+                      _stop(body.get("stop")), stream, include_usage, _bool(body, "ignore_eos"),
+                      raw_tools if choice != "none" else (),  # unseen, they are not called in text either
                       choice != "none", grammar, chosen, choice != "auto",
                       parallel and choice in ("auto", "required"), each)
 

@@ -236,7 +236,7 @@ def test_time_to_first_token_counts_the_queue(session):
     app = create_app(session)
     server = app.state.server
     with loopback(app) as (url, _):
-        long = {"messages": ASK, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        long = {"messages": ASK, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
         short = {"messages": ASK, "max_tokens": 2, "temperature": 0}
         first = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=long, timeout=60))
         first.start()
@@ -269,3 +269,14 @@ def test_the_openai_client_reads_the_tool_calls(session):
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
         assert streamed == {0: {"name": "book_table", "arguments": call.function.arguments}}
+
+
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt():
+    from specrt.openai_api import parse
+
+    tools = [BOOK]
+    shown = parse({"messages": ASK, "tools": tools}, True, 2048)
+    hidden = parse({"messages": ASK, "tools": tools, "tool_choice": "none"}, True, 2048)
+    assert shown.tools == tuple(tools) and shown.parse_calls and shown.call_tools
+    assert hidden.tools == () and not hidden.parse_calls and not hidden.call_tools
+    assert hidden.tool_grammars  # its schema is still checked
