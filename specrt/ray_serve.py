@@ -36,6 +36,7 @@ from typing import Optional
 import typer
 
 from .errors import SpecrtError, first_line
+from .serve_command import DEFAULT_MAX_TOKENS_HELP
 
 log = logging.getLogger("specrt.ray_serve")
 
@@ -107,6 +108,7 @@ class EngineSpec:
     cache_ram_mib: int = 1024
     parallel: int = 1           # streams each replica decodes at once (specrt serve --parallel)
     prefill_chunk: int | None = None  # specrt serve --prefill-chunk (None: its default)
+    default_max_tokens: int | None = 512  # specrt serve --default-max-tokens (None: the rest of the context)
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,8 @@ class SpecrtEngine:
         manifest = load_manifest(Path(spec.engines))
         session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
                        parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
-        self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib)
+        self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib,
+                              default_max_tokens=spec.default_max_tokens)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logging.getLogger("specrt.server").setLevel(logging.INFO)
 
@@ -339,6 +342,8 @@ def serve_ray(
                                                 help="Per replica, as for `specrt serve`.", show_default=False),
     cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
                                   help="Per replica: host memory for other conversations' KV caches."),
+    default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",
+                                           help=DEFAULT_MAX_TOKENS_HELP),
     address: Optional[str] = typer.Option(None, "--address",
                                           help="A running Ray cluster to join ('auto' or host:port; default: start "
                                                "a local Ray instance)."),
@@ -350,7 +355,7 @@ def serve_ray(
     def run():
         from .serve_command import check_serve_flags
 
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk)
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
         check_flags(replicas, cores_per_replica, gpus_per_replica)
         try:
             import ray
@@ -376,7 +381,8 @@ def serve_ray(
             placement = plan(replicas, cores_per_replica, gpus_per_replica, ray.cluster_resources())
             spec = replace(EngineSpec(str(Path(manifest.root).resolve())), precision=precision, speculate=speculate,
                            threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
-                           parallel=parallel, prefill_chunk=prefill_chunk)
+                           parallel=parallel, prefill_chunk=prefill_chunk,
+                           default_max_tokens=default_max_tokens or None)
             serve.start(http_options={"host": host, "port": port})
             started = True
             typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"

@@ -12,7 +12,7 @@ from .errors import SpecrtError
 
 
 def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
-                      prefill_chunk: int | None = None) -> None:
+                      prefill_chunk: int | None = None, default_max_tokens: int = 0) -> None:
     """The flags `serve` and `serve-ray` share, checked before anything loads (one line each)."""
     if not 0 < port < 65536:
         raise SpecrtError(f"--port must be in 1..65535, got {port}")
@@ -24,12 +24,17 @@ def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, 
         raise SpecrtError(f"--cache-ram must be >= 0 MiB, got {cache_ram}")
     if api_key is not None and not api_key.strip():
         raise SpecrtError("--api-key is empty; pass a key or omit the flag")
+    if default_max_tokens < 0:
+        raise SpecrtError(f"--default-max-tokens must be >= 0 (0 = the rest of the context), got {default_max_tokens}")
     if prefill_chunk is not None:
         from .runtime.batch_session import check_prefill_chunk
 
         check_prefill_chunk(prefill_chunk)
 
 
+DEFAULT_MAX_TOKENS_HELP = ("A chat reply's length when the request sends no max_tokens (Pipecat and LiveKit send "
+                           "none): one runaway reply holds the engine while every other caller waits. 0 = the rest "
+                           "of the context.")
 # its default is batch_session.PREFILL_CHUNK (tested)
 PREFILL_CHUNK_HELP = ("With --parallel: a prompt longer than this many tokens is read in chunks of it, the other "
                       "streams decoding between them, so their next token waits for one chunk, not the whole prompt "
@@ -63,9 +68,7 @@ def serve(
                                        "(least recently used out; 0 = reuse only the last request's). Like "
                                        "llama.cpp's server --cache-ram."),
     default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",  # server.DEFAULT_MAX_TOKENS
-                                           help="A chat reply's length when the request sends no max_tokens (Pipecat "
-                                                "and LiveKit send none): one runaway reply holds the engine while "
-                                                "every other caller waits. 0 = the rest of the context."),
+                                           help=DEFAULT_MAX_TOKENS_HELP),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
@@ -73,10 +76,7 @@ def serve(
     from .cli import _guard
 
     def run():
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk)
-        if default_max_tokens < 0:
-            raise SpecrtError(f"--default-max-tokens must be >= 0 (0 = the rest of the context), got "
-                              f"{default_max_tokens}")
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401

@@ -293,24 +293,23 @@ class Server:
         first = True
         parser = CallParser() if parse_calls else None
 
-        def chunks(text: str | None, finish: str | None = None):
+        def chunks(events: list[Event]):
             nonlocal first
-            events = [Event(content=text)] if parser is None or text is None else parser.feed(text)
             for e in events:
-                if e.call is None:
-                    if not e.content:
-                        continue
-                    out = [shapes.chunk(e.content, first)]
+                if e.start is not None:  # OpenAI's order: index, id and name first, then argument fragments
+                    out = shapes.chunk(None, first, calls={"index": e.index, "id": e.start.id,
+                                                           "type": "function",
+                                                           "function": {"name": e.start.name, "arguments": ""}})
+                elif e.arguments:
+                    out = shapes.chunk(None, first, calls={"index": e.index, "function": {"arguments": e.arguments}})
+                elif e.content:
+                    out = shapes.chunk(e.content, first)
                 else:
-                    i = len(parser.calls) - 1
-                    out = [shapes.chunk(None, first, calls={"index": i, "id": e.call.id, "type": "function",
-                                                            "function": {"name": e.call.name, "arguments": ""}}),
-                           shapes.chunk(None, False, calls={"index": i, "function": {"arguments": e.call.arguments}})]
-                for chunk in out:
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
-                    first = False
+                    continue  # a call completed: already streamed
+                if include_usage:
+                    out["usage"] = None
+                yield _sse(out)
+                first = False
 
         try:
             while True:
@@ -323,16 +322,12 @@ class Server:
                 else:
                     kind, value = await queue.get()
                 if kind == "delta":
-                    for line in chunks(value):
+                    for line in chunks([Event(content=value)] if parser is None else parser.feed(value)):
                         yield line
                 elif kind == "done":
-                    if parser is not None:
-                        for line in chunks(None):
+                    if parser is not None:  # what it held: a call cut short by max_tokens, or text
+                        for line in chunks(parser.finish()):
                             yield line
-                        rest = parser.finish()
-                        if rest:  # a call cut short (max_tokens): its text, as content
-                            yield _sse(shapes.chunk(rest, first))
-                            first = False
                     chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls))
                     if include_usage:
                         chunk["usage"] = None

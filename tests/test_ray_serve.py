@@ -83,7 +83,8 @@ def test_serve_ray_without_ray_names_the_install(tiny_engines):
 
 def test_serve_ray_bad_values(tiny_engines):
     for flags, words in [(["--replicas", "0"], "--replicas must be >= 1"), (["--port", "0"], "--port"),
-                         (["--cores-per-replica", "-2"], "--cores-per-replica"), (["--max-queue", "0"], "--max-queue")]:
+                         (["--cores-per-replica", "-2"], "--cores-per-replica"), (["--max-queue", "0"], "--max-queue"),
+                         (["--default-max-tokens", "-1"], "--default-max-tokens")]:
         r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve-ray", "--engines", str(tiny_engines), *flags],
                            capture_output=True, text=True, env=ENV, timeout=120)
         assert_user_error(r, words)
@@ -91,6 +92,7 @@ def test_serve_ray_bad_values(tiny_engines):
 
 # --- on a local Ray instance ---
 
+DEFAULT_MAX = 9  # the replicas' --default-max-tokens
 PACE_S = 0.05  # seconds between a stream's chunks, so a replica can be killed while one is open
 
 
@@ -128,7 +130,7 @@ def cluster(tiny_engines):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(EngineSpec(str(tiny_engines), threads=1), Placement(2, 1, 0, 1), engine_cls=PacedEngine),
+        serve.run(build_app(EngineSpec(str(tiny_engines), threads=1, default_max_tokens=DEFAULT_MAX), Placement(2, 1, 0, 1), engine_cls=PacedEngine),
                   name=APP_NAME, route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             yield client
@@ -262,3 +264,9 @@ def test_replica_killed_mid_stream(cluster):
     assert replica != victim and retry["choices"][0]["finish_reason"] in ("length", "stop")
     for i in range(40, 44):
         assert chat(cluster, conversation(i), max_tokens=2)[0] != victim
+
+
+def test_a_request_without_max_tokens_gets_the_replicas_default(cluster):
+    r = cluster.post(CHAT, json={"messages": conversation(900), "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == DEFAULT_MAX and r.json()["choices"][0]["finish_reason"] == "length"
