@@ -30,12 +30,13 @@ from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import LookupEagle, LookupMedusa
 from .proposers.medusa import Medusa
+from .proposers.suffix import SuffixDecoding, SuffixStore
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
 from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "draft", "medusa", "lookup+medusa", "eagle", "lookup+eagle", "auto")
+MODES = ("off", "prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "eagle", "lookup+eagle", "auto")
 
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
@@ -145,12 +146,21 @@ class SpeculativeConfig:
                                             # "Does EAGLE pay on this CPU?")
     eagle_beam: int = 6                     # tree nodes expanded per level
     eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
+    suffix_cache_mib: float = 64            # suffix: the store of earlier answers (0 = this request only)
+    suffix_threshold: float = 0.1           # suffix: the least path probability a drafted node may have
+    suffix_factor: float = 2.0              # suffix: a draft holds at most this many tokens per matched token
 
     def check(self) -> None:
         """What make_decoder refuses, in one line, before any engine opens."""
         k = self.draft_tokens
         if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
             raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
+        if self.suffix_cache_mib < 0:
+            raise SpecrtError(f"--suffix-cache must be >= 0 MiB (0 = this request only), got {self.suffix_cache_mib:g}")
+        if not 0 < self.suffix_threshold <= 1:
+            raise SpecrtError(f"--suffix-threshold must be in (0, 1], got {self.suffix_threshold:g}")
+        if self.suffix_factor <= 0:
+            raise SpecrtError(f"--suffix-factor must be > 0, got {self.suffix_factor:g}")
 
 
 class Opener:
@@ -176,6 +186,16 @@ def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, c
     if cfg.draft_tokens is not None:  # a fixed K after a 1-token match rarely pays (docs/runtime-notes.md,
         sizes = tuple(n for n in sizes if n >= 2) or sizes  # "Prompt lookup with a fixed K")
     return PromptLookup(sizes, cfg.draft_tokens or cfg.lookup_max_tokens)
+
+
+def _suffix(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+            opener: Opener = OPEN) -> Proposer:
+    store = SuffixStore(int(cfg.suffix_cache_mib * 2**20), SUFFIX_DEPTH) if cfg.suffix_cache_mib > 0 else None
+    return SuffixDecoding(store, SUFFIX_DEPTH, factor=cfg.suffix_factor, threshold=cfg.suffix_threshold,
+                          max_tokens=cfg.draft_tokens or cfg.lookup_max_tokens)
+
+
+SUFFIX_DEPTH = 24
 
 
 def proposer_entry(manifest: Manifest, role: str, precision: str):
@@ -241,7 +261,8 @@ def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cf
 
 
 # --speculate NAME -> proposer factory: the one place a method name picks code
-PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "draft": _draft_model,
+PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "suffix": _suffix,
+                                                 "draft": _draft_model,
                                                  "medusa": _medusa, "lookup+medusa": _lookup_medusa, "eagle": _eagle,
                                                  "lookup+eagle": _lookup_eagle}
 

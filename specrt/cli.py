@@ -239,7 +239,9 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     speculate: str = typer.Option("off", "--speculate",
-                                  help="off | prompt-lookup | draft | medusa | lookup+medusa (prompt lookup after a "
+                                  help="off | prompt-lookup | suffix (trees of what followed the context's longest "
+                                       "suffix, in this request and in earlier answers) | draft | medusa | "
+                                       "lookup+medusa (prompt lookup after a "
                                        "match of 2+ tokens, Medusa's tree otherwise) | eagle (an EAGLE head's dynamic "
                                        "tree, sets built with one) | lookup+eagle | auto (draft if the set has a "
                                        "draft model, else lookup+medusa at fp32 if it has heads, else prompt-lookup). "

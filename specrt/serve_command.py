@@ -46,8 +46,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 = every interface)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     speculate: str = typer.Option("auto", "--speculate",
-                                  help="off | prompt-lookup | draft | medusa | lookup+medusa | eagle | lookup+eagle | "
-                                       "auto (as for `specrt generate`)."),
+                                  help="off | prompt-lookup | suffix | draft | medusa | lookup+medusa | eagle | "
+                                       "lookup+eagle | auto (as for `specrt generate`)."),
     precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",
@@ -61,6 +61,16 @@ def serve(
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fixed draft length K (default: adaptive, by load with "
                                                     "--parallel)."),
+    suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB",
+                                       help="--speculate suffix: memory for the store of earlier answers it drafts "
+                                            "from (least recently used answer out; 0 = each request's own text "
+                                            "only)."),
+    suffix_threshold: float = typer.Option(0.1, "--suffix-threshold", metavar="P",
+                                           help="--speculate suffix: the least probability (0, 1] of a drafted "
+                                                "path, from how often it followed before."),
+    suffix_factor: float = typer.Option(2.0, "--suffix-factor", metavar="X",
+                                        help="--speculate suffix: the most tokens drafted per token of the matched "
+                                             "suffix."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", metavar="TOKENS", help=PREFILL_CHUNK_HELP,
                                                 show_default=False),
     cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
@@ -92,7 +102,8 @@ def serve(
         manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
         manifest.engine("target", precision)
         resolve_mode(speculate, manifest, precision)
-        config = SpeculativeConfig(draft_tokens=draft_tokens)
+        config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
+                                   suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
         config.check()
         run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
                                 parallel=parallel, prefill_chunk=prefill_chunk),

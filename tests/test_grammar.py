@@ -111,7 +111,7 @@ def every_proposer(tiny_dir, tmp_path_factory):
                            log=lambda m: None)
 
 
-@pytest.mark.parametrize("mode", ["prompt-lookup", "draft", "eagle", "lookup+eagle", "eagle-chain"])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "eagle", "lookup+eagle", "eagle-chain"])
 def test_every_proposer_under_a_grammar_equals_plain_constrained_greedy(every_proposer, mode):
     config = SpeculativeConfig(eagle_tree=mode != "eagle-chain")
     spec = load(every_proposer, "fp32", mode.replace("-chain", ""), config=config)

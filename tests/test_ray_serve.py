@@ -130,8 +130,8 @@ def cluster(tiny_engines):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(EngineSpec(str(tiny_engines), threads=1, default_max_tokens=DEFAULT_MAX), Placement(2, 1, 0, 1), engine_cls=PacedEngine),
-                  name=APP_NAME, route_prefix="/")
+        spec = EngineSpec(str(tiny_engines), threads=1, default_max_tokens=DEFAULT_MAX)
+        serve.run(build_app(spec, Placement(2, 1, 0, 1), engine_cls=PacedEngine), name=APP_NAME, route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             yield client
     finally:

@@ -1,0 +1,225 @@
+"""Suffix decoding: draft trees from what followed the context's longest suffix, in this request and in earlier answers.
+
+SuffixDecoding (Oliaro et al., NeurIPS 2025; ArcticInference's `suffix` method) keeps two count tries of token
+substrings up to `depth` tokens: one over the current request (prompt and output so far), one over earlier answers
+(the store, shared by every request of the proposer, bounded in bytes, least recently used answer out). Each
+round it finds the longest suffix of the context that either trie holds, and grows a tree from that node, most
+frequent continuation first: a node's probability is its count over its siblings' total, a path's the product of
+its nodes', and nodes whose path falls under `threshold` are not drafted. The tree holds at most
+`factor` x the match length tokens (a 2-token match is a weak guess), `max_nodes` in all; the trie whose tree
+expects more accepted tokens (the sum of its nodes' path probabilities) drafts the round. The draft is verified
+like any other tree, so the output is the target's.
+
+The tries are plain dicts (node = [count, children]); adding a token updates the `depth` suffixes that end at it,
+O(depth) dict operations, and an evicted answer is replayed to decrement its counts. ArcticInference's C++ tree
+needs torch (and vLLM's protobuf) to build, which the runtime does not ship.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+import numpy as np
+
+from ...errors import SpecrtError
+from ..verify import Draft, VerifyResult
+from .base import EMPTY, Context
+
+NODE_BYTES = 300  # a node's Python cost (a 2-list, a small dict, an int key in its parent), measured by tracemalloc
+MATCH_BUCKETS = (16, 8, 4, 2, 1)  # the bucket of a draft: the first of these its match length reaches
+
+
+class SuffixTrie:
+    """Occurrence counts of every substring of up to `depth` tokens of the sequences added."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root: list = [0, {}]
+        self.nodes = 0
+
+    def feeder(self) -> list:
+        """The open suffixes of a new sequence (add() extends them a token at a time)."""
+        return []
+
+    def add(self, open_: list, token: int, delta: int = 1) -> list:
+        """Count `token` after each open suffix of a sequence (and alone); the new open suffixes. delta -1 undoes
+        an earlier add of the same sequence (nodes left at 0 are removed)."""
+        out = []
+        for node in [self.root] + open_[: self.depth - 1]:
+            kids = node[1]
+            child = kids.get(token)
+            if child is None:
+                if delta < 0:
+                    continue
+                child = kids[token] = [0, {}]
+                self.nodes += 1
+            child[0] += delta
+            if child[0] <= 0:  # its subtree holds only what is being undone: it goes with it, emptied, so the
+                del kids[token]  # open suffixes inside it that this undo still holds find nothing left to count
+                self.nodes -= _drop(child)
+                continue
+            out.append(child)
+        return out
+
+    def match(self, tail: list[int]) -> tuple[int, list | None]:
+        """The longest suffix of `tail` the trie holds with a continuation: (its length, its node)."""
+        for m in range(min(len(tail), self.depth - 1), 0, -1):
+            node = self.root
+            for t in tail[len(tail) - m:]:
+                node = node[1].get(t)
+                if node is None:
+                    break
+            else:
+                if node[1]:
+                    return m, node
+        return 0, None
+
+    def grow(self, node: list, max_nodes: int, max_depth: int, threshold: float) -> tuple[list, list, float]:
+        """The draft tree below `node`: (tokens, parents, expected accepted tokens), most probable node first. The
+        most probable path's node is expanded first; each child whose path probability reaches `threshold` is
+        drafted."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        order = 1
+        heap = [(-1.0, 0, -1, 0, node)]  # (-path probability, order, draft index (-1: the root), depth, trie node)
+        while heap and len(tokens) < max_nodes:
+            neg_p, _, me, d, at = heapq.heappop(heap)
+            if d >= max_depth:
+                continue
+            kids = at[1]
+            total = sum(c[0] for c in kids.values())
+            for tok, child in sorted(kids.items(), key=lambda kv: -kv[1][0]):
+                q = -neg_p * (child[0] / total)  # never above its parent, rounding included
+                if q < threshold or len(tokens) >= max_nodes:
+                    break
+                tokens.append(tok)
+                parents.append(me)
+                probs.append(q)
+                heapq.heappush(heap, (-q, order, len(tokens) - 1, d + 1, child))
+                order += 1
+        # most probable first (a child is never more probable than its parent, so parents stay first): the first
+        # k nodes are then the best tree of k
+        rank = sorted(range(len(tokens)), key=lambda i: (-probs[i], i))
+        where = {old: new for new, old in enumerate(rank)}
+        return ([tokens[i] for i in rank], [where[parents[i]] if parents[i] >= 0 else -1 for i in rank],
+                float(sum(probs)))
+
+
+class SuffixStore:
+    """Earlier answers' trie, bounded to `budget_bytes` (least recently used answer out). One per proposer; a server
+    or a Session keeps it for its lifetime."""
+
+    def __init__(self, budget_bytes: int, depth: int):
+        self.trie = SuffixTrie(depth)
+        self.budget = budget_bytes
+        self.answers: OrderedDict[int, list[int]] = OrderedDict()
+        self._next = 0
+        self._open: list = []
+        self._current: list[int] | None = None
+
+    def begin(self) -> None:
+        """A new answer starts (the previous one, if any, is kept whole)."""
+        self._current, self._open = [], self.trie.feeder()
+        self.answers[self._next] = self._current
+        self._next += 1
+
+    def extend(self, tokens) -> None:
+        if self._current is None:
+            return
+        for t in tokens:
+            self._open = self.trie.add(self._open, t)
+            self._current.append(t)
+        while self.trie.nodes * NODE_BYTES > self.budget and len(self.answers) > 1:
+            self._evict()
+
+    def _evict(self) -> None:
+        key, seq = self.answers.popitem(last=False)
+        if seq is self._current:  # never the answer being written
+            self.answers[key] = seq
+            self.answers.move_to_end(key, last=False)
+            return
+        open_ = self.trie.feeder()
+        for t in seq:
+            open_ = self.trie.add(open_, t, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.trie.nodes * NODE_BYTES
+
+
+class SuffixDecoding:
+    name = "suffix"
+    adaptive = True
+    buckets = len(MATCH_BUCKETS) + 1
+    reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
+
+    def __init__(self, store: SuffixStore | None, depth: int = 24, max_nodes: int = 24, factor: float = 2.0,
+                 threshold: float = 0.1, max_tokens: int = 16):
+        if not 0 < threshold <= 1:
+            raise SpecrtError(f"the suffix threshold must be in (0, 1], got {threshold}")
+        if factor <= 0:
+            raise SpecrtError(f"the suffix match factor must be > 0, got {factor}")
+        self.store, self.depth, self.max_nodes = store, depth, max_nodes
+        self.factor, self.threshold, self.max_tokens = factor, threshold, max_tokens
+        self.local = SuffixTrie(depth)
+        self._open: list = []
+        self._seen = 0        # context tokens added to the local trie
+        self._answer_from = 0  # where the answer starts in the context (the store gets tokens from there)
+        self._plan = (-1, 0, None)
+
+    def start(self, ctx: Context, sampling=None, rng=None) -> None:
+        self.local, self._open, self._seen = SuffixTrie(self.depth), [], 0
+        self._answer_from = ctx.prompt_length
+        self._plan = (-1, 0, None)
+        if self.store is not None:
+            self.store.begin()
+
+    def _catch_up(self, ctx: Context) -> None:
+        ids = ctx.ids[self._seen:].tolist()
+        for t in ids:
+            self._open = self.local.add(self._open, t)
+        if self.store is not None:
+            self.store.extend(ctx.ids[max(self._seen, self._answer_from):].tolist())
+        self._seen = ctx.length
+
+    def _best(self, ctx: Context) -> tuple[int, Draft | None]:
+        """(bucket, draft at the full size) of this context, once per context length."""
+        if self._plan[0] != ctx.length:
+            self._catch_up(ctx)
+            tail = ctx.ids[max(0, ctx.length - self.depth):].tolist()
+            best = (0.0, 0, None)
+            for trie in (self.local,) + ((self.store.trie,) if self.store is not None else ()):
+                m, node = trie.match(tail)
+                if node is None:
+                    continue
+                cap = min(self.max_nodes, max(1, int(self.factor * m)))
+                tokens, parents, score = trie.grow(node, cap, self.depth - m, self.threshold)
+                if tokens and score > best[0]:
+                    best = (score, m, (tokens, parents))
+            _, m, tree = best
+            bucket = next((b for b, n in enumerate(MATCH_BUCKETS) if m >= n), len(MATCH_BUCKETS))
+            draft = None if tree is None else Draft(np.array(tree[0], np.int64), np.array(tree[1], np.int64))
+            self._plan = (ctx.length, bucket, draft)
+        return self._plan[1:]
+
+    def bucket(self, ctx: Context) -> int:
+        return self._best(ctx)[0]
+
+    def propose(self, ctx: Context, k: int) -> Draft:
+        _, draft = self._best(ctx)
+        if draft is None or k < 1:
+            return EMPTY
+        return draft.first(k)  # the best tree of k nodes, as wide a pass as the controller planned
+
+    def observe(self, result: VerifyResult) -> None:
+        pass  # the tries catch up with the context at the next propose
+
+
+def _drop(node: list) -> int:
+    """Empty a subtree; the nodes it had, its root included."""
+    n = 1 + sum(_drop(c) for c in node[1].values())
+    node[0] = 0
+    node[1].clear()
+    return n
