@@ -59,6 +59,12 @@ class _SlotOpener(Opener):
             s._heads = _Shared(super().heads(root, entry, options))
         return s._heads
 
+    def suffix_store(self, cfg):
+        s = self.session  # one store the streams share: each drafts from the others' answers too
+        if s._suffix is None:
+            s._suffix = super().suffix_store(cfg)
+        return s._suffix
+
 
 @dataclass
 class _Slot:
@@ -81,6 +87,7 @@ class BatchSession:
         self.scheduler.prefill_chunk = prefill_chunk
         self._batches: dict[str, object] = {}
         self._heads = None
+        self._suffix = None
         entry = manifest.engine("target", precision)
         self.batch = self.batch_of(entry, options)
         codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,

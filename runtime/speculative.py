@@ -176,6 +176,10 @@ class Opener:
     def eagle(self, root, entry, options: EngineOptions):
         return open_eagle(root, entry, options)
 
+    def suffix_store(self, cfg: "SpeculativeConfig") -> SuffixStore | None:
+        """The store of earlier answers a suffix proposer drafts from (None: the request's own text only)."""
+        return SuffixStore(int(cfg.suffix_cache_mib * 2**20), SUFFIX_DEPTH) if cfg.suffix_cache_mib > 0 else None
+
 
 OPEN = Opener()
 
@@ -190,9 +194,8 @@ def _prompt_lookup(manifest: Manifest, precision: str, options: EngineOptions, c
 
 def _suffix(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
             opener: Opener = OPEN) -> Proposer:
-    store = SuffixStore(int(cfg.suffix_cache_mib * 2**20), SUFFIX_DEPTH) if cfg.suffix_cache_mib > 0 else None
-    return SuffixDecoding(store, SUFFIX_DEPTH, factor=cfg.suffix_factor, threshold=cfg.suffix_threshold,
-                          max_tokens=cfg.draft_tokens or cfg.lookup_max_tokens)
+    return SuffixDecoding(opener.suffix_store(cfg), SUFFIX_DEPTH, factor=cfg.suffix_factor,
+                          threshold=cfg.suffix_threshold, max_tokens=cfg.draft_tokens or cfg.lookup_max_tokens)
 
 
 SUFFIX_DEPTH = 24

@@ -102,7 +102,7 @@ def test_reference_engine_is_width_exact_and_keeps_tree_branches_apart(reference
     assert np.abs(tree[1:] - chain).max() < 1e-4 and np.abs(tree[0] - alone).max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["prompt-lookup", "draft", "medusa", "lookup+medusa", "auto"])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "auto"])
 def test_every_proposer_is_exact_on_the_reference_backend(reference_set, mode):
     plain = load(reference_set, speculate="off").generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     session = load(reference_set, speculate=mode)
@@ -112,7 +112,7 @@ def test_every_proposer_is_exact_on_the_reference_backend(reference_set, mode):
     assert sum(spec.stats.drafted_by_position) > 0, "the proposer never drafted: nothing was verified"
 
 
-@pytest.mark.parametrize("mode", ["prompt-lookup", "medusa"])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "medusa"])
 def test_seeded_sampling_with_a_deterministic_drafter_returns_plain_sampling(reference_set, mode):
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     plain = load(reference_set).generate(PROMPT, max_new_tokens=40, sampling=sp, ignore_eos=True)

@@ -86,14 +86,15 @@ def test_the_tree_takes_the_most_frequent_continuations_above_the_threshold():
 def test_the_store_stays_within_its_budget_oldest_answer_out():
     store = SuffixStore(60 * NODE_BYTES, 4)
     for a in range(5):
-        store.begin()
-        store.extend([100 * a + i for i in range(10)])  # 10 tokens, depth 4: 34 nodes an answer
+        answer = store.begin()
+        store.extend(answer, [100 * a + i for i in range(10)])  # 10 tokens, depth 4: 34 nodes an answer
+        store.end(answer)
     assert store.nbytes <= 60 * NODE_BYTES and list(store.answers) == [4]
     assert store.trie.match([400, 401])[0] == 2 and store.trie.match([300, 301]) == (0, None)
-    big = SuffixStore(NODE_BYTES, 4)
-    big.begin()
-    big.extend(list(range(10)))  # the answer being written is never evicted
-    assert big.trie.match([0, 1])[0] == 2
+    small = SuffixStore(NODE_BYTES, 4)
+    answer = small.begin()
+    small.extend(answer, list(range(10)))  # an answer being written is never evicted
+    assert small.trie.match([0, 1])[0] == 2
 
 
 def test_bad_settings_are_one_line():
@@ -148,3 +149,26 @@ def test_seeded_sampling_returns_plain_samplings_tokens(gen):
         plain = gen.generate(prompt, max_new_tokens=50, sampling=s)
         spec = gen.generate(prompt, max_new_tokens=50, sampling=s, decode=decoder)
         assert spec.token_ids == plain.token_ids and spec.stats.exact
+
+
+def test_the_streams_of_a_batch_share_one_store_and_stay_exact(tiny_engines, gen):
+    import threading
+
+    from specrt.runtime.session import load
+
+    batch = load(tiny_engines, "fp32", "suffix", parallel=2, config=SpeculativeConfig(draft_tokens=8))
+    stores = {id(slot.decoder.proposer.store) for slot in batch.slots}
+    assert len(stores) == 1
+    want = [gen.generate(p, max_new_tokens=40).token_ids for p in PROMPTS]
+    got = [None] * len(PROMPTS)
+
+    def run(i):
+        got[i] = batch.generate(PROMPTS[i], max_new_tokens=40).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    run(2)  # the first prompt again, on whichever slot: the shared store holds its answer
+    assert got == want

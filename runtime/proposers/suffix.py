@@ -17,7 +17,9 @@ needs torch (and vLLM's protobuf) to build, which the runtime does not ship.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -107,41 +109,52 @@ class SuffixTrie:
                 float(sum(probs)))
 
 
+class Answer:
+    """One answer being written into a store: its tokens and its open suffixes."""
+
+    def __init__(self, key: int):
+        self.key, self.tokens, self.open = key, [], []
+
+
 class SuffixStore:
-    """Earlier answers' trie, bounded to `budget_bytes` (least recently used answer out). One per proposer; a server
-    or a Session keeps it for its lifetime."""
+    """Earlier answers' trie, bounded to `budget_bytes` (least recently used answer out). One per proposer, or one
+    that the streams of a batch share (every call takes its lock); a server or a Session keeps it for its
+    lifetime."""
 
     def __init__(self, budget_bytes: int, depth: int):
         self.trie = SuffixTrie(depth)
         self.budget = budget_bytes
-        self.answers: OrderedDict[int, list[int]] = OrderedDict()
+        self.answers: OrderedDict[int, Answer] = OrderedDict()
+        self.lock = threading.Lock()
         self._next = 0
-        self._open: list = []
-        self._current: list[int] | None = None
+        self._writing: set[int] = set()
 
-    def begin(self) -> None:
-        """A new answer starts (the previous one, if any, is kept whole)."""
-        self._current, self._open = [], self.trie.feeder()
-        self.answers[self._next] = self._current
-        self._next += 1
+    def begin(self) -> Answer:
+        """A new answer starts."""
+        with self.lock:
+            answer = Answer(self._next)
+            self._next += 1
+            self.answers[answer.key] = answer
+            self._writing.add(answer.key)
+            return answer
 
-    def extend(self, tokens) -> None:
-        if self._current is None:
-            return
-        for t in tokens:
-            self._open = self.trie.add(self._open, t)
-            self._current.append(t)
-        while self.trie.nodes * NODE_BYTES > self.budget and len(self.answers) > 1:
-            self._evict()
+    def end(self, answer: Answer) -> None:
+        """An answer is complete: it may be evicted from now on."""
+        with self.lock:
+            self._writing.discard(answer.key)
 
-    def _evict(self) -> None:
-        key, seq = self.answers.popitem(last=False)
-        if seq is self._current:  # never the answer being written
-            self.answers[key] = seq
-            self.answers.move_to_end(key, last=False)
-            return
+    def extend(self, answer: Answer, tokens) -> None:
+        with self.lock:
+            for t in tokens:
+                answer.open = self.trie.add(answer.open, t)
+                answer.tokens.append(t)
+            done = [k for k in self.answers if k not in self._writing]  # oldest first
+            while self.trie.nodes * NODE_BYTES > self.budget and done:
+                self._forget(self.answers.pop(done.pop(0)))
+
+    def _forget(self, answer: Answer) -> None:
         open_ = self.trie.feeder()
-        for t in seq:
+        for t in answer.tokens:
             open_ = self.trie.add(open_, t, -1)
 
     @property
@@ -164,6 +177,7 @@ class SuffixDecoding:
         self.store, self.depth, self.max_nodes = store, depth, max_nodes
         self.factor, self.threshold, self.max_tokens = factor, threshold, max_tokens
         self.local = SuffixTrie(depth)
+        self._answer: Answer | None = None
         self._open: list = []
         self._seen = 0        # context tokens added to the local trie
         self._answer_from = 0  # where the answer starts in the context (the store gets tokens from there)
@@ -174,14 +188,16 @@ class SuffixDecoding:
         self._answer_from = ctx.prompt_length
         self._plan = (-1, 0, None)
         if self.store is not None:
-            self.store.begin()
+            if self._answer is not None:
+                self.store.end(self._answer)
+            self._answer = self.store.begin()
 
     def _catch_up(self, ctx: Context) -> None:
         ids = ctx.ids[self._seen:].tolist()
         for t in ids:
             self._open = self.local.add(self._open, t)
-        if self.store is not None:
-            self.store.extend(ctx.ids[max(self._seen, self._answer_from):].tolist())
+        if self._answer is not None:
+            self.store.extend(self._answer, ctx.ids[max(self._seen, self._answer_from):].tolist())
         self._seen = ctx.length
 
     def _best(self, ctx: Context) -> tuple[int, Draft | None]:
@@ -190,12 +206,13 @@ class SuffixDecoding:
             self._catch_up(ctx)
             tail = ctx.ids[max(0, ctx.length - self.depth):].tolist()
             best = (0.0, 0, None)
-            for trie in (self.local,) + ((self.store.trie,) if self.store is not None else ()):
-                m, node = trie.match(tail)
-                if node is None:
-                    continue
-                cap = min(self.max_nodes, max(1, int(self.factor * m)))
-                tokens, parents, score = trie.grow(node, cap, self.depth - m, self.threshold)
+            for trie, lock in [(self.local, None)] + ([(self.store.trie, self.store.lock)] if self.store else []):
+                with lock or contextlib.nullcontext():
+                    m, node = trie.match(tail)
+                    if node is None:
+                        continue
+                    cap = min(self.max_nodes, max(1, int(self.factor * m)))
+                    tokens, parents, score = trie.grow(node, cap, self.depth - m, self.threshold)
                 if tokens and score > best[0]:
                     best = (score, m, (tokens, parents))
             _, m, tree = best
