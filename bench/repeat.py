@@ -84,6 +84,7 @@ def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int,
             st = r.stats
             drafted = st.drafted_by_position[0] if st.drafted_by_position else 0  # rounds with a draft
             out[mode] = {"tokens": len(r.token_ids), "s": st.total_s, "rounds": st.rounds, "drafted": drafted,
+                         "draft_s": st.draft_s, "verify_s": st.verify_s,
                          "same": ref is None or r.token_ids == ref.token_ids}
             ref = ref or r
         rows.append({"workload": workload, "call": call, **{f"{m}": v for m, v in out.items()}})
@@ -130,6 +131,9 @@ def summary(rows: list, modes: list[str], warm: int) -> dict:
                                  for m in modes},
                          "drafted": {m: round(sum(r[m]["drafted"] for r in part) / sum(r[m]["rounds"] for r in part),
                                               3) for m in modes},
+                         "draft_share": {m: round(sum(r[m]["draft_s"] for r in part)
+                                                  / max(sum(r[m]["draft_s"] + r[m]["verify_s"] for r in part), 1e-9), 4)
+                                         for m in modes},
                          "identical": {m: all(r[m]["same"] for r in part) for m in modes}}
     return out
 
@@ -138,9 +142,10 @@ def markdown(r: dict) -> str:
     lines = [f"# Repeating workloads ({r['engines']}, fp32, greedy, {r['date']})", ""]
     for workload, s in r["summary"].items():
         lines += [f"## {workload} (from call {s['from_call']} on)", "",
-                  "| mode | tok/s | vs off | tau | rounds that drafted | identical |", "|---|---|---|---|---|---|"]
+                  "| mode | tok/s | vs off | tau | rounds that drafted | drafting share of a round | identical |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {m} | {s['tok_s'][m]} | {s['vs_off'][m]}x | {s['tau'][m]} | {s['drafted'][m]} | "
-                  f"{s['identical'][m]} |"
+                  f"{s['draft_share'][m]} | {s['identical'][m]} |"
                   for m in r["modes"]]
         lines.append("")
     return "\n".join(lines)

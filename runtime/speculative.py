@@ -198,7 +198,7 @@ def _suffix(manifest: Manifest, precision: str, options: EngineOptions, cfg: Spe
                           threshold=cfg.suffix_threshold, max_tokens=cfg.draft_tokens or cfg.lookup_max_tokens)
 
 
-SUFFIX_DEPTH = 24
+SUFFIX_DEPTH = 32  # substrings the tries count: a match of up to 16 tokens, and 16 more to draft
 
 
 def proposer_entry(manifest: Manifest, role: str, precision: str):

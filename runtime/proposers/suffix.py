@@ -168,7 +168,7 @@ class SuffixDecoding:
     buckets = len(MATCH_BUCKETS) + 1
     reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
 
-    def __init__(self, store: SuffixStore | None, depth: int = 24, max_nodes: int = 24, factor: float = 2.0,
+    def __init__(self, store: SuffixStore | None, depth: int = 32, max_nodes: int = 24, factor: float = 2.0,
                  threshold: float = 0.1, max_tokens: int = 16):
         if not 0 < threshold <= 1:
             raise SpecrtError(f"the suffix threshold must be in (0, 1], got {threshold}")
@@ -204,7 +204,7 @@ class SuffixDecoding:
         """(bucket, draft at the full size) of this context, once per context length."""
         if self._plan[0] != ctx.length:
             self._catch_up(ctx)
-            tail = ctx.ids[max(0, ctx.length - self.depth):].tolist()
+            tail = ctx.ids[max(0, ctx.length - self.depth // 2):].tolist()  # half the depth is left to draft
             best = (0.0, 0, None)
             for trie, lock in [(self.local, None)] + ([(self.store.trie, self.store.lock)] if self.store else []):
                 with lock or contextlib.nullcontext():
