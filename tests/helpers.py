@@ -9,6 +9,17 @@ import threading
 import time
 
 
+# the voice-agent framework tests' booking conversation (tests/test_agents_*.py)
+FORCE_BOOKING = {"type": "function", "function": {"name": "book_table"}}
+TURNS = ["Hi, I'd like to book a table for tonight.",
+         "Four people at 19:30, under the name Ada.",  # the booking turn: book_table is forced here
+         "Can we sit by the window?",
+         "Do you have vegetarian dishes?",
+         "Thanks, bye!"]
+BOOKING_TURN = 1
+MAX_TOKENS = 128  # a forced book_table call spells ~48 tokens in the Hermes markup; replies stay short
+
+
 @contextlib.contextmanager
 def loopback(app):
     """uvicorn serving `app` on a free loopback port in a background thread; yields (base URL, uvicorn.Server)."""

@@ -19,7 +19,7 @@ import time
 from typing import Annotated
 
 import pytest
-from helpers import Recorder, loopback
+from helpers import BOOKING_TURN, FORCE_BOOKING, MAX_TOKENS, TURNS, Recorder, loopback
 
 pytestmark = pytest.mark.real
 
@@ -42,14 +42,6 @@ BOOK_TABLE = {"type": "object",
                              "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
                              "name": {"type": "string", "maxLength": 40}},
               "required": ["party", "time", "name"], "additionalProperties": False}
-FORCE_BOOKING = {"type": "function", "function": {"name": "book_table"}}
-TURNS = ["Hi, I'd like to book a table for tonight.",
-         "Four people at 19:30, under the name Ada.",  # the booking turn: book_table is forced here
-         "Can we sit by the window?",
-         "Do you have vegetarian dishes?",
-         "Thanks, bye!"]
-BOOKING_TURN = 1
-MAX_TOKENS = 128  # a forced book_table call spells ~48 tokens in the Hermes markup; replies stay short
 
 
 class BookingAgent(Agent):

@@ -16,7 +16,7 @@ import json
 import time
 
 import pytest
-from helpers import Recorder, loopback
+from helpers import BOOKING_TURN, FORCE_BOOKING, MAX_TOKENS, TURNS, Recorder, loopback
 
 pytestmark = pytest.mark.real
 
@@ -55,14 +55,6 @@ BOOK_TABLE = {
                    "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$", "description": "24-hour HH:MM"},
                    "name": {"type": "string", "maxLength": 40, "description": "Name for the booking"}},
     "required": ["party", "time", "name"]}
-FORCE_BOOKING = {"type": "function", "function": {"name": "book_table"}}
-TURNS = ["Hi, I'd like to book a table for tonight.",
-         "Four people at 19:30, under the name Ada.",  # the booking turn: book_table is forced here
-         "Can we sit by the window?",
-         "Do you have vegetarian dishes?",
-         "Thanks, bye!"]
-BOOKING_TURN = 1
-MAX_TOKENS = 128  # a forced book_table call spells ~48 tokens in the Hermes markup; replies stay short
 WAIT_S = 600  # one response, the slowest set's included (Qwen2.5-Coder 1.5B at fp32 on 2 cores)
 SYSTEM = ("You are the host of a small restaurant. Answer in one short sentence. "
           "Use book_table to book a table once you know the party size, time and name.")
