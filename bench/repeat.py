@@ -67,14 +67,18 @@ def voice_calls(n: int, seed: int = 0) -> list[list[str]]:
     return calls
 
 
-def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int, warm: int, log=print) -> dict:
+def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int, warm: int, config=None,
+        log=print) -> dict:
     from ..runtime.sampling import SamplingParams
     from ..runtime.session import load
+    from ..runtime.speculative import SpeculativeConfig
     from ..runtime.tokenizer import Message
 
     greedy = SamplingParams(temperature=0.0)
     shared: dict = {}
-    sessions = {m: load(engines, "fp32", m, shared=shared) for m in ["off"] + [m for m in modes if m != "off"]}
+    config = config or SpeculativeConfig()
+    sessions = {m: load(engines, "fp32", m, shared=shared, config=config)
+                for m in ["off"] + [m for m in modes if m != "off"]}
     rows = []
 
     def turn(workload: str, call: int, msgs: list) -> str:
@@ -105,6 +109,8 @@ def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int,
         code = code if code.endswith("\n") else code + "\n"
         log(f"code edit {i + 1}/{edits}: " + _line(rows, "code", i, sessions))
     return {"engines": engines, "modes": list(sessions), "calls": calls, "edits": edits, "max_tokens": max_tokens,
+            "suffix": {"threshold": config.suffix_threshold, "factor": config.suffix_factor,
+                       "cache_mib": config.suffix_cache_mib},
             "warm": warm, "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
             "summary": summary(rows, list(sessions), warm), "rows": rows}
 
@@ -180,9 +186,15 @@ def main() -> None:
     ap.add_argument("--edits", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--warm", type=int, default=10, help="ratios count from this call on")
+    ap.add_argument("--suffix-threshold", type=float, default=0.1)
+    ap.add_argument("--suffix-factor", type=float, default=2.0)
     ap.add_argument("--out", default="repeat-out")
     a = ap.parse_args()
-    r = run(a.engines, a.modes.split(","), a.calls, a.edits, a.max_tokens, a.warm)
+    from ..runtime.speculative import SpeculativeConfig
+
+    cfg = SpeculativeConfig(suffix_threshold=a.suffix_threshold, suffix_factor=a.suffix_factor)
+    cfg.check()
+    r = run(a.engines, a.modes.split(","), a.calls, a.edits, a.max_tokens, a.warm, cfg)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "repeat.json").write_text(json.dumps(r, indent=1) + "\n")

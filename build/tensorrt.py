@@ -222,7 +222,7 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
                  {"tensorrt": trt.__version__, "compute_capability": compute_capability()})
     return {**facts, "profiles": {k: {dim: list(v) for dim, v in r.items()} for k, r in ranges.items()},
             "static_capacity": max_capacity, "opt_level": opt_level, "tf32": not fp32_parity,
-            "decomposable_attention": decomposable, "build_s": round(build_s, 1),
+            "decomposable_attention": decomposable, "build_s": round(build_s, 3),
             "engine_bytes": Path(out_path).stat().st_size, "onnx_sha256": onnx_sha256(Path(onnx_path)),
             "log": log_path.name}
 
