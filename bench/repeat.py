@@ -186,8 +186,8 @@ def main() -> None:
     ap.add_argument("--edits", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--warm", type=int, default=10, help="ratios count from this call on")
-    ap.add_argument("--suffix-threshold", type=float, default=0.1)
-    ap.add_argument("--suffix-factor", type=float, default=2.0)
+    ap.add_argument("--suffix-threshold", type=float, default=0.3)
+    ap.add_argument("--suffix-factor", type=float, default=4.0)
     ap.add_argument("--out", default="repeat-out")
     a = ap.parse_args()
     from ..runtime.speculative import SpeculativeConfig

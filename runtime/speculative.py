@@ -147,8 +147,9 @@ class SpeculativeConfig:
     eagle_beam: int = 6                     # tree nodes expanded per level
     eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
     suffix_cache_mib: float = 64            # suffix: the store of earlier answers (0 = this request only)
-    suffix_threshold: float = 0.1           # suffix: the least path probability a drafted node may have
-    suffix_factor: float = 2.0              # suffix: a draft holds at most this many tokens per matched token
+    suffix_threshold: float = 0.3           # suffix: the least path probability a drafted node may have
+    suffix_factor: float = 4.0              # suffix: tokens drafted per matched token, at most (both swept:
+                                            # BENCHMARKS.md, "Does suffix decoding pay on workloads that repeat?")
 
     def check(self) -> None:
         """What make_decoder refuses, in one line, before any engine opens."""

@@ -65,10 +65,10 @@ def serve(
                                        help="--speculate suffix: memory for the store of earlier answers it drafts "
                                             "from (least recently used answer out; 0 = each request's own text "
                                             "only)."),
-    suffix_threshold: float = typer.Option(0.1, "--suffix-threshold", metavar="P",
+    suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P",
                                            help="--speculate suffix: the least probability (0, 1] of a drafted "
                                                 "path, from how often it followed before."),
-    suffix_factor: float = typer.Option(2.0, "--suffix-factor", metavar="X",
+    suffix_factor: float = typer.Option(4.0, "--suffix-factor", metavar="X",
                                         help="--speculate suffix: the most tokens drafted per token of the matched "
                                              "suffix."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", metavar="TOKENS", help=PREFILL_CHUNK_HELP,

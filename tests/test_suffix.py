@@ -172,3 +172,15 @@ def test_the_streams_of_a_batch_share_one_store_and_stay_exact(tiny_engines, gen
         t.join(60)
     run(2)  # the first prompt again, on whichever slot: the shared store holds its answer
     assert got == want
+
+
+def test_the_servers_suffix_flags_default_to_the_configs():
+    import inspect
+
+    from specrt.serve_command import serve
+
+    params = inspect.signature(serve).parameters
+    cfg = SpeculativeConfig()
+    assert params["suffix_threshold"].default.default == cfg.suffix_threshold
+    assert params["suffix_factor"].default.default == cfg.suffix_factor
+    assert params["suffix_cache"].default.default == cfg.suffix_cache_mib

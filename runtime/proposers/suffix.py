@@ -168,8 +168,8 @@ class SuffixDecoding:
     buckets = len(MATCH_BUCKETS) + 1
     reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
 
-    def __init__(self, store: SuffixStore | None, depth: int = 32, max_nodes: int = 24, factor: float = 2.0,
-                 threshold: float = 0.1, max_tokens: int = 16):
+    def __init__(self, store: SuffixStore | None, depth: int = 32, max_nodes: int = 24, factor: float = 4.0,
+                 threshold: float = 0.3, max_tokens: int = 16):
         if not 0 < threshold <= 1:
             raise SpecrtError(f"the suffix threshold must be in (0, 1], got {threshold}")
         if factor <= 0:
