@@ -91,7 +91,7 @@ def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int,
                          "draft_s": st.draft_s, "verify_s": st.verify_s,
                          "same": ref is None or r.token_ids == ref.token_ids}
             ref = ref or r
-        rows.append({"workload": workload, "call": call, **{f"{m}": v for m, v in out.items()}})
+        rows.append({"workload": workload, "call": call, **out})
         return ref.text
 
     for i, call in enumerate(voice_calls(calls)):

@@ -180,7 +180,7 @@ class PlainDecoder:
         return plain_decode(engine, prompt, sampling, rng, stats, grammar)
 
 
-def _stop_prefix(text: str, stop) -> int:
+def stop_prefix(text: str, stop) -> int:
     """Length of the longest tail of text that is a proper prefix of a stop string (0 if none)."""
     return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
@@ -357,7 +357,7 @@ class Generator:
                         if hit >= 0:
                             delta, text, reason, done = text[sent:hit], text[:hit], "stop", True
                         else:
-                            keep = len(text) - _stop_prefix(text, stop)
+                            keep = len(text) - stop_prefix(text, stop)
                             delta, sent = text[sent:keep], keep
                     if delta:
                         yield delta

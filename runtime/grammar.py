@@ -229,10 +229,9 @@ def emitted_allowed(result: VerifyResult, masks: np.ndarray) -> bool:
     """Every token a greedy verification emitted is allowed by the mask of the row it came from (row 0, then the
     accepted nodes' rows). Then the unmasked argmax of those rows is their masked argmax, so a logit screen's
     greedy tokens are the constrained result (docs/runtime-notes.md, "Grammars under speculation")."""
-    rows = np.concatenate([[0], 1 + result.path])
     tokens = result.tokens
     V = masks.shape[1]
-    return bool((tokens < V).all() and masks[rows, np.minimum(tokens, V - 1)].all())
+    return bool((tokens < V).all() and masks[result.rows, np.minimum(tokens, V - 1)].all())
 
 
 def masked(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:

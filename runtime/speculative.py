@@ -93,8 +93,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
                     logits = masked(raw, masks)
                     if sampling.greedy:
                         result = verify_greedy(logits.argmax(-1), draft)
-                        rows = np.concatenate([[0], 1 + result.path])
-                        try_screen = screen and bool((raw[rows].argmax(-1) == result.tokens).all())
+                        try_screen = screen and bool((raw[result.rows].argmax(-1) == result.tokens).all())
                     else:
                         result = accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
             elif sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one

@@ -117,6 +117,11 @@ class VerifyResult:
         return np.append(self.accepted, np.int64(self.next_token))
 
     @property
+    def rows(self) -> np.ndarray:
+        """[m + 1] the rows of the target's pass that `tokens` came from: the root, then each accepted node's."""
+        return np.append(np.int64(0), 1 + self.path)
+
+    @property
     def num_accepted(self) -> int:
         return int(self.accepted.size)
 

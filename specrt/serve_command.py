@@ -63,7 +63,7 @@ def serve(
                                                     "--parallel)."),
     suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB",
                                        help="--speculate suffix: memory for the store of earlier answers it drafts "
-                                            "from (least recently used answer out; 0 = each request's own text "
+                                            "from (oldest answer out; 0 = each request's own text "
                                             "only)."),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P",
                                            help="--speculate suffix: the least probability (0, 1] of a drafted "

@@ -15,6 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .runtime.generate import stop_prefix
 from .runtime.grammar import JSON_OPTIONS
 from .runtime.tokenizer import ToolCall
 
@@ -108,7 +109,7 @@ class CallParser:
                     out.append(Event(content=self.buf[:start]))
                 self.buf, self.in_call = self.buf[start + len(OPEN):], True
                 continue
-            keep = _prefix_of(self.buf, OPEN)
+            keep = stop_prefix(self.buf, (OPEN,))
             if len(self.buf) > keep:
                 out.append(Event(content=self.buf[:len(self.buf) - keep]))
                 self.buf = self.buf[len(self.buf) - keep:]
@@ -117,7 +118,7 @@ class CallParser:
     def _held(self, text: str) -> int:
         """How much of a call's arguments text so far may go out: all but a tail that could be whitespace, the
         call's closing brace, and the start of '</tool_call>'."""
-        h = len(text) - _prefix_of(text, CLOSE)
+        h = len(text) - stop_prefix(text, (CLOSE,))
         while h and text[h - 1].isspace():
             h -= 1
         return h - 1 if h and text[h - 1] == "}" else h
@@ -138,11 +139,6 @@ class CallParser:
             out.append(Event(content=(OPEN if self.in_call else "") + self.buf))
         self.buf, self.in_call, self.started = "", False, None
         return out
-
-
-def _prefix_of(text: str, tag: str) -> int:
-    """The length of the longest tail of text that is a proper prefix of tag."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
 def _parse(body: str) -> ToolCall | None:

@@ -22,7 +22,7 @@ from specrt.runtime.speculative import SpeculativeConfig, make_decoder
 def _trie(seqs, depth):
     t = SuffixTrie(depth)
     for seq in seqs:
-        o = t.feeder()
+        o = []
         for x in seq:
             o = t.add(o, x)
     return t
@@ -43,7 +43,7 @@ def test_the_trie_counts_every_substring_up_to_its_depth_and_forgets_exactly(seq
                     for j in range(i + 1, min(i + depth, len(s)) + 1))
     t = _trie(seqs, depth)
     assert _counts(t.root) == dict(naive) and t.nodes == len(naive)
-    o = t.feeder()
+    o = []
     for x in seqs[0]:  # forget the first sequence: the rest's counts, as if it never came
         o = t.add(o, x, -1)
     rest = _trie(seqs[1:], depth)

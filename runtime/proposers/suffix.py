@@ -2,7 +2,7 @@
 
 SuffixDecoding (Oliaro et al., NeurIPS 2025; ArcticInference's `suffix` method) keeps two count tries of token
 substrings up to `depth` tokens: one over the current request (prompt and output so far), one over earlier answers
-(the store, shared by every request of the proposer, bounded in bytes, least recently used answer out). Each
+(the store, shared by every request of the proposer, bounded in bytes, oldest answer out). Each
 round it finds the longest suffix of the context that either trie holds, and grows a tree from that node, most
 frequent continuation first: a node's probability is its count over its siblings' total, a path's the product of
 its nodes', and nodes whose path falls under `threshold` are not drafted. The tree holds at most
@@ -40,13 +40,9 @@ class SuffixTrie:
         self.root: list = [0, {}]
         self.nodes = 0
 
-    def feeder(self) -> list:
-        """The open suffixes of a new sequence (add() extends them a token at a time)."""
-        return []
-
     def add(self, open_: list, token: int, delta: int = 1) -> list:
-        """Count `token` after each open suffix of a sequence (and alone); the new open suffixes. delta -1 undoes
-        an earlier add of the same sequence (nodes left at 0 are removed)."""
+        """Count `token` after each open suffix of a sequence (and alone); the new open suffixes (a new sequence
+        starts with none: []). delta -1 undoes an earlier add of the same sequence (nodes left at 0 are removed)."""
         out = []
         for node in [self.root] + open_[: self.depth - 1]:
             kids = node[1]
@@ -117,7 +113,7 @@ class Answer:
 
 
 class SuffixStore:
-    """Earlier answers' trie, bounded to `budget_bytes` (least recently used answer out). One per proposer, or one
+    """Earlier answers' trie, bounded to `budget_bytes` (oldest complete answer out). One per proposer, or one
     that the streams of a batch share (every call takes its lock); a server or a Session keeps it for its
     lifetime."""
 
@@ -148,12 +144,14 @@ class SuffixStore:
             for t in tokens:
                 answer.open = self.trie.add(answer.open, t)
                 answer.tokens.append(t)
+            if self.trie.nodes * NODE_BYTES <= self.budget:
+                return
             done = [k for k in self.answers if k not in self._writing]  # oldest first
             while self.trie.nodes * NODE_BYTES > self.budget and done:
                 self._forget(self.answers.pop(done.pop(0)))
 
     def _forget(self, answer: Answer) -> None:
-        open_ = self.trie.feeder()
+        open_: list = []
         for t in answer.tokens:
             open_ = self.trie.add(open_, t, -1)
 
