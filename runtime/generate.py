@@ -176,8 +176,8 @@ class PlainDecoder:
     name, proposer, control = "off", None, None
 
     def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                 stats: Stats, grammar: Grammar | None = None) -> Iterator[list[int]]:
-        return plain_decode(engine, prompt, sampling, rng, stats, grammar)
+                 stats: Stats, grammar: Grammar | None = None, store_key: str | None = None) -> Iterator[list[int]]:
+        return plain_decode(engine, prompt, sampling, rng, stats, grammar)  # no store to scope
 
 
 def stop_prefix(text: str, stop) -> int:
@@ -247,16 +247,18 @@ class Generator:
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
                chat: bool = True, decode=None, ignore_eos: bool = False, grammar: Grammar | None = None,
-               tools: list[dict] | None = None) -> Stream:
+               tools: list[dict] | None = None, store_key: str | None = None) -> Stream:
         """decode: a strategy like `plain_decode` (the default); speculative decoders plug in here.
         ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
         string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed.
         grammar: a fresh Grammar (runtime/grammar.py) the output is held to, under any decode strategy.
-        tools: OpenAI's function tools, shown to the model with the chat (TextCodec.render_chat)."""
+        tools: OpenAI's function tools, shown to the model with the chat (TextCodec.render_chat).
+        store_key: this request's scope in what the decoder keeps across requests (suffix decoding's store of
+        earlier answers: requests with the same key share one; None: the one shared by every unkeyed request)."""
         ids = self.prepare(prompt, chat, max_new_tokens, tools)
         stream = Stream(iter(()))
         stream._it = self.run_ids(ids, stream, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                  decode=decode, ignore_eos=ignore_eos, grammar=grammar)
+                                  decode=decode, ignore_eos=ignore_eos, grammar=grammar, store_key=store_key)
         return stream
 
     def prepare(self, prompt: str | list[Message], chat: bool, max_new_tokens: int,
@@ -268,10 +270,12 @@ class Generator:
 
     def run_ids(self, ids: list[int], stream: Stream, *, max_new_tokens: int = 256,
                 sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), decode=None,
-                ignore_eos: bool = False, grammar: Grammar | None = None) -> Iterator[str]:
+                ignore_eos: bool = False, grammar: Grammar | None = None,
+                store_key: str | None = None) -> Iterator[str]:
         """The text deltas of a checked prompt's tokens, for `stream` (its close() flag and result)."""
         eos = frozenset() if ignore_eos else self.codec.eos_token_ids
-        return self._run(ids, max_new_tokens, sampling, stop, decode or plain_decode, stream, eos, grammar)
+        return self._run(ids, max_new_tokens, sampling, stop, decode or PlainDecoder(), stream, eos, grammar,
+                         store_key)
 
     def generate(self, prompt: str | list[Message], **kwargs) -> Result:
         s = self.stream(prompt, **kwargs)
@@ -318,7 +322,7 @@ class Generator:
                                    {p.name: p.save_state(n) for p in _state_holders(decode)}))
 
     def _run(self, ids, max_new_tokens, sampling, stop, decode, stream: Stream, eos: frozenset,
-             grammar: Grammar | None = None) -> Iterator[str]:
+             grammar: Grammar | None = None, store_key: str | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
         engine = self.engine
         stats = Stats(prompt_tokens=len(ids), logit_screen=engine.screen and sampling.greedy, engine=engine.description)
@@ -332,8 +336,8 @@ class Generator:
         stats.cached_tokens = keep
         self._held = []  # until this request ends, the cache holds a mix
         engine.reserve(len(ids) + budget + engine.max_pass_tokens)  # a speculative pass writes past the budget
-        rounds = (decode(engine, ids, sampling, sampling.generator(), stats) if grammar is None else
-                  decode(engine, ids, sampling, sampling.generator(), stats, grammar=grammar))
+        extra = {k: v for k, v in (("grammar", grammar), ("store_key", store_key)) if v is not None}
+        rounds = decode(engine, ids, sampling, sampling.generator(), stats, **extra)  # a custom decode may take neither
         produced = 0  # every token the target emitted, EOS and any cut by a stop or the budget included
         fed = list(ids)  # the prompt + every emitted token: the committed cache holds a prefix of it
         sent, longest = 0, max(map(len, stop), default=0)  # stops: text[:sent] has been yielded

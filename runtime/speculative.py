@@ -30,7 +30,7 @@ from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import LookupEagle, LookupMedusa
 from .proposers.medusa import Medusa
-from .proposers.suffix import SuffixDecoding, SuffixStore
+from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
 from .verify import verify, verify_greedy, verify_typical
@@ -41,12 +41,13 @@ MODES = ("off", "prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
                        stats: Stats, *, proposer: Proposer, control: Controller, accept=verify,
-                       grammar: Grammar | None = None) -> Iterator[list[int]]:
+                       grammar: Grammar | None = None, store_key: str | None = None) -> Iterator[list[int]]:
     """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
     explicit, lossy opt-in, which Stats.exact and Stats.lossy report). grammar: every row the target's pass
-    returns is masked to what the grammar allows after that row's context (runtime/grammar.py)."""
+    returns is masked to what the grammar allows after that row's context (runtime/grammar.py). store_key: the
+    request's scope in the stores a proposer keeps across requests (suffix decoding's earlier answers)."""
     ctx = Context(prompt, engine.max_context + 1)
-    ctx.target, ctx.cached = engine, stats.cached_tokens
+    ctx.target, ctx.cached, ctx.store_key = engine, stats.cached_tokens, store_key
     engine.rewind(stats.cached_tokens)  # KV reuse (Generator.keep_cache): the first pass feeds the rest
     proposer.start(ctx, sampling, rng)
     control.start()
@@ -176,9 +177,9 @@ class Opener:
     def eagle(self, root, entry, options: EngineOptions):
         return open_eagle(root, entry, options)
 
-    def suffix_store(self, cfg: "SpeculativeConfig") -> SuffixStore | None:
-        """The store of earlier answers a suffix proposer drafts from (None: the request's own text only)."""
-        return SuffixStore(int(cfg.suffix_cache_mib * 2**20), SUFFIX_DEPTH) if cfg.suffix_cache_mib > 0 else None
+    def suffix_store(self, cfg: "SpeculativeConfig") -> SuffixStores | None:
+        """The stores of earlier answers a suffix proposer drafts from (None: the request's own text only)."""
+        return SuffixStores(int(cfg.suffix_cache_mib * 2**20), SUFFIX_DEPTH) if cfg.suffix_cache_mib > 0 else None
 
 
 OPEN = Opener()
@@ -293,9 +294,9 @@ class SpeculativeDecoder:
         self.name = proposer.name
 
     def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
-                 stats: Stats, grammar: Grammar | None = None) -> Iterator[list[int]]:
+                 stats: Stats, grammar: Grammar | None = None, store_key: str | None = None) -> Iterator[list[int]]:
         return speculative_decode(engine, prompt, sampling, rng, stats, proposer=self.proposer, control=self.control,
-                                  accept=self.accept, grammar=grammar)
+                                  accept=self.accept, grammar=grammar, store_key=store_key)
 
 
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,

@@ -7,10 +7,8 @@ without it (only typer at import time); Ray loads inside the command and on the 
                                        v  DeploymentHandle, streamed; request router: ConversationRouter
                                      SpecrtEngine x N (each: one Session and the server's FastAPI app, in-process)
 
-1. The conversation key (conversation_key): a hash of the request's leading messages, the system prompt(s) up to and
-   including the first user message, for /v1/chat/completions; the first PROMPT_PREFIX_CHARS characters of the
-   prompt for /v1/completions; or the client's own `X-Specrt-Conversation` header. Every turn of a conversation
-   resends that beginning, so every turn has the same key.
+1. The conversation key (specrt.scopes.conversation_key): a hash of the request's leading messages, or the
+   client's own `X-Specrt-Conversation` header; every turn of a conversation has the same key.
 2. The engine deployment's request router (specrt.ray_router.ConversationRouter) sends a key to one replica by
    rendezvous hashing over the live replicas (rendezvous): the same replica for as long as it lives, and when it
    dies only its keys move, each to one live replica again. Every ingress replica computes the same choice, with
@@ -36,7 +34,8 @@ from typing import Optional
 import typer
 
 from .errors import SpecrtError, first_line
-from .serve_command import DEFAULT_MAX_TOKENS_HELP
+from .scopes import CONVERSATION_HEADER, conversation_key
+from .serve_command import DEFAULT_MAX_TOKENS_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP
 
 log = logging.getLogger("specrt.ray_serve")
 
@@ -44,49 +43,10 @@ APP_NAME = "specrt"
 ENGINE_DEPLOYMENT = "SpecrtEngine"
 INGRESS_DEPLOYMENT = "SpecrtIngress"
 REPLICA_HEADER = "x-specrt-replica"            # which engine replica answered (its Serve replica id)
-CONVERSATION_HEADER = "x-specrt-conversation"  # a client's own conversation key (overrides the computed one)
 CONVERSATION_KWARG = "conversation"            # the engine call's keyword the router reads
-PROMPT_PREFIX_CHARS = 64                       # /v1/completions: the key is this much of the prompt
 INSTALL_HINT = "specrt serve-ray needs Ray Serve: pip install 'specrt[ray]'"
 ROUTER_CLASS = "specrt.ray_router:ConversationRouter"
 START_RETRIES = 2                              # a request whose replica died before it answered: tries elsewhere
-
-
-def _digest(material) -> str:
-    return hashlib.blake2b(json.dumps(material, sort_keys=True, separators=(",", ":")).encode(),
-                           digest_size=16).hexdigest()
-
-
-def conversation_key(path: str, body: bytes, header: str | None = None) -> str | None:
-    """The routing key of a request: the same for every turn of one conversation; None for requests that are not
-    generations or not valid JSON (they go to any replica; the replica answers the error)."""
-    if header:
-        return _digest(["header", header])
-    chat = path.rstrip("/").endswith("/chat/completions")
-    if not chat and not path.rstrip("/").endswith("/completions"):
-        return None
-    try:
-        req = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(req, dict):
-        return None
-    if chat:
-        messages = req.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        lead = []
-        for m in messages:  # the system prompt(s) and the first user message: what every later turn starts with
-            lead.append(m)
-            if isinstance(m, dict) and m.get("role") == "user":
-                break
-        return _digest(["chat", req.get("model"), lead])
-    prompt = req.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one (n > 1 is refused by the server)
-    if not isinstance(prompt, (str, list)) or not prompt:
-        return None
-    return _digest(["text", req.get("model"), prompt[:PROMPT_PREFIX_CHARS]])
 
 
 def rendezvous(key: str, replica_ids) -> str:
@@ -109,6 +69,8 @@ class EngineSpec:
     parallel: int = 1           # streams each replica decodes at once (specrt serve --parallel)
     prefill_chunk: int | None = None  # specrt serve --prefill-chunk (None: its default)
     default_max_tokens: int | None = 512  # specrt serve --default-max-tokens (None: the rest of the context)
+    suffix: tuple = (64.0, 0.3, 4.0)  # specrt serve --suffix-cache, --suffix-threshold, --suffix-factor
+    suffix_scope: str = "server"      # per replica: a conversation's turns stay on one, an API key's do not
 
 
 @dataclass(frozen=True)
@@ -178,13 +140,16 @@ class SpecrtEngine:
         from .manifest import load_manifest
         from .runtime.engine import EngineOptions
         from .runtime.session import load
+        from .runtime.speculative import SpeculativeConfig
         from .server import create_app
 
         manifest = load_manifest(Path(spec.engines))
-        session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
+        mib, threshold, factor = spec.suffix
+        config = SpeculativeConfig(suffix_cache_mib=mib, suffix_threshold=threshold, suffix_factor=factor)
+        session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads), config=config,
                        parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
         self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib,
-                              default_max_tokens=spec.default_max_tokens)
+                              default_max_tokens=spec.default_max_tokens, suffix_scope=spec.suffix_scope)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logging.getLogger("specrt.server").setLevel(logging.INFO)
 
@@ -344,6 +309,10 @@ def serve_ray(
                                   help="Per replica: host memory for other conversations' KV caches."),
     default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",
                                            help=DEFAULT_MAX_TOKENS_HELP),
+    suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB", help="Per replica: " + SUFFIX_CACHE_HELP),
+    suffix_scope: str = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
+    suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P", help="As for `specrt serve`."),
+    suffix_factor: float = typer.Option(4.0, "--suffix-factor", metavar="X", help="As for `specrt serve`."),
     address: Optional[str] = typer.Option(None, "--address",
                                           help="A running Ray cluster to join ('auto' or host:port; default: start "
                                                "a local Ray instance)."),
@@ -353,10 +322,16 @@ def serve_ray(
     from .cli import _guard
 
     def run():
+        from .runtime.speculative import SpeculativeConfig
+        from .scopes import check_suffix_scope
         from .serve_command import check_serve_flags
 
         check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
         check_flags(replicas, cores_per_replica, gpus_per_replica)
+        check_suffix_scope(suffix_scope)
+        suffix = (suffix_cache, suffix_threshold, suffix_factor)
+        SpeculativeConfig(suffix_cache_mib=suffix_cache, suffix_threshold=suffix_threshold,
+                          suffix_factor=suffix_factor).check()
         try:
             import ray
             from ray import serve
@@ -382,7 +357,7 @@ def serve_ray(
             spec = replace(EngineSpec(str(Path(manifest.root).resolve())), precision=precision, speculate=speculate,
                            threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
                            parallel=parallel, prefill_chunk=prefill_chunk,
-                           default_max_tokens=default_max_tokens or None)
+                           default_max_tokens=default_max_tokens or None, suffix=suffix, suffix_scope=suffix_scope)
             serve.start(http_options={"host": host, "port": port})
             started = True
             typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from .errors import SpecrtError
+from .scopes import check_suffix_scope
 
 
 def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
@@ -35,6 +36,11 @@ def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, 
 DEFAULT_MAX_TOKENS_HELP = ("A chat reply's length when the request sends no max_tokens (Pipecat and LiveKit send "
                            "none): one runaway reply holds the engine while every other caller waits. 0 = the rest "
                            "of the context.")
+SUFFIX_CACHE_HELP = ("--speculate suffix: memory for the stores of earlier answers it drafts from, all scopes "
+                     "together (least recently used answer out; 0 = off: each request's own text only).")
+SUFFIX_SCOPE_HELP = ("--speculate suffix: whose earlier answers a request drafts from, since how fast an answer "
+                     "comes reveals what they looked like: server (every request's; one tenant), api-key (those "
+                     "sent with the same bearer token), conversation (this conversation's only).")
 # its default is batch_session.PREFILL_CHUNK (tested)
 PREFILL_CHUNK_HELP = ("With --parallel: a prompt longer than this many tokens is read in chunks of it, the other "
                       "streams decoding between them, so their next token waits for one chunk, not the whole prompt "
@@ -61,10 +67,8 @@ def serve(
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fixed draft length K (default: adaptive, by load with "
                                                     "--parallel)."),
-    suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB",
-                                       help="--speculate suffix: memory for the store of earlier answers it drafts "
-                                            "from (oldest answer out; 0 = each request's own text "
-                                            "only)."),
+    suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB", help=SUFFIX_CACHE_HELP),
+    suffix_scope: str = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P",
                                            help="--speculate suffix: the least probability (0, 1] of a drafted "
                                                 "path, from how often it followed before."),
@@ -87,6 +91,7 @@ def serve(
 
     def run():
         check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
+        check_suffix_scope(suffix_scope)
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401
@@ -107,6 +112,6 @@ def serve(
         config.check()
         run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
                                 parallel=parallel, prefill_chunk=prefill_chunk),
-                   manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None)
+                   manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None, suffix_scope)
 
     _guard(run)

@@ -48,6 +48,7 @@ from .openai_api import ApiError, Shapes, check_model, error_body, finish_reason
 from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
+from .scopes import store_key
 from .tool_calls import CallParser, Event, split
 from .tool_calls import grammar as tools_grammar
 
@@ -163,8 +164,9 @@ class Server:
 
     def __init__(self, session: Session | None, model: str | None = None, api_key: str | None = None,
                  max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
-                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS, suffix_scope: str = "server"):
         self.session: Session | None = None
+        self.suffix_scope = suffix_scope  # which store of earlier answers a request drafts from (specrt/scopes.py)
         self.default_max_tokens = default_max_tokens
         self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
         self.worker: ThreadPoolExecutor | None = None  # one thread per stream the session runs at once (attach)
@@ -223,8 +225,9 @@ class Server:
     def max_context(self) -> int:
         return self.session.engine.max_context
 
-    def open(self, body: dict, chat: bool):
-        """Validate a request and open its Stream (not started: it runs when the worker takes it)."""
+    def open(self, body: dict, chat: bool, store_key: str | None = None):
+        """Validate a request and open its Stream (not started: it runs when the worker takes it). store_key: its
+        suffix store (specrt/scopes.store_key)."""
         check_model(body, self.model)
         req = parse(body, chat, self.max_context, self.default_max_tokens)
         grammar = None
@@ -238,7 +241,7 @@ class Server:
         try:
             stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
                                          stop=req.stop, chat=chat, ignore_eos=req.ignore_eos, grammar=grammar,
-                                         tools=list(req.tools) or None)
+                                         tools=list(req.tools) or None, store_key=store_key)
         except SpecrtError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), "messages" if chat else "prompt", code) from None
@@ -388,14 +391,16 @@ def _retry_later(why: str, code: str) -> JSONResponse:
 
 def create_app(session: Session | None = None, model: str | None = None, api_key: str | None = None,
                max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
-               loader=None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> FastAPI:
+               loader=None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS, suffix_scope: str = "server",
+               ) -> FastAPI:
     """The FastAPI app for one session; `app.state.server` is its Server. loader (instead of session): a callable
     that loads the session, run in a thread when the app starts, so the port answers (/health 503, /v1 routes
     503 with Retry-After) while the engines load; `model` names it meanwhile. default_max_tokens: a chat reply's
-    length when the request names none (None: the rest of the context)."""
+    length when the request names none (None: the rest of the context). suffix_scope: whose earlier answers a
+    request's suffix drafts come from (specrt/scopes.py)."""
     if (session is None) == (loader is None):
         raise ValueError("create_app takes a session or a loader")
-    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens)
+    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens, suffix_scope)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -471,8 +476,9 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
         auth(request)
         if server.session is None:
             raise Loading()
-        body = parse_body(await request.body())
-        req, stream = server.open(body, chat)
+        raw = await request.body()
+        body = parse_body(raw)
+        req, stream = server.open(body, chat, store_key(server.suffix_scope, request.url.path, raw, request.headers))
         server.admit()  # released when the worker finishes it (submit's push)
         shapes = Shapes(chat, server.model)
         if req.stream:
@@ -494,14 +500,15 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
 
 
 def serve(loader, model: str, host: str, port: int, api_key: str | None = None, max_queue: int = 16,
-          cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> None:
+          cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+          suffix_scope: str = "server") -> None:
     """Listen at once and load the session (loader()) in the background; a failed load stops the server with a
     one-line SpecrtError."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib,
-                     default_max_tokens=default_max_tokens)
+                     default_max_tokens=default_max_tokens, suffix_scope=suffix_scope)
     uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     server = app.state.server
     server.on_load_error = lambda: setattr(uv, "should_exit", True)

@@ -19,8 +19,8 @@ import pytest
 from helpers import assert_user_error
 
 from specrt.errors import SpecrtError
-from specrt.ray_serve import (INSTALL_HINT, PROMPT_PREFIX_CHARS, REPLICA_HEADER, Placement, SpecrtEngine,
-                              conversation_key, plan, rendezvous)
+from specrt.ray_serve import INSTALL_HINT, REPLICA_HEADER, Placement, SpecrtEngine, plan, rendezvous
+from specrt.scopes import PROMPT_PREFIX_CHARS, conversation_key
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 CHAT = "/v1/chat/completions"

@@ -14,8 +14,9 @@ from specrt.errors import SpecrtError
 from specrt.runtime.engine import EngineOptions
 from specrt.runtime.generate import Generator
 from specrt.runtime.proposers import Context
-from specrt.runtime.proposers.suffix import NODE_BYTES, SuffixDecoding, SuffixStore, SuffixTrie
+from specrt.runtime.proposers.suffix import NODE_BYTES, SuffixDecoding, SuffixStores, SuffixTrie
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.tokenizer import Message
 from specrt.runtime.speculative import SpeculativeConfig, make_decoder
 
 
@@ -83,18 +84,53 @@ def test_the_tree_takes_the_most_frequent_continuations_above_the_threshold():
     assert tokens == [2, 3, 4] and parents == [-1, 0, 0]
 
 
-def test_the_store_stays_within_its_budget_oldest_answer_out():
-    store = SuffixStore(60 * NODE_BYTES, 4)
+def _answer(stores, key, tokens):
+    answer = stores.begin(key)
+    stores.extend(answer, tokens)
+    stores.end(answer)
+    return answer
+
+
+def test_the_stores_stay_within_their_budget_least_recently_used_answer_out():
+    stores = SuffixStores(60 * NODE_BYTES, 4)
     for a in range(5):
-        answer = store.begin()
-        store.extend(answer, [100 * a + i for i in range(10)])  # 10 tokens, depth 4: 34 nodes an answer
-        store.end(answer)
-    assert store.nbytes <= 60 * NODE_BYTES and list(store.answers) == [4]
-    assert store.trie.match([400, 401])[0] == 2 and store.trie.match([300, 301]) == (0, None)
-    small = SuffixStore(NODE_BYTES, 4)
+        _answer(stores, None, [100 * a + i for i in range(10)])  # 10 tokens, depth 4: 34 nodes an answer
+    trie = stores.stores[None].trie
+    assert stores.nbytes <= 60 * NODE_BYTES and list(stores.answers) == [4]
+    assert trie.match([400, 401])[0] == 2 and trie.match([300, 301]) == (0, None)
+    small = SuffixStores(NODE_BYTES, 4)
     answer = small.begin()
     small.extend(answer, list(range(10)))  # an answer being written is never evicted
-    assert small.trie.match([0, 1])[0] == 2
+    assert small.stores[None].trie.match([0, 1])[0] == 2
+
+
+def test_a_draft_from_an_answer_keeps_it_and_an_unused_one_goes():
+    stores = SuffixStores(80 * NODE_BYTES, 4)
+    first = _answer(stores, None, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    _answer(stores, None, [21, 22, 23, 24, 25, 26, 27, 28, 29, 30])
+    p = SuffixDecoding(stores, 4)
+    ctx = Context([50, 1, 2], 64)
+    p.start(ctx)
+    assert p.propose(ctx, 4).tokens.tolist()[:1] == [3]  # drafted from the first answer: it is used
+    p.stores.end(p._answer)
+    _answer(stores, None, [41, 42, 43, 44, 45, 46, 47, 48, 49, 40])  # over budget: the second goes, not the first
+    trie = stores.stores[None].trie
+    assert first.key in stores.answers and trie.match([1, 2])[0] == 2 and trie.match([21, 22]) == (0, None)
+
+
+def test_each_scope_key_drafts_only_from_its_own_answers_and_empty_scopes_go():
+    stores = SuffixStores(2**20, 8)
+    _answer(stores, "alice", [7, 8, 9, 10, 11])
+    p = SuffixDecoding(stores, 8)
+    for key, want in (("alice", [9, 10, 11]), ("bob", []), (None, [])):
+        ctx = Context([1, 7, 8], 64)
+        ctx.store_key = key
+        p.start(ctx)
+        assert p.propose(ctx, 4).tokens.tolist() == want, key
+    tight = SuffixStores(40 * NODE_BYTES, 4)
+    for n in range(4):  # one conversation each: the oldest go whole, scope and trie
+        _answer(tight, f"conversation-{n}", [10 * n + i for i in range(8)])
+    assert sorted(tight.stores) == ["conversation-3"] and tight.nbytes <= 40 * NODE_BYTES
 
 
 def test_bad_settings_are_one_line():
@@ -109,7 +145,7 @@ def test_bad_settings_are_one_line():
 
 
 def test_a_request_drafts_from_its_own_text_and_from_earlier_answers():
-    p = SuffixDecoding(SuffixStore(2**20, 8))
+    p = SuffixDecoding(SuffixStores(2**20, 8))
     ctx = Context([5, 6, 7, 8, 5, 6], 64)
     p.start(ctx)
     assert p.propose(ctx, 4).tokens.tolist() == [7, 8, 5, 6][:2 * 2]  # a 2-token match drafts up to 4
@@ -157,7 +193,7 @@ def test_the_streams_of_a_batch_share_one_store_and_stay_exact(tiny_engines, gen
     from specrt.runtime.session import load
 
     batch = load(tiny_engines, "fp32", "suffix", parallel=2, config=SpeculativeConfig(draft_tokens=8))
-    stores = {id(slot.decoder.proposer.store) for slot in batch.slots}
+    stores = {id(slot.decoder.proposer.stores) for slot in batch.slots}
     assert len(stores) == 1
     want = [gen.generate(p, max_new_tokens=40).token_ids for p in PROMPTS]
     got = [None] * len(PROMPTS)
@@ -184,3 +220,45 @@ def test_the_servers_suffix_flags_default_to_the_configs():
     assert params["suffix_threshold"].default.default == cfg.suffix_threshold
     assert params["suffix_factor"].default.default == cfg.suffix_factor
     assert params["suffix_cache"].default.default == cfg.suffix_cache_mib
+    from specrt.ray_serve import EngineSpec, serve_ray
+
+    ray_params = inspect.signature(serve_ray).parameters
+    assert EngineSpec("x").suffix == tuple(ray_params[f"suffix_{k}"].default.default
+                                           for k in ("cache", "threshold", "factor"))
+    assert (cfg.suffix_cache_mib, cfg.suffix_threshold, cfg.suffix_factor) == EngineSpec("x").suffix
+
+
+@pytest.mark.parametrize("scope, stores, prefix", [("server", 1, None), ("api-key", 2, "key:"),
+                                                   ("conversation", 2, "conversation:")])
+def test_the_server_keeps_a_store_per_scope_and_answers_stay_exact(tiny_engines, gen, scope, stores, prefix):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from specrt.runtime.session import load
+    from specrt.server import create_app
+
+    session = load(tiny_engines, "fp32", "suffix")
+    turns = [("alice", [{"role": "user", "content": PROMPTS[0]}]),
+             ("bob", [{"role": "user", "content": PROMPTS[1]}]),
+             ("alice", [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": "Yes."},
+                        {"role": "user", "content": PROMPTS[2]}])]
+    with TestClient(create_app(session, suffix_scope=scope)) as client:
+        for token, messages in turns:
+            body = {"model": "tiny", "messages": messages, "max_tokens": 30, "temperature": 0}
+            r = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 200, r.text
+            want = gen.generate([Message(**m) for m in messages], max_new_tokens=30).text
+            assert r.json()["choices"][0]["message"]["content"] == want
+    keys = list(session.decoder.proposer.stores.stores)
+    assert len(keys) == stores and all(k is None if prefix is None else k.startswith(prefix) for k in keys), keys
+
+
+def test_an_unknown_scope_is_one_line_and_exit_2(tiny_engines):
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    for args in (["serve", "--suffix-scope", "tenant"], ["serve-ray", "--suffix-scope", "user"]):
+        r = CliRunner().invoke(app, [*args, "--engines", str(tiny_engines)])
+        assert r.exit_code == 2 and "--suffix-scope must be one of server, api-key, conversation" in r.output
+        assert "Traceback" not in r.output

@@ -29,6 +29,7 @@ class Context:
         self.prompt_length = len(prompt)
         self.target = None  # the target engine, for proposers that read its hidden states (Medusa)
         self.cached = 0     # prompt tokens the target kept from the last request (KV reuse; 0 when off)
+        self.store_key = None  # the request's scope for stores kept across requests (suffix decoding's answers)
 
     @property
     def ids(self) -> np.ndarray:

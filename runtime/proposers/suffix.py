@@ -2,7 +2,7 @@
 
 SuffixDecoding (Oliaro et al., NeurIPS 2025; ArcticInference's `suffix` method) keeps two count tries of token
 substrings up to `depth` tokens: one over the current request (prompt and output so far), one over earlier answers
-(the store, shared by every request of the proposer, bounded in bytes, oldest answer out). Each
+(the store: one per scope key, bounded in bytes together, least recently used answer out). Each
 round it finds the longest suffix of the context that either trie holds, and grows a tree from that node, most
 frequent continuation first: a node's probability is its count over its siblings' total, a path's the product of
 its nodes', and nodes whose path falls under `threshold` are not drafted. The tree holds at most
@@ -10,9 +10,9 @@ its nodes', and nodes whose path falls under `threshold` are not drafted. The tr
 expects more accepted tokens (the sum of its nodes' path probabilities) drafts the round. The draft is verified
 like any other tree, so the output is the target's.
 
-The tries are plain dicts (node = [count, children]); adding a token updates the `depth` suffixes that end at it,
-O(depth) dict operations, and an evicted answer is replayed to decrement its counts. ArcticInference's C++ tree
-needs torch (and vLLM's protobuf) to build, which the runtime does not ship.
+The tries are plain dicts (node = [count, children, last writer]); adding a token updates the `depth` suffixes
+that end at it, O(depth) dict operations, and an evicted answer is replayed to decrement its counts.
+ArcticInference's C++ tree needs torch (and vLLM's protobuf) to build, which the runtime does not ship.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ class SuffixTrie:
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.root: list = [0, {}]
+        self.root: list = [0, {}, -1]
         self.nodes = 0
 
-    def add(self, open_: list, token: int, delta: int = 1) -> list:
+    def add(self, open_: list, token: int, delta: int = 1, tag: int = -1) -> list:
         """Count `token` after each open suffix of a sequence (and alone); the new open suffixes (a new sequence
-        starts with none: []). delta -1 undoes an earlier add of the same sequence (nodes left at 0 are removed)."""
+        starts with none: []). delta -1 undoes an earlier add of the same sequence (nodes left at 0 are removed).
+        tag: who wrote it (a store's answer key), kept by the nodes it counts in as their last writer."""
         out = []
         for node in [self.root] + open_[: self.depth - 1]:
             kids = node[1]
@@ -50,8 +51,10 @@ class SuffixTrie:
             if child is None:
                 if delta < 0:
                     continue
-                child = kids[token] = [0, {}]
+                child = kids[token] = [0, {}, tag]
                 self.nodes += 1
+            elif delta > 0:
+                child[2] = tag
             child[0] += delta
             if child[0] <= 0:  # its subtree holds only what is being undone: it goes with it, emptied, so the
                 del kids[token]  # open suffixes inside it that this undo still holds find nothing left to count
@@ -108,28 +111,41 @@ class SuffixTrie:
 class Answer:
     """One answer being written into a store: its tokens and its open suffixes."""
 
-    def __init__(self, key: int):
-        self.key, self.tokens, self.open = key, [], []
+    def __init__(self, key: int, store: "SuffixStore"):
+        self.key, self.store, self.tokens, self.open = key, store, [], []
 
 
 class SuffixStore:
-    """Earlier answers' trie, bounded to `budget_bytes` (oldest complete answer out). One per proposer, or one
-    that the streams of a batch share (every call takes its lock); a server or a Session keeps it for its
-    lifetime."""
+    """The trie of one scope's earlier answers (a server's, an API key's, a conversation's)."""
+
+    def __init__(self, key, depth: int):
+        self.key, self.trie, self.answers = key, SuffixTrie(depth), 0
+
+
+class SuffixStores:
+    """The stores of earlier answers, one per scope key (None: the one every unkeyed request shares), within
+    `budget_bytes` together, least recently used complete answer out: an answer is used when it is written and
+    when a draft matches a substring it was the last to write. One per proposer, or one the streams of a batch
+    share (every call takes its lock); a server or a Session keeps it for its lifetime."""
 
     def __init__(self, budget_bytes: int, depth: int):
-        self.trie = SuffixTrie(depth)
-        self.budget = budget_bytes
-        self.answers: OrderedDict[int, Answer] = OrderedDict()
+        self.budget, self.depth = budget_bytes, depth
         self.lock = threading.Lock()
+        self.stores: dict = {}
+        self.answers: OrderedDict[int, Answer] = OrderedDict()  # least recently used first
+        self.nodes = 0
         self._next = 0
         self._writing: set[int] = set()
 
-    def begin(self) -> Answer:
-        """A new answer starts."""
+    def begin(self, key=None) -> Answer:
+        """A new answer starts, in the store of `key`."""
         with self.lock:
-            answer = Answer(self._next)
+            store = self.stores.get(key)
+            if store is None:
+                store = self.stores[key] = SuffixStore(key, self.depth)
+            answer = Answer(self._next, store)
             self._next += 1
+            store.answers += 1
             self.answers[answer.key] = answer
             self._writing.add(answer.key)
             return answer
@@ -141,23 +157,38 @@ class SuffixStore:
 
     def extend(self, answer: Answer, tokens) -> None:
         with self.lock:
+            trie = answer.store.trie
+            before = trie.nodes
             for t in tokens:
-                answer.open = self.trie.add(answer.open, t)
+                answer.open = trie.add(answer.open, t, tag=answer.key)
                 answer.tokens.append(t)
-            if self.trie.nodes * NODE_BYTES <= self.budget:
-                return
-            done = [k for k in self.answers if k not in self._writing]  # oldest first
-            while self.trie.nodes * NODE_BYTES > self.budget and done:
-                self._forget(self.answers.pop(done.pop(0)))
+            self.nodes += trie.nodes - before
+            if answer.key in self.answers:
+                self.answers.move_to_end(answer.key)
+            while self.nodes * NODE_BYTES > self.budget:
+                old = next((k for k in self.answers if k not in self._writing), None)
+                if old is None:
+                    break
+                self._forget(self.answers.pop(old))
+
+    def used(self, node: list) -> None:
+        """A draft came from `node` (the lock held): the answer that last wrote it is the most recently used."""
+        if node[2] in self.answers:
+            self.answers.move_to_end(node[2])
 
     def _forget(self, answer: Answer) -> None:
-        open_: list = []
+        store, open_ = answer.store, []
+        before = store.trie.nodes
         for t in answer.tokens:
-            open_ = self.trie.add(open_, t, -1)
+            open_ = store.trie.add(open_, t, -1)
+        self.nodes += store.trie.nodes - before
+        store.answers -= 1
+        if not store.answers:
+            del self.stores[store.key]
 
     @property
     def nbytes(self) -> int:
-        return self.trie.nodes * NODE_BYTES
+        return self.nodes * NODE_BYTES
 
 
 class SuffixDecoding:
@@ -166,13 +197,13 @@ class SuffixDecoding:
     buckets = len(MATCH_BUCKETS) + 1
     reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
 
-    def __init__(self, store: SuffixStore | None, depth: int = 32, max_nodes: int = 24, factor: float = 4.0,
+    def __init__(self, stores: SuffixStores | None, depth: int = 32, max_nodes: int = 24, factor: float = 4.0,
                  threshold: float = 0.3, max_tokens: int = 16):
         if not 0 < threshold <= 1:
             raise SpecrtError(f"the suffix threshold must be in (0, 1], got {threshold}")
         if factor <= 0:
             raise SpecrtError(f"the suffix match factor must be > 0, got {factor}")
-        self.store, self.depth, self.max_nodes = store, depth, max_nodes
+        self.stores, self.depth, self.max_nodes = stores, depth, max_nodes
         self.factor, self.threshold, self.max_tokens = factor, threshold, max_tokens
         self.local = SuffixTrie(depth)
         self._answer: Answer | None = None
@@ -185,17 +216,17 @@ class SuffixDecoding:
         self.local, self._open, self._seen = SuffixTrie(self.depth), [], 0
         self._answer_from = ctx.prompt_length
         self._plan = (-1, 0, None)
-        if self.store is not None:
+        if self.stores is not None:
             if self._answer is not None:
-                self.store.end(self._answer)
-            self._answer = self.store.begin()
+                self.stores.end(self._answer)
+            self._answer = self.stores.begin(ctx.store_key)  # the request's scope (None: the shared store)
 
     def _catch_up(self, ctx: Context) -> None:
         ids = ctx.ids[self._seen:].tolist()
         for t in ids:
             self._open = self.local.add(self._open, t)
         if self._answer is not None:
-            self.store.extend(self._answer, ctx.ids[max(self._seen, self._answer_from):].tolist())
+            self.stores.extend(self._answer, ctx.ids[max(self._seen, self._answer_from):].tolist())
         self._seen = ctx.length
 
     def _best(self, ctx: Context) -> tuple[int, Draft | None]:
@@ -204,15 +235,18 @@ class SuffixDecoding:
             self._catch_up(ctx)
             tail = ctx.ids[max(0, ctx.length - self.depth // 2):].tolist()  # half the depth is left to draft
             best = (0.0, 0, None)
-            for trie, lock in [(self.local, None)] + ([(self.store.trie, self.store.lock)] if self.store else []):
-                with lock or contextlib.nullcontext():
+            stored = [(self._answer.store.trie, self.stores)] if self._answer is not None else []
+            for trie, stores in [(self.local, None)] + stored:
+                with stores.lock if stores else contextlib.nullcontext():
                     m, node = trie.match(tail)
                     if node is None:
                         continue
                     cap = min(self.max_nodes, max(1, int(self.factor * m)))
                     tokens, parents, score = trie.grow(node, cap, self.depth - m, self.threshold)
-                if tokens and score > best[0]:
-                    best = (score, m, (tokens, parents))
+                    if tokens and score > best[0]:
+                        best = (score, m, (tokens, parents))
+                        if stores:
+                            stores.used(node)
             _, m, tree = best
             bucket = next((b for b, n in enumerate(MATCH_BUCKETS) if m >= n), len(MATCH_BUCKETS))
             draft = None if tree is None else Draft(np.array(tree[0], np.int64), np.array(tree[1], np.int64))
