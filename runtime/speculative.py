@@ -28,7 +28,7 @@ from .generate import PlainDecoder, Stats
 from .grammar import MAX_FORCED, Grammar, emitted_allowed, masked
 from .proposers import Context, DraftModel, PromptLookup, Proposer
 from .proposers.eagle import Eagle
-from .proposers.hybrid import LookupEagle, LookupMedusa
+from .proposers.hybrid import LookupEagle, LookupMedusa, SuffixMedusa
 from .proposers.medusa import Medusa
 from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
@@ -36,7 +36,8 @@ from .tree import tree_layout
 from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "eagle", "lookup+eagle", "auto")
+MODES = ("off", "prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "suffix+medusa", "eagle", "lookup+eagle",
+         "auto")
 
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
@@ -246,6 +247,12 @@ def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, c
                         _medusa(manifest, precision, options, cfg, opener))
 
 
+def _suffix_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+                   opener: Opener = OPEN) -> Proposer:
+    return SuffixMedusa(_suffix(manifest, precision, options, cfg, opener),
+                        _medusa(manifest, precision, options, cfg, opener))
+
+
 EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
 
 
@@ -267,7 +274,8 @@ def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cf
 # --speculate NAME -> proposer factory: the one place a method name picks code
 PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "suffix": _suffix,
                                                  "draft": _draft_model,
-                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa, "eagle": _eagle,
+                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa,
+                                                 "suffix+medusa": _suffix_medusa, "eagle": _eagle,
                                                  "lookup+eagle": _lookup_eagle}
 
 

@@ -102,7 +102,8 @@ def test_reference_engine_is_width_exact_and_keeps_tree_branches_apart(reference
     assert np.abs(tree[1:] - chain).max() < 1e-4 and np.abs(tree[0] - alone).max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "auto"])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "suffix+medusa",
+                                  "auto"])
 def test_every_proposer_is_exact_on_the_reference_backend(reference_set, mode):
     plain = load(reference_set, speculate="off").generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     session = load(reference_set, speculate=mode)

@@ -286,6 +286,35 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
     assert make_decoder("auto", gen.manifest, "int4", options=EngineOptions(threads=1)).proposer.name == "prompt-lookup"
 
 
+def test_suffix_medusa_routes_by_match_and_stays_exact(medusa_gen):
+    """suffix+medusa: suffix decoding's tree after a match of >= 2 tokens (here or in earlier answers), Medusa's
+    otherwise; greedy output equals target-only greedy, and both draft."""
+    from specrt.runtime.proposers.hybrid import SuffixMedusa
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import make_decoder
+
+    gen = medusa_gen
+    decode = make_decoder("suffix+medusa", gen.manifest, "fp32", options=EngineOptions(threads=1))
+    hybrid = decode.proposer
+    assert isinstance(hybrid, SuffixMedusa) and hybrid.first_medusa == 4 and hybrid.reads_prompt  # 16, 8, 4, 2
+    kinds = {"suffix": 0, "medusa": 0}
+    propose = hybrid.propose
+
+    def counting(ctx, k):
+        d = propose(ctx, k)
+        if d.tokens.size:
+            kinds["suffix" if hybrid.bucket(ctx) < hybrid.first_medusa else "medusa"] += 1
+        return d
+
+    hybrid.propose = counting
+    for prompt in ("def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox",
+                   "1, 2, 3, 1, 2, 3, 1, 2,", "The quick brown fox"):
+        plain = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams())
+        out = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(), decode=decode)
+        assert out.token_ids == plain.token_ids and out.stats.proposer == "suffix+medusa"
+    assert kinds["suffix"] > 0 and kinds["medusa"] > 0, kinds
+
+
 def test_corrupt_heads_engine_is_one_line(medusa_gen, tmp_path):
     """A damaged medusa-fp32.onnx is a one-line error naming the file at load, like the target's."""
     import shutil

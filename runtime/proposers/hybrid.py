@@ -1,5 +1,6 @@
 """LookupMedusa: prompt lookup where the context repeats itself, Medusa's tree everywhere else (LookupEagle: the
-EAGLE head's draft instead of Medusa's).
+EAGLE head's draft instead of Medusa's; SuffixMedusa: suffix decoding's tree, from earlier answers too, instead of
+prompt lookup's).
 
 The two drafters are right in different places: a prompt-lookup match of 2+ tokens copies text the
 model is about to repeat (summaries, code edits), and is then a far surer guess than the heads;
@@ -33,7 +34,7 @@ class LookupMedusa:
         self.buckets = lookup.buckets
         self.max_tokens = max(lookup.max_tokens, medusa.max_tokens)
         # buckets >= first_medusa: a match shorter than min_match, or none
-        self.first_medusa = sum(1 for n in lookup.ngram_sizes if n >= min_match)
+        self.first_medusa = sum(1 for n in getattr(lookup, "match_sizes", None) or lookup.ngram_sizes if n >= min_match)
 
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
         self.lookup.start(ctx, sampling, rng)
@@ -64,3 +65,11 @@ class LookupEagle(LookupMedusa):
 
     def load_state(self, ids, state) -> None:
         self.medusa.load_state(ids, state)
+
+
+class SuffixMedusa(LookupMedusa):
+    """Suffix decoding's tree after a match of 2+ tokens (in the request or in earlier answers), Medusa's
+    otherwise."""
+
+    name = "suffix+medusa"
+    reads_prompt = True  # as suffix decoding alone: its local trie reads the prompt after the first token

@@ -196,6 +196,7 @@ class SuffixDecoding:
     adaptive = True
     buckets = len(MATCH_BUCKETS) + 1
     reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
+    match_sizes = MATCH_BUCKETS  # the match lengths its buckets start at (as prompt lookup's n-gram sizes)
 
     def __init__(self, stores: SuffixStores | None, depth: int = 32, max_nodes: int = 24, factor: float = 4.0,
                  threshold: float = 0.3, max_tokens: int = 16):
