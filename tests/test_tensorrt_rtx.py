@@ -1,8 +1,8 @@
-"""TensorRT for RTX compiles for real here, without a GPU: the tiny model's portable graphs at every precision and a
-draft model through `specrt engines --backend tensorrt-rtx`, Medusa heads (fp32 and Q/DQ) and the EAGLE head
-through build/tensorrt.py, each a real parser and builder run that fails the test on any error; what the manifest
-records of it; the one-line refusals (bad --gpu-arch, fp8 where an architecture lacks it, a parser or builder
-failure, the library missing); and the runtime's checks of an engine against the GPU it is opened on. Running an
+"""TensorRT for RTX compiles for real here, without a GPU: the tiny model's portable graphs at every precision, a
+draft model, Medusa heads (fp32 and Q/DQ) and the EAGLE head through `specrt engines --backend tensorrt-rtx`, each a
+real parser and builder run that fails the test on any error; what the manifest records of it; the one-line
+refusals (bad --gpu-arch, fp8 where an architecture lacks it, a parser or builder failure, the library missing);
+and the runtime's checks of an engine against the GPU it is opened on, its compiled heads against fakes. Running an
 engine needs a GPU TensorRT for RTX supports (tests/gpu/check.sh)."""
 
 from __future__ import annotations
@@ -52,16 +52,31 @@ def random_heads_file(path: Path, hidden: int = 64, vocab: int = 384, k: int = 3
     return path
 
 
+def random_eagle_file(path: Path, tiny_dir: Path) -> Path:
+    """An EAGLE head file as `specrt train-eagle` writes it, with random weights, for the tiny model."""
+    import torch
+    from transformers import AutoConfig
+
+    from specrt.export.eagle import HeadShape, make_head, save_head
+
+    config = AutoConfig.from_pretrained(str(tiny_dir))
+    shape = HeadShape.of(config)
+    torch.manual_seed(0)
+    save_head(path, make_head(shape), np.arange(config.vocab_size), {"shape": shape.__dict__})
+    return path
+
+
 @pytest.fixture(scope="module")
 def rtx_set(tiny_dir, draft_dir, tmp_path_factory):
-    """The tiny Llama at every precision, a draft at fp32 and fp16, and Medusa heads, compiled for sm89 (Ada):
-    (set, log lines)."""
+    """The tiny Llama at every precision, a draft at fp32 and fp16, Medusa heads and an EAGLE head, compiled for
+    sm89 (Ada): (set, log lines)."""
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
     out, said = tmp_path_factory.mktemp("rtx"), []
     path = make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-rtx", PRECISIONS, 256, out,
                                             draft_source=str(draft_dir), draft_precisions=("fp32", "fp16"),
                                             medusa_heads=random_heads_file(out / "heads.npz"),
+                                            eagle_head=random_eagle_file(out / "eagle.npz", tiny_dir),
                                             backend="tensorrt-rtx", calibration_texts=4, quality_floor=0.0,
                                             gpu_archs=("sm89",)), log=said.append)
     return path, said
@@ -74,7 +89,8 @@ def test_every_precision_and_the_draft_compile_and_the_manifest_says_what_was_co
     path, said = rtx_set
     m = load_manifest(path)
     heads = ["medusa-fp32", "medusa-fp8", "medusa-int8", "medusa-int4-awq"]
-    assert sorted(m.engines) == sorted([f"target-{p}" for p in PRECISIONS] + ["draft-fp32", "draft-fp16"] + heads)
+    assert sorted(m.engines) == sorted([f"target-{p}" for p in PRECISIONS] + ["draft-fp32", "draft-fp16"] + heads
+                                       + ["eagle-fp32"])
     assert not list(path.glob("*.onnx*"))  # the set ships engines only
     for e in m.engines.values():
         b = e.build
@@ -85,6 +101,10 @@ def test_every_precision_and_the_draft_compile_and_the_manifest_says_what_was_co
         assert e.memory["weights_bytes"] == b["engine_bytes"]
         if e.role == "medusa":  # one profile of 1..64 rows; their tau measured with the ONNX heads on the CPU
             assert b["profiles"] == {"heads": {"rows": [1, 1, 64]}} and e.quality["drafting"]["tau"] >= 1.0
+            continue
+        if e.role == "eagle":  # the fp32 graph (standard ops), its attention decomposable like the target's
+            assert set(b["profiles"]) == {"prefill", "decode"} and b["decomposable_attention"] == 1
+            assert e.eagle["topk"] == 8 and e.eagle["pass_seconds_by_width"]
             continue
         assert e.parity["checked_on"].startswith("onnxruntime-portable")  # the very graph, on the CPU
         assert (b["decomposable_attention"] > 0) == (e.precision == "fp32")  # fp32 attention only; 2 layers
@@ -145,28 +165,6 @@ def test_medusa_heads_compile(precision, tmp_path):
     facts = build_engine(graph, tmp_path / "heads.engine", max_prompt=64, max_width=64, max_capacity=64,
                          compiler=TENSORRT_RTX, gpu_archs=("sm89",), heads=True)
     assert facts["engine_bytes"] > 0 and facts["profiles"] == {"heads": {"rows": [1, 1, 64]}}
-
-
-def test_the_eagle_head_compiles(tiny_dir, tmp_path):
-    """The EAGLE head's graph (standard ops: RotaryEmbedding, TensorScatter into its own cache, Attention), the
-    form its int8 CPU engine is quantized from, with its features input in the decoder's profiles."""
-    import torch
-    from transformers import AutoConfig
-
-    from specrt.build.tensorrt import TENSORRT_RTX, build_engine
-    from specrt.export.eagle import HeadShape, export_eagle_onnx, make_head, save_head
-
-    config = AutoConfig.from_pretrained(str(tiny_dir))
-    shape = HeadShape.of(config)
-    torch.manual_seed(0)
-    head = tmp_path / "eagle.npz"
-    save_head(head, make_head(shape), np.arange(config.vocab_size), {"shape": shape.__dict__})
-    rng = np.random.default_rng(0)
-    embed = rng.standard_normal((config.vocab_size, config.hidden_size)).astype(np.float32)
-    export_eagle_onnx(head, embed, embed.copy(), tmp_path / "eagle-fp32.onnx", 256, 8)
-    facts = build_engine(tmp_path / "eagle-fp32.onnx", tmp_path / "eagle.engine", max_prompt=256, max_width=64,
-                         max_capacity=320, compiler=TENSORRT_RTX, gpu_archs=("sm89",))
-    assert facts["engine_bytes"] > 0 and facts["decomposable_attention"] == 1
 
 
 # --- refusals -----------------------------------------------------------------------------------------------
@@ -390,10 +388,13 @@ class _HostEngine:
         engine = self
 
         class Context:
-            addresses, shapes, config_ = {}, {}, None
+            config_ = None
+
+            def __init__(self):
+                self.addresses, self.shapes = {}, {}
 
             def set_optimization_profile_async(self, profile, stream):
-                return profile == 0
+                return 0 <= profile < engine.num_optimization_profiles
 
             def set_device_memory(self, ptr, size):
                 self.scratch = (ptr, size)
@@ -451,3 +452,74 @@ def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, t
         h, t = rng.standard_normal(hidden).astype(np.float32), int(rng.integers(0, vocab))
         np.testing.assert_array_equal(trt_heads(h, t), cpu_heads(h, t))
     trt_heads.close()
+
+
+class _HostEagleEngine(_HostEngine):
+    """A compiled EAGLE head faked likewise: its graph with the cache capacity fixed, as build/tensorrt.py compiles
+    it, and the prefill and decode profiles (rows up to max_rows and max_width)."""
+
+    num_optimization_profiles = 2
+
+    def __init__(self, path: Path, max_rows: int, max_width: int):
+        super().__init__(path)
+        self.max = (max_rows, max_width)
+
+    def get_tensor_profile_shape(self, name, profile):
+        return [(1, 1), (1, 1), (1, self.max[profile])]
+
+    def get_tensor_dtype(self, name):
+        return types.SimpleNamespace(name="FLOAT")
+
+
+def test_the_compiled_eagle_head_on_the_device_drafts_what_the_onnx_head_does(tiny_dir, tmp_path):
+    """TrtEagleHead (every buffer in HostMemory, TensorRT faked by a session of the same graph at the addresses it was
+    given) against OrtEagleHead on the CPU: the same next features and top-k for a prompt longer than the prefill
+    profile (run in chunks), chain steps and a tree level, and after its cache is saved and loaded back."""
+    from transformers import AutoConfig
+
+    from specrt.build.tensorrt import fix_capacity
+    from specrt.export.eagle import HeadShape, export_eagle_onnx
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
+    from specrt.runtime.backends.tensorrt_eagle import TrtEagleHead
+
+    config = AutoConfig.from_pretrained(str(tiny_dir))
+    shape = HeadShape.of(config)
+    head = random_eagle_file(tmp_path / "eagle.npz", tiny_dir)
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((config.vocab_size, config.hidden_size)).astype(np.float32)
+    graph = tmp_path / "eagle-fp32.onnx"
+    export_eagle_onnx(head, embed, embed.copy(), graph, 256, 8)
+    (tmp_path / "eagle-fixed.onnx").write_bytes(fix_capacity(graph, 320))
+    dims = dict(hidden=config.hidden_size, kv_heads=shape.kv_heads, head_dim=shape.head_dim, topk=8)
+    fake = _HostEagleEngine(tmp_path / "eagle-fixed.onnx", max_rows=16, max_width=4)
+    gpu = TrtEagleHead(fake, HostMemory(), name="eagle-fp32", runtime_config=object(), **dims)
+    cpu = OrtEagleHead(graph, capacity=320, **dims)
+    cpu.reserve(320)
+    assert gpu.capacity == cpu.capacity == 320 and len(fake.contexts) == 2
+
+    def step(lo: int, rows: int, heads=(gpu, cpu)):
+        feats = rng.standard_normal((rows, config.hidden_size)).astype(np.float32)
+        toks = rng.integers(0, config.vocab_size, rows)
+        slots = np.arange(320)
+        mask = np.where(slots[None, :] <= lo + np.arange(rows)[:, None], np.float32(0), np.float32(-1e9))
+        outs = [h.run(feats, toks, np.arange(lo, lo + rows), lo, mask) for h in heads]
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+        assert (outs[0][1] == outs[1][1]).all()
+        for h in heads:
+            h.length = lo + rows
+
+    step(0, 37)   # a prompt: the prefill profile's 16 rows at a time
+    step(37, 1)   # a chain step: the decode profile
+    step(38, 4)   # a tree level
+    saved = gpu.save_prefix(30)
+    assert saved.length == 30
+    again = TrtEagleHead(_HostEagleEngine(tmp_path / "eagle-fixed.onnx", 16, 4), HostMemory(), name="eagle-fp32",
+                         **dims)
+    again.load_prefix(saved)
+    cpu.length = 30
+    step(30, 3, (again, cpu))  # reads the 30 positions loaded back, as the CPU head reads its own
+    with pytest.raises(SpecrtError, match="do not fit its 320"):
+        gpu.reserve(321)
+    gpu.close()

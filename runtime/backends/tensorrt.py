@@ -16,8 +16,8 @@ machine without TensorRT or a GPU, and an engine whose profiles cannot hold max_
 records the architectures it was compiled for (gpu_archs) instead; it is checked against this GPU, then by the
 library's own header check (get_engine_validity), and its contexts are made from a runtime configuration
 (rtx_runtime_config: a runtime cache per GPU under engines/.cache/tensorrt-rtx, EAGER kernel specialization, our
-own capture). Medusa heads run on ONNX Runtime's CPU provider (onnxruntime_cpu.OrtHeads): a few small MatMuls
-between two target passes.
+own capture). Compiled Medusa heads (TrtHeads) and EAGLE heads (tensorrt_eagle.TrtEagleHead) run on the GPU
+beside the target; heads still in ONNX run on ONNX Runtime's CPU provider.
 """
 
 from __future__ import annotations
@@ -253,6 +253,26 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     from .onnxruntime_cpu import OrtHeads
 
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
+
+
+def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """An EAGLE head: compiled (an .engine, as tensorrt-rtx sets hold it) on the GPU beside the target
+    (tensorrt_eagle.TrtEagleHead), an ONNX graph on ONNX Runtime's CPU provider."""
+    if not entry.file.endswith(".engine"):
+        from .onnxruntime_cpu import open_eagle as open_onnx
+
+        return open_onnx(root, entry, options)
+    from .tensorrt_eagle import TrtEagleHead
+
+    engine, keep, strategy, config = _load(root, entry)
+    memory = CudaMemory()
+    try:
+        return TrtEagleHead(engine, memory, name=entry.name, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
+                            head_dim=entry.head_dim, topk=int((entry.eagle or {})["topk"]), keep=keep,
+                            strategy=strategy, runtime_config=config)
+    except BaseException:
+        memory.close()
+        raise
 
 
 class TrtHeads:

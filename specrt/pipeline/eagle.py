@@ -18,6 +18,7 @@ from .tree_sizing import target_pass_costs
 TOPK = 8  # children per expanded node of the dynamic tree, and what a chain reads (its best)
 NAME = "eagle-int8"
 NAME_FILE = NAME + ".onnx"
+COMPILED = "eagle-fp32"  # a set a TensorRT compiler turns into engines: the standard-op graph, not int8's
 
 
 def check_head(head_path: Path) -> None:
@@ -35,9 +36,11 @@ def check_head(head_path: Path) -> None:
 
 
 def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
-                built: dict[str, EngineEntry]) -> EngineEntry:
+                built: dict[str, EngineEntry], compiled: bool = False) -> EngineEntry:
     """Entry eagle-int8 (role "eagle"; int8 weights): runs on ONNX Runtime's CPU provider beside any target
-    backend."""
+    backend. compiled: entry eagle-fp32 instead, the fp32 graph of standard ops (RotaryEmbedding, TensorScatter,
+    Attention) a TensorRT compiler takes (its DynamicQuantizeLinear and MatMulInteger nodes do not parse), which
+    compile_set (portable.py) compiles beside the target."""
     from ..export.eagle import export_eagle_onnx, head_arrays
     from ..export.graph import read_initializers
 
@@ -54,24 +57,30 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
     embed, lm_head_t = read_initializers(cache / "model.onnx", "embed_tokens.weight", "lm_head.weight_t")
     work = Path(tempfile.mkdtemp(prefix="eagle-", dir=tmp))
     info = export_eagle_onnx(head_path, embed, lm_head_t.T, work / "eagle-fp32.onnx", facts["max_context"], TOPK)
-    # int8 weights (dynamic activations): a draft step reads a quarter of the bytes, 5x faster on the CPU
-    # (docs/design-notes.md, "The EAGLE head in int8"); drafts stay lossless, the target verifies them
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    name, precision = (COMPILED, "fp32") if compiled else (NAME, "int8")
+    if compiled:
+        for f in work.iterdir():  # eagle-fp32.onnx and its weights
+            shutil.move(str(f), tmp / f.name)
+    else:
+        # int8 weights (dynamic activations): a draft step reads a quarter of the bytes, 5x faster on the CPU
+        # (docs/design-notes.md, "The EAGLE head in int8"); drafts stay lossless, the target verifies them
+        from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quiet = logging.getLogger().level
-    logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process is for CNNs
-    try:
-        quantize_dynamic(str(work / "eagle-fp32.onnx"), str(tmp / NAME_FILE), weight_type=QuantType.QInt8,
-                         per_channel=True, op_types_to_quantize=["MatMul"], use_external_data_format=True)
-    finally:
-        logging.getLogger().setLevel(quiet)
+        quiet = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process is for CNNs
+        try:
+            quantize_dynamic(str(work / "eagle-fp32.onnx"), str(tmp / NAME_FILE), weight_type=QuantType.QInt8,
+                             per_channel=True, op_types_to_quantize=["MatMul"], use_external_data_format=True)
+        finally:
+            logging.getLogger().setLevel(quiet)
     shutil.rmtree(work)
-    files = sorted(p.name for p in tmp.iterdir() if p.name.startswith(NAME_FILE))
+    files = sorted(p.name for p in tmp.iterdir() if p.name.startswith(name + ".onnx"))
     cost = target_pass_costs(built, cache, facts, tmp, log)
     training = info.pop("report")
     sh = training["shape"]
     entry = EngineEntry(
-        name=NAME, role="eagle", file=NAME_FILE, files=files, backend="onnxruntime", precision="int8", num_layers=1,
+        name=name, role="eagle", file=name + ".onnx", files=files, backend="onnxruntime", precision=precision,
+        num_layers=1,
         num_heads=sh["heads"], num_kv_heads=sh["kv_heads"], head_dim=sh["head_dim"], hidden_size=s["hidden_size"],
         vocab_size=s["vocab_size"], max_context=facts["max_context"],
         eagle={**info, "head_file": head_path.name, "head_sha256": file_sha256(head_path),

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..backends import BACKENDS
 from ..errors import SpecrtError
 from ..interface import ACTIVATION_QDQ, QDQ_PRECISIONS
 from ..manifest import SCHEMA_VERSION, file_sha256, load_manifest, manifest_dict, tool_versions
@@ -41,6 +42,7 @@ class EngineSetRequest:
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
     eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-int8
+                                      # (eagle-fp32 where a TensorRT compiler compiles the set)
     backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt | tensorrt-rtx
     calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
     quality_floor: float | None = None  # Q/DQ: the least top-1 agreement with fp32 on held-out text a build keeps
@@ -119,7 +121,6 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT,
                    req.float_layers, sorted(req.float_gemms), req.outlier_channels]
         if req.gpu_archs:  # compiled ahead of time: by this compiler and recipe, for these architectures
-            from ..backends import BACKENDS
             from ..build.tensorrt import COMPILE_FORMAT, COMPILERS
 
             recipes += [list(req.gpu_archs), COMPILERS[BACKENDS[req.backend].compiler].require().__version__,
@@ -192,7 +193,8 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         if req.eagle_head is not None:
             from .eagle import build_eagle
 
-            entry = build_eagle(Path(req.eagle_head), cache, facts, tmp, log, engines)
+            entry = build_eagle(Path(req.eagle_head), cache, facts, tmp, log, engines,
+                                compiled=BACKENDS[req.backend].compiler is not None)
             engines[entry.name] = entry
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)

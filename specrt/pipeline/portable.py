@@ -189,11 +189,10 @@ def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
 
 
 def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root: Path, log) -> None:
-    """The portable set in tmp (built, checked and measured on the CPU) -> the `backend` set: every target, draft and
-    Medusa heads graph compiled ahead of time for gpu_archs (engines cached under cache_root by the graph's sha256,
-    the compiler recipe and its targets), its ONNX files replaced by the engine, its entry recording what was
-    compiled. The EAGLE head keeps its int8 ONNX Runtime engine (runtime/backends/onnxruntime_cpu.py), which no
-    GPU backend runs yet. A parser or builder failure is one line naming the engine, and nothing of the set is
+    """The portable set in tmp (built, checked and measured on the CPU) -> the `backend` set: every target, draft,
+    Medusa heads and EAGLE head graph compiled ahead of time for gpu_archs (engines cached under cache_root by the
+    graph's sha256, the compiler recipe and its targets), its ONNX files replaced by the engine, its entry recording
+    what was compiled. A parser or builder failure is one line naming the engine, and nothing of the set is
     kept."""
     from ..build.tensorrt import COMPILE_FORMAT, COMPILERS, MAX_BATCH, build_engine, onnx_sha256
 
@@ -204,7 +203,7 @@ def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root:
     targets = f"c{COMPILE_FORMAT}-{'-'.join(gpu_archs)}-b{MAX_BATCH}"
     for name, e in manifest["engines"].items():
         heads = e["role"] == "medusa"
-        if e["role"] not in ("target", "draft", "medusa"):
+        if e["role"] not in ("target", "draft", "medusa", "eagle"):
             continue
         graph = tmp / e["file"]
         sha = onnx_sha256(graph)
