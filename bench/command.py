@@ -41,6 +41,11 @@ def bench(
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",
                                                 help="HF folder or GGUF of a smaller model with the same vocabulary, "
                                                      "for transformers' assistant_model (hf-assisted)."),
+    repeat_calls: int = typer.Option(0, "--repeat-calls", metavar="N",
+                                     help="Also run the workloads that repeat (bench/repeat.py): a voice-agent "
+                                          "script of N calls (30+ shows how a suffix store warms up) and a "
+                                          "code-edit loop, for plain and every speculation mode of --modes at "
+                                          "fp32; tok/s per call, tau and drafted rounds in the report (0 = off)."),
     compare: list[Path] = typer.Option([], "--compare",
                                        help="Another engine set to run side by side (repeatable), e.g. the "
                                             "onnxruntime-portable set; its modes are named <mode>@<folder> "
@@ -62,6 +67,8 @@ def bench(
         for name, v in (("--per-category", per_category), ("--max-new-tokens", max_new_tokens)):
             if v is not None and v < 1:
                 raise SpecrtError(f"{name} must be >= 1, got {v}")
+        if repeat_calls < 0:
+            raise SpecrtError(f"--repeat-calls must be >= 0 (0 = off), got {repeat_calls}")
         if out.exists() and not out.is_dir():  # found before the run, not after twenty minutes of it
             raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
         if hf_assistant is not None and not hf_assistant.exists():
@@ -71,6 +78,13 @@ def bench(
                           max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order,
                           ignore_eos=ignore_eos, isolate=isolate, compare=tuple(compare))
         res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
+        if repeat_calls:
+            from .repeat import run as run_repeat
+
+            ours = [m[: -len("-fp32")] for m in res["modes"] if m.endswith("-fp32") and not m.startswith("genai")]
+            spec = ["off"] + [m for m in ours if m != "plain"]
+            res["repeat"] = run_repeat(str(engines_dir), spec, repeat_calls, min(8, max(1, repeat_calls // 4)),
+                                       96, min(10, repeat_calls), log=lambda m: typer.secho(m, err=True, dim=True))
         command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
         write(res, out, command)
         for r in res["summary"]:

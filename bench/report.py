@@ -93,6 +93,12 @@ def markdown(res: dict, command: str) -> str:
         out += ["", "## Caveats", ""] + [f"- {n}" for n in res["caveats"]]
     if res["notes"]:
         out += ["", "## Skipped", ""] + [f"- {n}" for n in res["notes"]]
+    if res.get("repeat"):  # --repeat-calls: bench/repeat.py's workloads, same engines
+        from .repeat import markdown as repeat_markdown
+
+        out += ["", "## Workloads that repeat (`--repeat-calls`)", ""]
+        out += [line.replace("## ", "### ") for line in repeat_markdown(res["repeat"]).splitlines()[2:]]
+        out.append("`repeat.png`: tok/s per voice call, as the suffix store warms up.")
     out += ["", "Plots: `speedup.png` (speedup per category and mode), `acceptance.png` (acceptance rate per "
             "draft position).", ""]
     return "\n".join(out)
@@ -116,7 +122,8 @@ def _meta_lines(res: dict, cell: dict) -> list[str]:
 
 
 def _per_prompt(res: dict) -> list[str]:
-    """Median tok/s per prompt and mode, and issue 2's goal: ours >= genai at the same precision, every prompt."""
+    """Median tok/s per prompt and mode, and ours against onnxruntime-genai at the same precision, prompt by
+    prompt."""
     from .runner import median_by_case, paired_ratios
 
     med, n = ({(m, case): v for m in res["modes"]
@@ -144,7 +151,7 @@ def _per_prompt(res: dict) -> list[str]:
                          + (f" (behind on: {', '.join(lost)})" if lost else "")
                          + (f"; new tokens differ (ours vs peer) on: {', '.join(odd)}" if odd else
                             "; same new tokens on every prompt"))
-    return out + (["", "Goal (issue 2): ours >= onnxruntime-genai at the same precision on every prompt:", ""] + lines
+    return out + (["", "Ours against onnxruntime-genai at the same precision, prompt by prompt:", ""] + lines
                   if lines else [])
 
 
@@ -209,6 +216,10 @@ def rerender(results: Path) -> None:
 def write(res: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     res["notes"] = res["notes"] + plots(res, out)
+    if res.get("repeat"):
+        from .repeat import plot
+
+        plot(res["repeat"], out / "repeat.png")
     res["meta"]["command"] = command
     (out / "results.json").write_text(json.dumps(res, indent=1))
     (out / "report.md").write_text(markdown(res, command))

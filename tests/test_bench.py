@@ -122,6 +122,31 @@ def test_cli_quick_writes_report(tiny_engines, tmp_path):
     assert "plain-fp32" in r.stdout and (tmp_path / "o" / "report.md").is_file()
 
 
+def test_the_workloads_that_repeat_are_reported_beside_the_prompt_set(tmp_path):
+    """--repeat-calls: the voice-agent calls and the code-edit loop for plain and each fp32 speculation mode, in
+    results.json, report.md and repeat.png; speculative output identical to plain on every turn."""
+    from tiny import make_checkpoint
+
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+
+    ckpt = make_checkpoint(tmp_path / "tiny-long", positions=2048)  # a call's history outgrows the tiny set's 256
+    engines = make_engine_set(EngineSetRequest(str(ckpt), "tiny-long", ("fp32",), 2048, tmp_path / "e"),
+                              log=lambda m: None)
+    r = specrt("--engines", engines, "--prompts", write_prompts(tmp_path / "p.jsonl"), "--quick", "--reps", 1,
+               "--threads", 1, "--modes", "plain-fp32,prompt-lookup-fp32,suffix-fp32", "--categories", "chat",
+               "--repeat-calls", 2, "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "o" / "results.json").read_text())["repeat"]
+    assert rep["modes"] == ["off", "prompt-lookup", "suffix"] and rep["calls"] == 2 and rep["edits"] == 1
+    for workload in ("voice", "code"):
+        s = rep["summary"][workload]
+        assert all(s["identical"].values()) and s["tau"]["off"] <= 1.0 and s["drafted"]["off"] == 0
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "## Workloads that repeat" in md and "### voice (from call 2 on)" in md and "| suffix |" in md
+    assert (tmp_path / "o" / "repeat.png").is_file()
+    assert_user_error(specrt("--engines", engines, "--repeat-calls", -1), "--repeat-calls must be >= 0")
+
+
 @pytest.mark.parametrize("line, words", [
     ('{"id": "a", "category": "chat", "messages": [', ["p.jsonl:2", "malformed JSON"]),
     ('{"id": "a", "category": "poetry", "messages": [{"role": "user", "content": "x"}], "max_new_tokens": 4}',
