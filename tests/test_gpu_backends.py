@@ -391,8 +391,16 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     for _ in range(2):
         both("forward", rng.integers(0, 96, 5), ref.length + depth, tree, num_logits=5)
         each("commit", 3, np.array([0, 2, 4]))
+    eng.enable_hidden(device_only=True)  # heads on this GPU read the rows there: nothing is copied back
+    both("argmax", rng.integers(0, 96, 3), num_logits=2)
+    each("rewind", ref.length)
+    assert len(eng.hidden) == 0 and eng.with_hidden
     each("enable_hidden")
     both("argmax", rng.integers(0, 96, 3), num_logits=2)
+    for r in range(3):  # the rows the device address points at are the rows copied back
+        row = np.empty(32, np.float32)
+        eng.memory.download(row, eng.hidden_address(r))
+        np.testing.assert_array_equal(row, ref.hidden[r])
     each("commit", 3)
     assert ref.capacity == eng.capacity == 256
     both("forward", rng.integers(0, 96, 240), num_logits=4)  # wider than any bucket: past 256, relaid out

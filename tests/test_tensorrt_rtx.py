@@ -448,9 +448,12 @@ def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, t
     cpu_heads = OrtHeads(graph)
     assert (trt_heads.heads, trt_heads.topk) == (cpu_heads.heads, cpu_heads.topk) == (3, 4)
     assert fake.contexts[0].config_ is config and fake.contexts[0].scratch[1] == 1024
+    row = trt_heads.memory.alloc(hidden * 4)  # a target's hidden row on the device
     for i in range(5):
         h, t = rng.standard_normal(hidden).astype(np.float32), int(rng.integers(0, vocab))
         np.testing.assert_array_equal(trt_heads(h, t), cpu_heads(h, t))
+        trt_heads.memory.upload(row, h)
+        np.testing.assert_array_equal(trt_heads(row, t), cpu_heads(h, t))  # read there: copied on the device
     trt_heads.close()
 
 

@@ -97,6 +97,7 @@ class DeviceEngine:
         self.greedy = memory.host((W,), np.int64)  # [num_logits] greedy tokens of the last argmax pass
         self._hidden = memory.host((P, H), np.float32)
         self.with_hidden = False
+        self._hidden_to_host = False  # some reader wants `hidden` on the host (not only hidden_address)
         self.hidden = self._hidden[:0]  # [n, hidden] of the last pass (after enable_hidden), a reused buffer
         self.cache = DeviceCache(memory, g.num_layers, g.num_kv_heads, g.head_dim, g.cache_dtype, C)
         self.length = 0
@@ -125,9 +126,17 @@ class DeviceEngine:
         if capacity != self.capacity:
             self._layout(capacity)
 
-    def enable_hidden(self) -> None:
-        """Opt in to the final-norm hidden states of every pass (copied back; the graph computes them anyway)."""
+    def enable_hidden(self, device_only: bool = False) -> None:
+        """Opt in to the final-norm hidden states of every pass (the graph computes them anyway): copied back to
+        `hidden`, or with device_only (heads compiled for this GPU read them there, hidden_address) kept on the
+        device until a reader asks for the host copy."""
         self.with_hidden = True
+        self._hidden_to_host = self._hidden_to_host or not device_only
+
+    def hidden_address(self, row: int) -> int:
+        """Where row `row` of the last pass's hidden states lies on the device (float32; valid until the next
+        pass)."""
+        return self.out_hidden + row * self.geometry.hidden_size * 4
 
     def argmax(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
@@ -162,7 +171,7 @@ class DeviceEngine:
             m.download(self.greedy[:num_logits], self.out_greedy)
         else:
             m.download(self._logits[:num_logits], self.out_logits)
-        if self.with_hidden:
+        if self.with_hidden and self._hidden_to_host:
             self.hidden = self._hidden[:n]
             m.download(self.hidden, self.out_hidden)
         m.sync()

@@ -35,7 +35,7 @@ from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
 from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
-from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
+from .cuda_memory import Copy2D, CudaMemory, check, compute_capability, cudart, require_device
 
 PREFILL, DECODE = 0, 1  # optimization profiles, in the order build/tensorrt.py adds them
 REBUILD = ("rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend tensorrt-rtx "
@@ -277,9 +277,12 @@ def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
 
 class TrtHeads:
     """runtime/engine.py's Heads over compiled Medusa heads: one execution context on their one profile at one row,
-    every buffer allocated and every address and shape set once; a call uploads the hidden row and the pending
-    token, runs, and downloads the candidates (K x topk token ids; the scores stay on the device). The target's
-    hidden state comes from the host (the Engine contract's `hidden`): one row of H floats a round."""
+    every buffer allocated and every address and shape set once; a call takes the hidden row (from the host, or
+    where a target on this GPU left it: a device address, copied on the device, so the row never crosses to the
+    host) and uploads the pending token, runs, and downloads the candidates (K x topk token ids; the scores stay on
+    the device)."""
+
+    on_device = True  # takes hidden rows by device address (proposers/medusa.py)
 
     def __init__(self, engine, memory, name: str, keep: tuple = (), strategy=None, runtime_config=None):
         self.engine, self.memory, self.name, self._keep = engine, memory, name, keep
@@ -313,10 +316,13 @@ class TrtHeads:
                 raise SpecrtError(f"engine '{name}' does not take {tensor} of one row; {REBUILD}")
         self.context = ctx
 
-    def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
+    def __call__(self, hidden: np.ndarray | int, token: int) -> np.ndarray:
         h = self._host[HEADS_HIDDEN]
-        h[0] = hidden
-        self.memory.upload(self._device[HEADS_HIDDEN], h)
+        if isinstance(hidden, (int, np.integer)):  # the target's row on this GPU (DeviceEngine.hidden_address)
+            self.memory.copy2d(Copy2D(self._device[HEADS_HIDDEN], h.nbytes, int(hidden), h.nbytes, h.nbytes, 1))
+        else:
+            h[0] = hidden
+            self.memory.upload(self._device[HEADS_HIDDEN], h)
         if HEADS_TOKEN in self._host:
             self._host[HEADS_TOKEN][0] = token
             self.memory.upload(self._device[HEADS_TOKEN], self._host[HEADS_TOKEN])

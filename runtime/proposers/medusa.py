@@ -41,12 +41,15 @@ class Medusa(OneBucket):
         self.trees = {k: compile_tree([p for p in full.paths if len(p) <= k]) for k in range(1, full.max_depth + 1)}
         self.target = None
         self._h = None
+        self._device = False
 
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
         self.target = ctx.target
         if self.target is None:
             raise SpecrtError("Medusa reads the target's hidden states; run it through the speculative loop")
-        self.target.enable_hidden()
+        # heads compiled for the target's GPU read its hidden row there (TrtHeads): no row crosses to the host
+        self._device = getattr(self.heads, "on_device", False) and hasattr(self.target, "hidden_address")
+        self.target.enable_hidden(device_only=True) if self._device else self.target.enable_hidden()
         self._h = None
         self._pending = 0
 
@@ -60,4 +63,4 @@ class Medusa(OneBucket):
     def observe(self, result: VerifyResult) -> None:
         # pass index of the last accepted position: the last pending token, or node path[-1]
         last = self._pending - 1 + (int(result.path[-1]) + 1 if result.num_accepted else 0)
-        self._h = self.target.hidden[last].copy()
+        self._h = self.target.hidden_address(last) if self._device else self.target.hidden[last].copy()
