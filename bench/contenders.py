@@ -49,9 +49,9 @@ def default_modes(manifest: Manifest, quick: bool = False) -> list[str]:
         return [m for m in QUICK if m in PEERS or m in our_modes(manifest)]
     precs = [e.precision for e in manifest.engines.values() if e.role == "target"]
     roles = manifest.roles
-    needs = {"draft": "draft", "medusa": "medusa", "lookup+medusa": "medusa", "suffix+medusa": "medusa",
-             "eagle": "eagle", "lookup+eagle": "eagle"}
-    spec = [m for m in spec_modes() if m != "auto" and needs.get(m, "target") in roles]
+    from ..runtime.methods import METHODS
+
+    spec = [m for m in spec_modes() if m != "auto" and (METHODS[m].needs or "target") in roles]
     out = [f"plain-{p}" for p in precs] + [m for m in our_modes(manifest) if m.startswith(FULL_HEAD)]
     out += [f"{m}-fp32" for m in spec]
     out += [f"auto-{p}" for p in ("fp32", "int4") if p in precs and "auto" in spec_modes()]

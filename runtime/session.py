@@ -19,6 +19,7 @@ from pathlib import Path
 from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions
 from .generate import Generator, Result, Stream
+from .methods import METHODS
 from .prefix_cache import PrefixStore
 from .speculative import SpeculativeConfig, make_decoder, resolve_mode
 from .tokenizer import Message
@@ -67,11 +68,12 @@ class Session:
         self.generator.stash()
 
 
-def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "off",
+def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "auto",
          options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
          shared: dict | None = None, parallel: int = 1, prefill_chunk: int | None = None) -> Session:
-    """Open an engine set for generation. options.taking_turns None: on exactly when a draft model speculates
-    (its passes and the target's alternate on the same cores); plain decoding on a set with a draft keeps it off.
+    """Open an engine set for generation: speculate 'auto' (the default) drafts with what the set has (resolve_mode),
+    'off' decodes plainly. options.taking_turns None: on exactly when a draft model speculates (its passes and the
+    target's alternate on the same cores); plain decoding on a set with a draft keeps it off.
     shared: a dict in which sessions of one process share their target (same set, precision and options: the
     bench compares strategies on one engine, each request rewinds it); None = a target of its own.
     parallel > 1: a BatchSession (runtime/batch_session.py) that runs that many streams at once, each from its own
@@ -80,7 +82,8 @@ def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str
     manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
     mode = resolve_mode(speculate, manifest, precision)
     if options.taking_turns is None:
-        options = replace(options, taking_turns=mode in ("draft", "eagle", "lookup+eagle"))
+        # a draft model or an EAGLE head runs its own passes between the target's, on the same cores
+        options = replace(options, taking_turns=mode in METHODS and METHODS[mode].needs in ("draft", "eagle"))
     if parallel != 1:
         from .batch_session import load_batch
 

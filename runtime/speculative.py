@@ -33,11 +33,10 @@ from .proposers.medusa import Medusa
 from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
+from .methods import METHODS, MODES
 from .verify import verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
-MODES = ("off", "prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "suffix+medusa", "eagle", "lookup+eagle",
-         "auto")
 
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
@@ -271,12 +270,8 @@ def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cf
                        _eagle(manifest, precision, options, cfg, opener))
 
 
-# --speculate NAME -> proposer factory: the one place a method name picks code
-PROPOSERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "suffix": _suffix,
-                                                 "draft": _draft_model,
-                                                 "medusa": _medusa, "lookup+medusa": _lookup_medusa,
-                                                 "suffix+medusa": _suffix_medusa, "eagle": _eagle,
-                                                 "lookup+eagle": _lookup_eagle}
+# --speculate NAME -> its proposer's builder (runtime/methods.py registers each name once)
+PROPOSERS: dict[str, Callable[..., Proposer]] = {name: globals()[m.factory] for name, m in METHODS.items()}
 
 
 def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from .errors import SpecrtError
+from .runtime.methods import modes_help
 from .scopes import check_suffix_scope
 
 
@@ -51,9 +52,7 @@ def serve(
     engines_dir: Path = typer.Option(Path("engines/smollm2-135m"), "--engines", "-e", help="Engine set folder."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 = every interface)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
-    speculate: str = typer.Option("auto", "--speculate",
-                                  help="off | prompt-lookup | suffix | draft | medusa | lookup+medusa | "
-                                       "suffix+medusa | eagle | lookup+eagle | auto (as for `specrt generate`)."),
+    speculate: str = typer.Option("auto", "--speculate", help=modes_help()),
     precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",

@@ -19,6 +19,7 @@ from specrt.manifest import RUNTIME_BACKENDS, file_sha256
 from specrt.runtime.backends import MODULES
 from specrt.runtime.backends.reference import random_weights
 from specrt.runtime.engine import EngineOptions
+from specrt.runtime.methods import METHODS
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.session import load
 
@@ -48,8 +49,12 @@ def _entry(role: str, file: str, spec: dict, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def reference_set(tiny_engines, tmp_path_factory) -> Path:
-    """Target, a draft that agrees with it on some tokens, and Medusa heads, all numpy weights; the tiny set's
-    tokenizer (vocab 384)."""
+    """Target, a draft that agrees with it on some tokens, and Medusa heads, all numpy weights, and a random EAGLE
+    head (its ONNX graph, on ONNX Runtime's CPU provider beside any target); the tiny set's tokenizer (vocab 384)."""
+    import torch
+
+    from specrt.export.eagle import HeadShape, export_eagle_onnx, make_head, save_head
+
     root = tmp_path_factory.mktemp("reference") / "ref"
     root.mkdir()
     shutil.copy2(tiny_engines / "tokenizer.json", root / "tokenizer.json")
@@ -64,10 +69,18 @@ def reference_set(tiny_engines, tmp_path_factory) -> Path:
     np.savez(root / "heads.npz", heads=heads, topk=np.int64(3))
     sha = tok["sha256"]
     tree = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    torch.manual_seed(0)
+    save_head(root / "eagle.npz", make_head(HeadShape(32, 4, 2, 8, 64, 10000.0, 1e-5)), np.arange(spec["vocab"]),
+              {"shape": HeadShape(32, 4, 2, 8, 64, 10000.0, 1e-5).__dict__})
+    eagle = export_eagle_onnx(root / "eagle.npz", target["embed"].astype(np.float32),
+                              target["lm_head"].T.astype(np.float32), root / "eagle.onnx", 256, 4)
+    eagle.pop("report")
     manifest = {"schema_version": 1, "name": "ref", "tokenizer": tok, "source": {"label": "random"},
                 "engines": {"target-fp32": _entry("target", "target.npz", spec, tokenizer_sha256=sha),
                             "draft-fp32": _entry("draft", "draft.npz", spec, tokenizer_sha256=sha),
-                            "medusa-fp32": _entry("medusa", "heads.npz", spec, medusa={"tree": tree})}}
+                            "medusa-fp32": _entry("medusa", "heads.npz", spec, medusa={"tree": tree}),
+                            "eagle-fp32": {**_entry("eagle", "eagle.onnx", spec, eagle=eagle), "backend": "onnxruntime",
+                                           "num_layers": 1, "files": ["eagle.onnx", "eagle.onnx.data"]}}}
     assert file_sha256(root / "tokenizer.json") == sha
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
@@ -102,8 +115,7 @@ def test_reference_engine_is_width_exact_and_keeps_tree_branches_apart(reference
     assert np.abs(tree[1:] - chain).max() < 1e-4 and np.abs(tree[0] - alone).max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "medusa", "lookup+medusa", "suffix+medusa",
-                                  "auto"])
+@pytest.mark.parametrize("mode", [*METHODS, "auto"])
 def test_every_proposer_is_exact_on_the_reference_backend(reference_set, mode):
     plain = load(reference_set, speculate="off").generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     session = load(reference_set, speculate=mode)
@@ -116,7 +128,7 @@ def test_every_proposer_is_exact_on_the_reference_backend(reference_set, mode):
 @pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "medusa"])
 def test_seeded_sampling_with_a_deterministic_drafter_returns_plain_sampling(reference_set, mode):
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-    plain = load(reference_set).generate(PROMPT, max_new_tokens=40, sampling=sp, ignore_eos=True)
+    plain = load(reference_set, speculate="off").generate(PROMPT, max_new_tokens=40, sampling=sp, ignore_eos=True)
     spec = load(reference_set, speculate=mode).generate(PROMPT, max_new_tokens=40, sampling=sp, ignore_eos=True)
     assert spec.token_ids == plain.token_ids and spec.stats.rounds < plain.stats.rounds
 
