@@ -89,8 +89,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     names = contenders.parse_modes(cfg.modes, manifest, cfg.quick, others)
     threads = cfg.threads or os.cpu_count() or 1
     # Every contender runs with its own defaults: OMP_WAIT_POLICY is left as the caller set it (the report
-    # records it). PASSIVE slowed llama.cpp 2.5-3x (BENCHMARKS.md, "Against llama.cpp at its own defaults");
-    # with --isolate no contender's spinning threads share a process with another's.
+    # records it). PASSIVE slowed llama.cpp 2.5-3x (docs/benchmarks-history.md, "Against llama.cpp at its own
+    # defaults"); with --isolate no contender's spinning threads share a process with another's.
     from ..runtime.tokenizer import Message, TextCodec
 
     codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,

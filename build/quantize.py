@@ -36,7 +36,8 @@ WEIGHT_ONLY = ("int4-awq",)
 SMOOTHQUANT_ALPHA = 0.8
 SMOOTHQUANT_ALPHA_SPLIT = 0.5  # with the outlier channels in float, less migration measured better (both models)
 # input channels per activation kept in float by default (LLM.int8()'s split; BENCHMARKS.md, "What do FP8, INT8
-# and INT4-AWQ cost?"): int8's per-tensor scale is otherwise set by a few channels hundreds of times the rest
+# and INT4-AWQ cost in accuracy?"): int8's per-tensor scale is otherwise set by a few channels hundreds of times
+# the rest
 DEFAULT_OUTLIERS = {"int8": 16}
 AWQ_BLOCK = 128            # rows of K per int4 scale (ModelOpt's and TensorRT-LLM's default); smaller where K needs it
 AWQ_ROWS = 512             # calibration positions per activation the scale search measures the error on
@@ -107,7 +108,7 @@ def check_float_gemms(kinds: tuple[str, ...]) -> None:
 def float_kind_gemms(model, kinds: tuple[str, ...]) -> tuple[str, ...]:
     """Every layer's GEMMs of the given kinds (mixed precision: kept in float), e.g. ("down",): the down_proj
     GEMMs, whose inputs hold the outlier activations INT8 loses most on (BENCHMARKS.md, "What do FP8, INT8 and
-    INT4-AWQ cost?")."""
+    INT4-AWQ cost in accuracy?")."""
     check_float_gemms(kinds)
     layers = gemm_layers(model)
     seen: dict[int, int] = {}

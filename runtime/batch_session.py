@@ -29,8 +29,8 @@ from .speculative import MAX_DRAFT_TOKENS, Opener, SpeculativeConfig, draft_entr
 from .tokenizer import Message, TextCodec
 
 # Tokens of a chunk of a prefill while other streams decode: each of their tokens waits for at most one chunk;
-# a smaller chunk costs the prefilling stream more rounds (BENCHMARKS.md, "Does chunked prefill keep the other
-# streams flowing?")
+# a smaller chunk costs the prefilling stream more rounds (docs/benchmarks-history.md, "Does chunked prefill keep
+# the other streams flowing?")
 PREFILL_CHUNK = 128
 
 

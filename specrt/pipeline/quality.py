@@ -22,7 +22,7 @@ HELDOUT_TEXTS, MAX_TOKENS = 16, 256
 QUALITY_FORMAT = 1  # bump when what measure_quality measures changes: figures kept beside cached graphs are keyed on it
 DRAFTING_FORMAT = 2  # bump when what _acceptance measures changes: engine sets are keyed on it
 # the least top-1 agreement with fp32 on held-out text a build keeps, by precision, unless --quality-floor says;
-# int4 weights cost more (SmolLM2's shipped GPTQ int4 agrees ~80%: BENCHMARKS.md, "int4 accuracy")
+# int4 weights cost more (SmolLM2's shipped GPTQ int4 agrees ~80%: docs/benchmarks-history.md, "int4 accuracy")
 DEFAULT_FLOORS = {"fp16": 0.85, "fp8": 0.85, "int8": 0.85, "int4-awq": 0.70}
 
 
