@@ -15,6 +15,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from .backends import BACKENDS
 from .errors import SpecrtError
+from .runtime.methods import modes_help
 
 
 class _Flags:
@@ -238,23 +239,23 @@ def generate(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
-    speculate: str = typer.Option("off", "--speculate",
-                                  help="off | prompt-lookup | suffix (trees of what followed the context's longest "
-                                       "suffix, in this request and in earlier answers) | draft | medusa | "
-                                       "lookup+medusa (prompt lookup after a "
-                                       "match of 2+ tokens, Medusa's tree otherwise) | eagle (an EAGLE head's dynamic "
-                                       "tree, sets built with one) | lookup+eagle | auto (draft if the set has a "
-                                       "draft model, else lookup+medusa at fp32 if it has heads, else prompt-lookup). "
-                                       "Greedy output is unchanged on width-exact (fp32) engines."),
+    speculate: str = typer.Option("auto", "--speculate",
+                                  help=modes_help() + " Greedy output is unchanged on width-exact (fp32) engines."),
     lossy_typical: bool = typer.Option(False, "--lossy-typical",
                                        help="LOSSY: Medusa's typical acceptance when sampling (output no longer "
                                             "follows the model's distribution; stats say exact=false)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fix the draft length K (default: adaptive, per round)."),
+    compare_plain: bool = typer.Option(False, "--compare-plain",
+                                       help="Then answer the same prompt with --speculate off on the same engine and "
+                                            "print one line: tau, both times, the speedup, whether the output is "
+                                            "identical (with --json: a compare_plain object). Each run is timed "
+                                            "after a one-token warm-up."),
 ):
     """Generate from an engine set; streams text, then prints stats to stderr."""
 
     def run():
+        from . import compare_plain as cmp
         from .runtime.sampling import SamplingParams
         from .runtime.tokenizer import load_messages_file
 
@@ -277,17 +278,24 @@ def generate(
         from .runtime.session import load
         from .runtime.speculative import SpeculativeConfig
 
+        shared = {}  # --compare-plain's plain pass reuses the target engine
         session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),
-                       SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical))
-        s = session.stream(chat, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
-                           ignore_eos=ignore_eos)
+                       SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical), shared=shared)
+        ask = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
+                   ignore_eos=ignore_eos)
+        if compare_plain:
+            cmp.check_speculating(session.mode)
+            cmp.warm_up(session, chat, **ask)
+        s = session.stream(chat, **ask)
         for delta in s:
             if stream and not as_json:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
         r = s.result
         if as_json:
-            typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict()}))
+            found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask)) if compare_plain else None
+            typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict(),
+                                   **({"compare_plain": found} if found else {})}))
             return
         if not stream:
             typer.echo(r.text)
@@ -299,6 +307,10 @@ def generate(
                 if st.proposer != "off" else "")
         typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
                     f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
+        if compare_plain:
+            typer.secho("[the same prompt with --speculate off ...]", err=True, dim=True)
+            found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask))
+            typer.secho(cmp.line(found, speculate), err=True, bold=True)
 
     _guard(run)
 

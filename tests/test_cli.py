@@ -71,6 +71,7 @@ def test_corrupt_model_file(tmp_path):
     no_leftovers(tmp_path / "eng")
 
 
+@pytest.mark.slow
 def test_gguf_of_unsupported_architecture(tmp_path):
     import gguf
     import numpy as np
@@ -159,6 +160,7 @@ def test_tampered_engine_set(tmp_path, tiny_engines, case, words):
         assert_user_error(specrt("info", other), *words)
 
 
+@pytest.mark.slow
 def test_engines_rebuilds_a_set_that_no_longer_loads(tiny_dir, tmp_path):
     """`specrt engines` is the fix every load error names: it must not call a broken set up to date."""
     from specrt.pipeline import EngineSetRequest, make_engine_set
@@ -249,6 +251,7 @@ def test_help_shows_flags_as_flags_and_lists_precisions():
         assert "--help" in out and "<bool>" not in out, (cmd, out)
 
 
+@pytest.mark.slow
 def test_engines_rejects_a_bad_destination(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -271,6 +274,7 @@ def test_draft_of_another_vocabulary_fails_before_export(tmp_path, tiny_dir, mon
     no_leftovers(tmp_path / "eng")
 
 
+@pytest.mark.slow
 def test_train_medusa_rejects_a_part_that_does_not_exist(tmp_path):
     assert_user_error(specrt("train-medusa", "--parts", "9", "--work", tmp_path / "w"), "--parts must be in 1..")
     assert not (tmp_path / "w").exists()
@@ -283,10 +287,26 @@ def test_generate_json_and_info(tiny_engines):
     assert set(out) >= {"text", "token_ids", "stats"}
     assert {"prompt_tokens", "new_tokens", "ttft_s", "tok_s"} <= set(out["stats"])
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 5
+    assert out["stats"]["proposer"] == "prompt-lookup"   # the default, auto: no draft model or heads in this set
     r = specrt("info", tiny_engines)
     assert r.returncode == 0 and "target-fp32" in r.stdout
 
 
+def test_compare_plain_says_in_one_line_what_speculation_bought(tiny_engines):
+    args = ("generate", "--engines", tiny_engines, "--prompt", "one two three one two three one two", "--threads", "1",
+            "--max-new-tokens", "12", "--ignore-eos", "--compare-plain")
+    r = specrt(*args)
+    assert r.returncode == 0, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("auto (prompt-lookup): 12 tokens in ") and ", tau " in last, last
+    assert "plain: 12 tokens in " in last and "x tokens/s, identical output" in last, last
+    out = json.loads(specrt(*args, "--json").stdout)["compare_plain"]
+    assert out["identical"] and out["speedup"] > 0 and out["plain_stats"]["proposer"] == "off"
+    assert out["proposer"] == "prompt-lookup" and out["tau"] >= 1.0 and out["new_tokens"] == 12
+    assert_user_error(specrt(*args, "--speculate", "off"), "--compare-plain", "--speculate off")
+
+
+@pytest.mark.slow
 def test_cache_lists_and_prunes_only_what_no_engine_set_uses(tiny_dir, tmp_path):
     from specrt.pipeline import EngineSetRequest, cache_entries, make_engine_set
     from specrt.runtime.generate import Generator
@@ -323,6 +343,7 @@ def test_cache_lists_and_prunes_only_what_no_engine_set_uses(tiny_dir, tmp_path)
     assert_user_error(specrt("cache", "--out", tmp_path / "nowhere"), "no build cache", "specrt engines")
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_build_is_one_line_and_leaves_no_partial_engine(tiny_dir, tmp_path):
     out = tmp_path / "eng"
     code = (
@@ -342,6 +363,7 @@ def test_disk_full_during_a_build_is_one_line_and_leaves_no_partial_engine(tiny_
     assert [p for p in (out / ".cache").rglob("*") if p.is_file() and "build-" in str(p.parent.name)] == []
 
 
+@pytest.mark.slow
 def test_two_builds_of_one_set_at_once_both_succeed(tiny_dir, tmp_path):
     """The second run waits for the first (a lock per --out), then finds the set up to date; without it
     they raced on the export cache and the .part files."""
@@ -359,6 +381,7 @@ def test_two_builds_of_one_set_at_once_both_succeed(tiny_dir, tmp_path):
     assert Generator.load(out / "t").generate("hi", max_new_tokens=2).token_ids
 
 
+@pytest.mark.slow
 def test_too_small_a_context_for_the_parity_check_is_one_line(tiny_dir, tmp_path):
     assert_user_error(specrt("engines", "--source", tiny_dir, "--max-context", "32", "--out", tmp_path),
                       "--max-context 32 is too small", "at least 64")
@@ -366,6 +389,7 @@ def test_too_small_a_context_for_the_parity_check_is_one_line(tiny_dir, tmp_path
                       "too small to check this export", "use at least")
 
 
+@pytest.mark.slow
 def test_preset_with_source_or_draft_and_bench_out_file_and_training_options(tmp_path, tiny_dir):
     assert_user_error(specrt("engines", "--preset", "qwen2.5-coder", "--draft", "x.gguf", "--out", tmp_path),
                       "--preset names both", "drop --source/--draft")
