@@ -2,7 +2,7 @@
 each with its own cache row and length, the GroupQueryAttention graph's per-row `seqlens_k`) against B = 1.
 Pass cost only: no drafting, no scheduling, random cache contents.
 
-    python -m specrt.bench.batch_ceiling --engines engines/smollm2-135m --batches 1,2,4,8
+    python -m experiments.batch_ceiling --engines engines/smollm2-135m --batches 1,2,4,8
 
 --with-prefills also times the prefill of each prompt batch_load's closed loop sends (alone, the best of 2) and
 gives the ceiling of that loop's throughput against one stream: (prefills + tokens x t(1)) / (prefills + tokens /
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bench.prompts import DEFAULT_PROMPTS
+
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,7 +35,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-new-tokens", type=int, default=96, help="with --with-prefills: tokens per answer")
     ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit",
                     help="with --with-prefills: batch_load's --categories")
-    ap.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "default.jsonl"),
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                     help="with --with-prefills: the prompt set")
     a = ap.parse_args(argv)
     if a.with_prefills and 1 not in [int(b) for b in a.batches.split(",")]:
@@ -41,9 +43,9 @@ def main(argv=None) -> list[dict]:
 
     import onnxruntime as ort
 
-    from ..interface import (INPUT_IDS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
+    from specrt.interface import (INPUT_IDS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
                              TREE_MASK, past_name, present_name)
-    from ..manifest import load_manifest
+    from specrt.manifest import load_manifest
 
     entry = load_manifest(Path(a.engines)).engine("target", "fp32")
     so = ort.SessionOptions()
@@ -90,11 +92,11 @@ def main(argv=None) -> list[dict]:
 
 
 def with_prefills(a, pass_s: dict[int, float]) -> list[dict]:
-    from ..runtime.engine import EngineOptions
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.session import load
-    from ..runtime.tokenizer import Message
-    from .batch_load import prompt_set
+    from specrt.runtime.engine import EngineOptions
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+    from specrt.runtime.tokenizer import Message
+    from experiments.batch_load import prompt_set
 
     session = load(a.engines, "fp32", "off", EngineOptions(threads=a.threads))
     greedy = SamplingParams(temperature=0.0)

@@ -3,7 +3,7 @@ concurrency, with speculation off, at a fixed K, and chosen by load, in-process 
 `--answers` prompts at every concurrency C, shared out over C streams, each asking its next prompt as soon as its
 answer is done.
 
-    python -m specrt.bench.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
+    python -m experiments.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
 
 Each (mode, C) runs on a fresh session after a warm-up answer per stream: a BatchSession of C slots for C > 1 (at
 each `--prefill-chunk` size), the one-stream Session at that mode for C = 1 (`load(..., parallel=1)`; with
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bench.prompts import DEFAULT_PROMPTS
+
 MODES = {  # name -> (--speculate, --draft-tokens)
     "off": ("off", None),
     "fixed-k4": ("lookup+medusa", 4),
@@ -33,8 +35,8 @@ MODES = {  # name -> (--speculate, --draft-tokens)
 
 
 def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: dict[str, int]) -> dict:
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.tokenizer import Message
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.tokenizer import Message
 
     greedy = SamplingParams(temperature=0.0)
     gaps, ttft, tokens, errors, out = [], [], [0] * concurrency, [], {}
@@ -84,7 +86,7 @@ def _run(session, prompts, concurrency: int, answers: int, max_new_tokens: dict[
 
 def prompt_set(path: Path, categories: str, answers: int) -> list:
     """The first `answers` prompts of the set, the categories in turn (so any first n prompts mix them)."""
-    from .prompts import CATEGORIES, load_prompts, select
+    from specrt.bench.prompts import CATEGORIES, load_prompts, select
 
     cats = tuple(c for c in categories.split(",") if c in CATEGORIES)
     prompts = select(load_prompts(path), categories=cats, per_category=max(4, -(-answers // len(cats))))
@@ -107,7 +109,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
     ap.add_argument("--out", default="bench-out/batch")
-    ap.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "default.jsonl"),
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                     help="prompt set (JSONL, the bench's format)")
     ap.add_argument("--prefill-chunk", default="", metavar="T[,T...]",
                     help="chunked prefill sizes to run each batched (mode, C) at (0 = one pass; default: the "
@@ -121,15 +123,15 @@ def main(argv=None) -> list[dict]:
 
     import onnxruntime as ort
 
-    from ..runtime.engine import EngineOptions
-    from ..runtime.session import load
-    from ..runtime.speculative import SpeculativeConfig
+    from specrt.runtime.engine import EngineOptions
+    from specrt.runtime.session import load
+    from specrt.runtime.speculative import SpeculativeConfig
     prompts = prompt_set(Path(a.prompts), a.categories, a.answers)
     options = EngineOptions(threads=a.threads)
     rows = []
     plain = load(a.engines, "fp32", "off", options)  # the reference answers: plain decoding, one stream
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.tokenizer import Message
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.tokenizer import Message
 
     # varied: answers of 0.5x to 1.5x --max-new-tokens (golden-ratio steps), so streams fall out of step and one's
     # prefill lands while the others decode, as requests arriving at their own times do
@@ -177,7 +179,7 @@ def main(argv=None) -> list[dict]:
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
             "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "max_new_tokens": a.max_new_tokens, "lengths": a.lengths, "answers": a.answers, "reps": a.reps,
-            "command": "python -m specrt.bench.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": "python -m experiments.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
     lines = ["| mode | C | tok/s (all streams) | tok/s of each rep | vs one stream (same mode) | ITL p50 ms "

@@ -3,7 +3,7 @@ each dropped after a few chunks, and per request the time from the stream's clos
 disconnect) to the decode loop's end (Stats.cancel_s, what /metrics shows as specrt_cancel_latency_seconds),
 against the request's own mean round time.
 
-    python -m specrt.bench.cancel_latency --engines engines/smollm2-135m --requests 20
+    python -m experiments.cancel_latency --engines engines/smollm2-135m --requests 20
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def main(argv=None) -> dict:
     import httpx
     import uvicorn
 
-    from ..runtime.session import load
-    from ..server import create_app
+    from specrt.runtime.session import load
+    from specrt.server import create_app
 
     app = create_app(load(a.engines, a.precision, a.speculate))
     server = app.state.server

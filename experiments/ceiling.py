@@ -23,8 +23,8 @@ up to 63 nodes replayed round by round at the measured pass costs; the heads' ow
 An upper bound for any tree of these heads on these prompts; `tau_all` is the tree of every path of
 top-`ranks` candidates, whatever its cost.
 
-    python -m specrt.bench.ceiling --engines engines/smollm2-135m --categories summarize,code,chat
-    python -m specrt.bench.ceiling --categories chat,qa,translation --medusa heads/smollm2-135m.npz
+    python -m experiments.ceiling --engines engines/smollm2-135m --categories summarize,code,chat
+    python -m experiments.ceiling --categories chat,qa,translation --medusa heads/smollm2-135m.npz
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.proposers import Context, PromptLookup
-from .prompts import DEFAULT_PROMPTS, CATEGORIES, load_prompts, select
+from specrt.runtime.proposers import Context, PromptLookup
+from specrt.bench.prompts import DEFAULT_PROMPTS, CATEGORIES, load_prompts, select
 
 MAX_DRAFT = 16
 
@@ -126,7 +126,7 @@ def measure_costs(engine, tokens: np.ndarray, context: int, max_width: int = MAX
     """Seconds of a w-token greedy pass as the loop runs it (`argmax`: through the logit screen up to its row
     limit), w = 1..max_width (median of reps, widths interleaved), after `context` tokens of real text, fed
     the text that follows (a pass of one repeated token made the screen's rescoring far busier)."""
-    from ..pipeline import time_passes
+    from specrt.pipeline import time_passes
 
     need = context + max_width
     tokens = np.resize(np.asarray(tokens, np.int64), max(need, len(tokens)))
@@ -226,7 +226,7 @@ def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], c
                   ranks: int) -> list[dict]:
     """Per category: the best in-sample tree (a prefix of the joint-accuracy order) at the measured pass costs,
     with its tau and speedups, the 1-node tree, and tau of the unlimited tree of top-`ranks` paths."""
-    from ..export.medusa import tree_order
+    from specrt.export.medusa import tree_order
 
     t1, top = costs[1], len(costs) - 1
     rows = []
@@ -257,12 +257,12 @@ def _table(columns: list[str], rows: list[list]) -> None:
 def main(argv: list[str] | None = None) -> None:
     import tempfile
 
-    from ..export.graph import read_initializers
-    from ..export.medusa import export_heads_onnx, load_heads
-    from ..manifest import load_manifest
-    from ..runtime.engine import EngineOptions
-    from ..runtime.session import load
-    from ..runtime.tokenizer import Message
+    from specrt.export.graph import read_initializers
+    from specrt.export.medusa import export_heads_onnx, load_heads
+    from specrt.manifest import load_manifest
+    from specrt.runtime.engine import EngineOptions
+    from specrt.runtime.session import load
+    from specrt.runtime.tokenizer import Message
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=Path, default=Path("engines/smollm2-135m"), help="engine set (its fp32 target)")

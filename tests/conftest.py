@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root: experiments/ (not installed)
 
 from tiny import make_checkpoint  # noqa: E402
 
@@ -39,6 +40,19 @@ def portable_engines(tiny_dir, tiny_engines) -> Path:
 
     return make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-portable", ("fp32", "fp16"), 256,
                                             tiny_engines.parent, backend="onnxruntime-portable"), log=lambda m: None)
+
+
+# Fixtures that make a test slow: the embedded default's engine set (minutes to build) and test_portable's
+# calibrated fp8/int8/int4-awq set.
+SLOW_FIXTURES = {"default_engines", "agent_engines", "quantized_engines"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `real` (the embedded default model) or using a SLOW_FIXTURES set are slow too: the quick tier,
+    `pytest -m "not slow"` (`make test-quick`), leaves them out."""
+    for item in items:
+        if item.get_closest_marker("real") is not None or SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 REPO = Path(__file__).resolve().parents[1]

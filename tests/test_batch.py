@@ -508,12 +508,13 @@ def test_a_prompt_that_fills_the_context_is_refused_and_the_batch_goes_on(tiny_e
     assert got == [w.token_ids for w in want]
 
 
+@pytest.mark.slow
 def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
     """The trade-off bench on the tiny set: a row per (mode, C, chunk), the median of 2 reps, TTFT and ITL columns,
     every answer identical to one-stream plain decoding."""
     from test_bench import write_prompts
 
-    from specrt.bench.batch_load import main
+    from experiments.batch_load import main
 
     rows = main(["--engines", str(tiny_engines), "--prompts", str(write_prompts(tmp_path / "p.jsonl", 4)),
                  "--modes", "off", "--concurrency", "1,2", "--answers", "4",
@@ -529,12 +530,13 @@ def test_batch_load_bench_writes_rows_per_prefill_chunk(tiny_engines, tmp_path):
     assert "TTFT p99 ms" in table and "| off, chunk 16 | 2 |" in table
 
 
+@pytest.mark.slow
 def test_batch_load_slots_runs_one_stream_on_a_batch_session(tiny_engines, tmp_path):
     """--slots 2 at C = 1: the mode runs on a BatchSession of 2 slots (a server's --parallel 2 with one client), the
     single row on the one-stream Session; answers identical to plain decoding."""
     from test_bench import write_prompts
 
-    from specrt.bench.batch_load import main
+    from experiments.batch_load import main
 
     rows = main(["--engines", str(tiny_engines), "--prompts", str(write_prompts(tmp_path / "p.jsonl", 3)),
                  "--modes", "off", "--concurrency", "1", "--answers", "3", "--max-new-tokens", "8",
@@ -548,7 +550,7 @@ def test_batch_ceiling_with_prefills_is_the_closed_loops_arithmetic(tiny_engines
     prefills counted, (prefills + tokens t(1)) / (prefills + tokens / C t(C))."""
     from test_bench import write_prompts
 
-    from specrt.bench.batch_ceiling import main
+    from experiments.batch_ceiling import main
 
     rows = main(["--engines", str(tiny_engines), "--batches", "1,2", "--context", "40", "--threads", "1",
                  "--passes", "8", "--with-prefills", "--answers", "3", "--max-new-tokens", "10", "--categories",

@@ -48,6 +48,7 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2]) == 2
 
 
+@pytest.mark.slow
 def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     """Ours (plain, prompt lookup) and a transformers peer run; a missing peer is a note, not a crash."""
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as if not installed
@@ -115,6 +116,7 @@ def test_decode_speed_leaves_out_the_first_round():
     assert decode_tok_s({**run, "new_tokens": 1, "gaps_s": []}) is None   # nothing after the first round
 
 
+@pytest.mark.slow
 def test_cli_quick_writes_report(tiny_engines, tmp_path):
     r = specrt("--engines", tiny_engines, "--prompts", write_prompts(tmp_path / "p.jsonl"), "--quick", "--reps", 1,
                "--threads", 1, "--modes", "plain-fp32", "--categories", "chat,code", "--out", tmp_path / "o")
@@ -122,6 +124,7 @@ def test_cli_quick_writes_report(tiny_engines, tmp_path):
     assert "plain-fp32" in r.stdout and (tmp_path / "o" / "report.md").is_file()
 
 
+@pytest.mark.slow
 def test_the_workloads_that_repeat_are_reported_beside_the_prompt_set(tmp_path):
     """--repeat-calls: the voice-agent calls and the code-edit loop for plain and each fp32 speculation mode, in
     results.json, report.md and repeat.png; speculative output identical to plain on every turn."""
@@ -221,7 +224,7 @@ def test_peer_failing_mid_run_is_dropped_with_a_note(tiny_engines, tmp_path, mon
 
 
 def test_ceiling_replay_of_a_copy_task():
-    from specrt.bench.ceiling import accepted_runs, replay_rounds
+    from experiments.ceiling import accepted_runs, replay_rounds
 
     prompt = out = [5, 6, 7, 8, 9, 10, 11, 12]                  # the answer repeats the prompt
     bucket, lookup, oracle = accepted_runs(prompt, out)
@@ -237,6 +240,7 @@ def test_ceiling_replay_of_a_copy_task():
     assert all(o >= lk for o, lk in zip(oracle, lookup)) and sum(oracle) > sum(lookup)
 
 
+@pytest.mark.slow
 def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path, monkeypatch):
     """--ignore-eos: ours and the transformers peer all make exactly max_new_tokens, where without it they
     stop at EOS (here a token the tiny model really emits early, declared EOS for the test; a random tiny
@@ -273,6 +277,7 @@ def test_ignore_eos_gives_every_contender_the_full_length(tiny_engines, tmp_path
     assert ours[0] == ours[1] == plain  # ours decode through EOS: the same tokens as the unstopped run
 
 
+@pytest.mark.slow
 def test_isolate_runs_each_contender_in_its_own_process(tiny_engines, tmp_path, monkeypatch):
     """--isolate: same interface and results (greedy output equals the reference's), one process each,
     every worker stopped afterwards."""
@@ -300,6 +305,7 @@ def test_isolate_runs_each_contender_in_its_own_process(tiny_engines, tmp_path, 
     assert all(r["new_tokens"] >= 1 for r in res["runs"])
 
 
+@pytest.mark.slow
 def test_isolate_stops_a_worker_whose_warm_up_fails(tiny_engines, tmp_path, monkeypatch):
     from specrt.bench import isolate, runner
 
@@ -408,6 +414,7 @@ def test_report_shows_lengths_proposers_and_medusa_accuracy():
     assert "predates" not in md and "arithmetic mean of those per-prompt medians" in md and "one slow rep" in md
 
 
+@pytest.mark.slow
 def test_old_results_without_counts_still_render(tmp_path):
     """results.json files from before the counts (no rounds/drafted/accepted/proposer per run) re-derive."""
     from specrt.bench.report import rerender

@@ -24,6 +24,8 @@ from specrt.errors import SpecrtError  # noqa: E402
 from specrt.runtime.session import load  # noqa: E402
 from specrt.server import create_app  # noqa: E402
 
+pytestmark = pytest.mark.slow  # live servers and load runs: left out of the quick tier
+
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 N = 10  # max_tokens of the prompt-set requests
 TEXT = "Speculative decoding drafts tokens and verifies them in one pass. " * 2  # long enough to be kept by the

@@ -207,6 +207,7 @@ def test_cli_json_reports_speculation_stats(pair_engines):
 
 
 @pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.slow
 def test_sampled_draft_model_has_the_target_distribution(pair_engines, k):
     """Sampled drafting with q from a different (random) model: accepts, residual recoveries and
     bonus tokens all occur; the first two emitted tokens must still follow the target exactly."""

@@ -324,7 +324,7 @@ def test_eagle_streams_in_a_batch_keep_the_targets_output(eagle_engines):
 @pytest.mark.parametrize("spec, message", [("fuse:{\"fused\": true}", "unknown fields fused"),
                                            ("fuse:{fuse}", "does not parse"), (":{}", "no name")])
 def test_eagle_variants_names_a_bad_variant_before_any_work(spec, message, capsys):
-    from specrt.bench.eagle_variants import main
+    from experiments.eagle_variants import main
 
     with pytest.raises(SystemExit) as e:
         main([spec])

@@ -243,6 +243,7 @@ def _q_mostly_forbidden(gen, prompt, params):
 
 
 @pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.slow
 def test_sampled_speculation_keeps_the_constrained_distribution(gen, k):
     prompt = gen.prompt_ids("Hello, how are you today?")
     params = SamplingParams(temperature=1.0, top_k=4)
@@ -253,6 +254,7 @@ def test_sampled_speculation_keeps_the_constrained_distribution(gen, k):
     assert p > ALPHA, f"constrained speculative sampling differs from the target: chi-square p = {p:.2g}"
 
 
+@pytest.mark.slow
 def test_the_constrained_distribution_test_catches_a_greedy_cut_of_a_sampled_chain(gen):
     prompt = gen.prompt_ids("Hello, how are you today?")
     params = SamplingParams(temperature=1.0, top_k=4)

@@ -389,11 +389,11 @@ def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):
 
 
 def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, tmp_path):
-    """bench/ceiling's Medusa replay (ranks from one pass over the output, rounds replayed offline) counts the
+    """experiments/ceiling's Medusa replay (ranks from one pass over the output, rounds replayed offline) counts the
     same rounds as the loop really runs with that tree and those heads (greedy, FixedK at the tree's depth):
     with ReplayHeads, whose rounds keep 0 to 3 nodes, siblings included; and through onnx_heads, with the tiny
     set's trained heads."""
-    from specrt.bench.ceiling import medusa_ranks, onnx_heads, replay_tree, tree_accepts
+    from experiments.ceiling import medusa_ranks, onnx_heads, replay_tree, tree_accepts
     from specrt.export.medusa import export_heads_onnx, load_heads
     from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
     from specrt.runtime.proposers.medusa import Medusa
@@ -435,6 +435,7 @@ def test_medusa_streams_in_a_batch_keep_their_output(medusa_gen):
     assert run_threads(gathering(load(medusa_gen.manifest, "fp32", "lookup+medusa", parallel=2), 2), jobs) == want
 
 
+@pytest.mark.slow
 def test_fp8_heads_of_a_portable_set_keep_the_targets_output(tiny_dir, tiny_heads, tmp_path):
     """Heads at the set's Q/DQ precision: per-head 2-D GEMMs with FP8 Q/DQ inside onnx-tensorrt's table,
     calibrated on the target's hidden states, their tau for the fp32 target measured beside the fp32 heads', and
@@ -472,3 +473,45 @@ def test_fp8_heads_of_a_portable_set_keep_the_targets_output(tiny_dir, tiny_head
     for prompt in ("def add(a, b):", "The quick brown fox"):
         a, b = plain.generate(prompt, max_new_tokens=32), med.generate(prompt, max_new_tokens=32)
         assert b.token_ids == a.token_ids and b.stats.exact and b.stats.proposer == "medusa"
+
+
+def test_heads_on_the_targets_gpu_read_the_hidden_row_there():
+    """Heads that take a device address (TrtHeads.on_device) beside a target that gives one (DeviceEngine): the
+    target keeps its hidden states on the device and the heads get the accepted row's address; host heads (or a
+    target without addresses) get the row itself."""
+    from specrt.runtime.proposers import Context
+    from specrt.runtime.proposers.medusa import Medusa
+    from specrt.runtime.verify import VerifyResult
+
+    class Target:
+        length, hidden = 0, np.arange(12, dtype=np.float32).reshape(3, 4)
+
+        def enable_hidden(self, device_only=False):
+            self.device_only = device_only
+
+        def hidden_address(self, row):
+            return 1000 + 16 * row
+
+    class Heads:
+        heads, topk = 2, 2
+
+        def __init__(self, on_device):
+            self.on_device, self.got = on_device, []
+
+        def __call__(self, hidden, token):
+            self.got.append(hidden)
+            return np.zeros((2, 2), np.int64)
+
+    for on_device in (True, False):
+        heads, target = Heads(on_device), Target()
+        medusa = Medusa(heads, [(0,), (0, 0)])
+        ctx = Context([1, 2, 3], 16)
+        ctx.target = target
+        medusa.start(ctx)
+        assert target.device_only is on_device
+        medusa.propose(ctx, 2)
+        none = np.array([], np.int64)
+        medusa.observe(VerifyResult(none, none, 7, False, np.zeros(0, bool)))  # the pass's row 2 is the last kept
+        medusa.propose(ctx, 2)
+        got = heads.got[-1]
+        assert got == 1000 + 16 * 2 if on_device else (got == target.hidden[2]).all()

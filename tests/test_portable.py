@@ -432,10 +432,11 @@ def test_a_draft_model_batches_beside_its_target_on_the_portable_backend(quantiz
     assert any(B > 1 for B, _ in batched.scheduler.costs_of(draft).cells)  # the draft's rows went together too
 
 
+@pytest.mark.slow
 def test_the_fp8_sensitivity_scan_keeps_each_group_in_float(portable_engines, capsys):
     import json
 
-    from specrt.bench.qdq_sensitivity import main
+    from experiments.qdq_sensitivity import main
 
     cache = next(p for p in (portable_engines.parent / ".cache").glob("export-*ctx256*")
                  if list(p.glob("portable-v*/target-fp32.onnx")))
@@ -457,7 +458,7 @@ def test_dropping_weight_qdq_gives_back_the_float_weights_smoothed_or_not(portab
 
     import onnxruntime as ort
 
-    from specrt.bench.qdq_sensitivity import drop_activation_qdq, drop_weight_qdq
+    from experiments.qdq_sensitivity import drop_activation_qdq, drop_weight_qdq
     from specrt.build.quantize import gemm_weights, insert_qdq
     from specrt.interface import LOGITS
     from specrt.pipeline.parity import prefill_feed
@@ -488,7 +489,7 @@ def test_dropping_weight_qdq_gives_back_the_float_weights_smoothed_or_not(portab
 def test_dropping_activation_qdq_leaves_the_weights_quantized(quantized_engines, tmp_path):
     import shutil
 
-    from specrt.bench.qdq_sensitivity import drop_activation_qdq
+    from experiments.qdq_sensitivity import drop_activation_qdq
 
     m = load_manifest(quantized_engines)
     src = m.root / m.engine("target", "fp8").file
@@ -524,6 +525,7 @@ def test_int4_blocks_and_awq_scales_on_outlier_channels():
         int4_block(100)
 
 
+@pytest.mark.slow
 def test_float_layers_keep_the_first_and_last_layers_gemms_in_float(tmp_path):
     from tiny import make_checkpoint
 

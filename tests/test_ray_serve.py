@@ -22,6 +22,8 @@ from specrt.errors import SpecrtError
 from specrt.ray_serve import INSTALL_HINT, REPLICA_HEADER, Placement, SpecrtEngine, plan, rendezvous
 from specrt.scopes import PROMPT_PREFIX_CHARS, conversation_key
 
+pytestmark = pytest.mark.slow  # Ray Serve clusters in subprocesses: left out of the quick tier
+
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 CHAT = "/v1/chat/completions"
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}

@@ -394,6 +394,7 @@ def _rss_bytes() -> int:
         return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 def test_a_hundred_disconnects_leak_nothing_and_each_stops_within_a_round(live, session, reference):
     """100 clients go away mid-stream: each generation stops at the next round boundary (cancel_s, from close()
     to the loop's end, far below the 200-token run it would have been), no Stream, queue or byte stays behind, and

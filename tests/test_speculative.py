@@ -189,6 +189,7 @@ def _oracle_counts(tiny_engines, k: int, accept=verify, n: int = 1500):
 
 
 @pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.slow
 def test_sampled_speculation_has_the_target_distribution(tiny_engines, k):
     """One-hot chains from an oracle of the greedy path: accepted with prob p(x), otherwise the
     residual p without x; both the full-accept (bonus) and reject paths occur often here. With

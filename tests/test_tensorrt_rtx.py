@@ -26,6 +26,8 @@ except ImportError:  # CI installs it (make venv): there a missing compiler is a
         raise
     pytest.skip("TensorRT for RTX is not installed (`pip install 'specrt[tensorrt-rtx]'`)", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # engine compiles: left out of the quick tier
+
 PRECISIONS = ("fp32", "fp16", "fp8", "int8", "int4-awq")
 
 

@@ -147,6 +147,7 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 @pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))
 @pytest.mark.parametrize("stochastic", [False, True], ids=["onehot", "sampled"])
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.slow
 def test_emitted_tokens_follow_the_target(shape, stochastic, params):
     seed = 11 + 7 * list(SHAPES).index(shape) + 3 * stochastic + list(PARAMS).index(params)
     counts, joint = emitted_pairs(verify, shape, stochastic, PARAMS[params], seed)
@@ -256,6 +257,7 @@ def _paths_longest(p: np.ndarray, d: Draft, rng) -> VerifyResult:
     ("onehot_no_exclusion", "tree", False),
     ("onehot_stale_bonus", "chain1", False),    # token 2 is the bonus whenever token 1 matched
 ])
+@pytest.mark.slow
 def test_biased_samplers_are_caught(bug, shape, stochastic, monkeypatch):
     if bug == "no_residual":
         monkeypatch.setattr(verify_mod, "_Residual", _NoResidual)

@@ -94,7 +94,7 @@ def time_passes(eng, ids: np.ndarray, start: int, widths, positions: int, reps: 
     """Median seconds of a w-token greedy pass (`argmax`, as the loop runs it) for each w in widths, timed at
     `positions` consecutive decode positions of ids after `start` (the cache holds ids[:start]; each pass is
     fed the text that follows, and one token of it is committed) in `reps` repetitions, widths interleaved;
-    `warmup` untimed repetitions first. Shared by the Medusa tree's sizing and `specrt.bench.ceiling`."""
+    `warmup` untimed repetitions first. Shared by the Medusa tree's sizing and `experiments/ceiling.py`."""
     times: dict[int, list[float]] = {w: [] for w in widths}
     for rep in range(warmup + reps):
         for w in widths:
