@@ -9,7 +9,7 @@ Every mode answers the same histories (plain greedy's answers; greedy speculatio
 turn), one session per mode, interleaved turn by turn, greedy. Reported per call: tok/s, tau, the share of rounds
 that drafted; and the ratios from the `--warm`-th call on. Writes repeat.json, repeat.md and repeat.png.
 
-    python -m specrt.bench.repeat --engines engines/smollm2-135m --out docs/bench/repeat
+    python -m specrt.bench.repeat --engines engines/smollm2-135m --out repeat-out   (or: specrt bench --repeat-calls 32)
 """
 
 from __future__ import annotations
