@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,6 @@ from typer.core import TyperCommand, TyperGroup
 
 from .backends import BACKENDS
 from .errors import SpecrtError
-from .runtime.methods import modes_help
 
 
 class _Flags:
@@ -213,231 +211,16 @@ def cache(
     _guard(run)
 
 
-@app.command(cls=_Command)
-def generate(
-    prompt: Optional[str] = typer.Option(None, "--prompt",
-                                         help="User message (formatted with the model's chat template)."),
-    messages: Optional[Path] = typer.Option(None, "--messages",
-                                            help='JSON file: [{"role": "user", "content": "..."}, ...].'),
-    engines_dir: Path = typer.Option(DEFAULT_ENGINES, "--engines", "-e", help="Engine set folder."),
-    precision: str = typer.Option("fp32", "--precision",
-                                  help="Which target engine of the set to run: fp32 (exact), int8, int4 or int4-fp32 "
-                                       "(those the set was built with; `specrt info` lists them)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Stop after this many new tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed",
-                                       help="Seed for sampling: the same seed gives the same output, and with prompt "
-                                            "lookup or Medusa the same output as --speculate off (a draft model "
-                                            "samples its own drafts: reproducible only with --draft-tokens fixed)."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos",
-                                    help="Keep generating through end-of-sequence tokens until --max-new-tokens "
-                                         "(for timing runs of a fixed length)."),
-    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template to --prompt."),
-    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
-    threads: int = typer.Option(0, "--threads", help="CPU threads (0 = all cores)."),
-    speculate: str = typer.Option("auto", "--speculate",
-                                  help=modes_help() + " Greedy output is unchanged on width-exact (fp32) engines."),
-    lossy_typical: bool = typer.Option(False, "--lossy-typical",
-                                       help="LOSSY: Medusa's typical acceptance when sampling (output no longer "
-                                            "follows the model's distribution; stats say exact=false)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
-                                               help="Fix the draft length K (default: adaptive, per round)."),
-    compare_plain: bool = typer.Option(False, "--compare-plain",
-                                       help="Then answer the same prompt with --speculate off on the same engine and "
-                                            "print one line: tau, both times, the speedup, whether the output is "
-                                            "identical (with --json: a compare_plain object). Each run is timed "
-                                            "after a one-token warm-up."),
-):
-    """Generate from an engine set; streams text, then prints stats to stderr."""
+from .generate_command import generate as _generate  # noqa: E402  (typer-only import; the runtime loads inside)
 
-    def run():
-        from . import compare_plain as cmp
-        from .runtime.sampling import SamplingParams
-        from .runtime.tokenizer import load_messages_file
-
-        if (prompt is None) == (messages is None):
-            raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
-        if max_new_tokens < 1:
-            raise SpecrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}; e.g. --max-new-tokens 256")
-        if seed is not None and seed < 0:
-            raise SpecrtError(f"--seed must be >= 0, got {seed}; omit it for a random seed")
-        if any(not s for s in stop):  # it would match before the first token: an empty answer
-            raise SpecrtError("--stop '' is empty and would stop before any output; pass a non-empty stop string")
-        chat = load_messages_file(messages) if messages is not None else prompt
-        try:
-            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        except ValueError as e:  # its messages name the Python fields (top_p=1.0): name the flags
-            raise SpecrtError(re.sub(r"\b(temperature|top_k|top_p)\b=?",
-                                     lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
-                                     str(e))) from None
-        from .runtime.engine import EngineOptions
-        from .runtime.session import load
-        from .runtime.speculative import SpeculativeConfig
-
-        shared = {}  # --compare-plain's plain pass reuses the target engine
-        session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),
-                       SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical), shared=shared)
-        ask = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
-                   ignore_eos=ignore_eos)
-        if compare_plain:
-            cmp.check_speculating(session.mode)
-            cmp.warm_up(session, chat, **ask)
-        s = session.stream(chat, **ask)
-        for delta in s:
-            if stream and not as_json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        r = s.result
-        if as_json:
-            found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask)) if compare_plain else None
-            typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict(),
-                                   **({"compare_plain": found} if found else {})}))
-            return
-        if not stream:
-            typer.echo(r.text)
-        else:
-            typer.echo()
-        st = r.stats
-        spec = (f", {st.proposer}: tau {st.tau:.2f}, draft {st.draft_s:.2f}s / verify {st.verify_s:.2f}s"
-                + ("" if st.exact else ", LOSSY (typical acceptance)" if st.lossy else ", NOT width-exact")
-                if st.proposer != "off" else "")
-        typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
-                    f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
-        if compare_plain:
-            typer.secho("[the same prompt with --speculate off ...]", err=True, dim=True)
-            found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask))
-            typer.secho(cmp.line(found, speculate), err=True, bold=True)
-
-    _guard(run)
+app.command(name="generate", cls=_Command)(_generate)
 
 
-@app.command("train-medusa", cls=_Command)
-def train_medusa(
-    source: str = typer.Option("smollm2-135m", "--source", "-s", help="Target: embedded name, HF directory or .gguf."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Heads file to write. Default: heads/<source>.npz."),
-    work: Path = typer.Option(Path("engines/.cache/medusa"), "--work",
-                              help="Dataset cache and resumable checkpoints."),
-    heads: int = typer.Option(4, "--heads", help="Number of Medusa heads (draft depth)."),
-    vocab: int = typer.Option(4096, "--vocab", help="Reduced vocabulary the heads score (0 = full)."),
-    max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Target continuation length per prompt."),
-    budget_minutes: float = typer.Option(25.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
-    epochs: int = typer.Option(3, "--epochs", help="Stop earlier after this many epochs."),
-    lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (cosine decay)."),
-    parts: int = typer.Option(2, "--parts", help="Data parts: 1 = greedy continuations (~10 minutes), 2 = + sampled "
-                                                 "ones (~9 more; the shipped heads), 3 = + more sampled ones (~9 more; "
-                                                 "no gain measured over 2)."),
-    plain_medusa: bool = typer.Option(False, "--plain-medusa",
-                                      help="Medusa-1 heads on the hidden state only (no pending-token input)."),
-    threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
-):
-    """Train Medusa heads on the target's own continuations (target frozen; resumable; held-out report)."""
+from .train_command import train_eagle as _train_eagle  # noqa: E402  (typer-only import; torch loads inside)
+from .train_command import train_medusa as _train_medusa  # noqa: E402
 
-    def run():
-        import shutil
-
-        import torch
-
-        from .export.medusa import TrainConfig, train_heads
-        from .export.medusa_data import build_dataset, default_parts
-        from .export.sources import load, resolve
-        from .pipeline import source_name
-
-        n_parts = len(default_parts())
-        if not 1 <= parts <= n_parts:
-            raise SpecrtError(f"--parts must be in 1..{n_parts}, got {parts}")
-        for flag, v in (("--heads", heads), ("--epochs", epochs), ("--threads", threads),
-                        ("--max-new-tokens", max_new_tokens), ("--budget-minutes", budget_minutes)):
-            if not v > 0:  # checked before the dataset (minutes): 0 epochs or budget would write untrained heads
-                raise SpecrtError(f"{flag} must be > 0, got {v}")
-        if vocab < 0:
-            raise SpecrtError(f"--vocab must be >= 0 (0 = the full vocabulary), got {vocab}")
-        for flag, path in (("--out", out), ("--work", work)):
-            blocked = next((q for q in ([path] if path else []) + list(path.parents if path else []) if q.is_file()),
-                           None)
-            if blocked is not None and not (flag == "--out" and blocked == path):
-                raise SpecrtError(f"{flag} '{path}' cannot be created: '{blocked}' is a file; pass another path")
-        torch.set_num_threads(threads)
-        src = resolve(source)
-        say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731
-        data = [build_dataset(src, work, part, log=say) for part in default_parts(heads, max_new_tokens)[:parts]]
-        lm_head = load(src)[0].lm_head.weight.detach().numpy()
-        cfg = TrainConfig(vocab=vocab, max_epochs=epochs, lr=lr, budget_s=budget_minutes * 60, threads=threads,
-                          token_input=not plain_medusa)
-        run_dir = work / (f"run-{'-'.join(d.stem[5:13] for d in data)}-h{heads}-v{vocab}-e{epochs}"
-                          f"-lr{lr}-t{int(cfg.token_input)}")
-        train_heads(data, lm_head, run_dir, cfg, log=say)
-        dest = out or Path("heads") / f"{source_name(source)}.npz"
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(run_dir / "heads.npz", dest)
-        typer.echo(str(dest))
-
-    _guard(run)
-
-
-@app.command("train-eagle", cls=_Command)
-def train_eagle(
-    source: str = typer.Option("smollm2-135m", "--source", "-s", help="Target: embedded name, HF directory or .gguf."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Head file to write. Default: heads/<source>-eagle.npz."),
-    work: Path = typer.Option(Path("engines/.cache/eagle"), "--work",
-                              help="Data cache (target features) and the resumable checkpoint."),
-    vocab: int = typer.Option(8192, "--vocab", help="Draft vocabulary: the most frequent target choices (0 = all)."),
-    budget_minutes: float = typer.Option(20.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
-    epochs: int = typer.Option(20, "--epochs", help="Stop earlier after this many epochs."),
-    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (cosine decay)."),
-    w_cls: float = typer.Option(0.1, "--w-cls", help="Weight of the token loss against the feature loss (EAGLE: 0.1)."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Target answer length per training prompt."),
-    threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
-):
-    """Train an EAGLE head on the target's own features (target frozen; resumable). Data: one teacher-forced pass
-    per sequence over packaged text and the target's greedy answers to chat prompts (cached under --work); the
-    report replays chain drafting on the benchmark's prompts, never trained on."""
-
-    def run():
-        import shutil
-
-        import torch
-
-        from .corpora import BENCH_PROMPTS
-        from .export.eagle import EagleTrainConfig, HeadShape, train
-        from .export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
-        from .export.sources import fingerprint, load, resolve
-        from .pipeline import source_name
-
-        for flag, v in (("--epochs", epochs), ("--threads", threads), ("--max-new-tokens", max_new_tokens),
-                        ("--budget-minutes", budget_minutes), ("--lr", lr)):
-            if not v > 0:  # before the data (minutes): 0 epochs or budget would write an untrained head
-                raise SpecrtError(f"{flag} must be > 0, got {v}")
-        if vocab < 0 or w_cls < 0:
-            raise SpecrtError("--vocab and --w-cls must be >= 0")
-        torch.set_num_threads(threads)
-        src = resolve(source)
-        say = lambda m: typer.secho(f"specrt {m}", err=True)  # noqa: E731
-        heldout = load_set(build_eval_set(src, work, BENCH_PROMPTS, log=say))
-        data = load_set(build_train_set(src, work, EagleDataConfig(max_new_tokens=max_new_tokens), log=say))
-        model, _ = load(src)
-        embed = model.model.embed_tokens.weight.detach().numpy()
-        lm_head = model.lm_head.weight.detach().numpy()
-        cfg = EagleTrainConfig(vocab=vocab, lr=lr, max_epochs=epochs, budget_s=budget_minutes * 60, w_cls=w_cls,
-                               threads=threads)
-        dest = out or Path("heads") / f"{source_name(source)}-eagle.npz"
-        work.mkdir(parents=True, exist_ok=True)
-        run_file = work / f"head-v{vocab}-lr{lr}-w{w_cls}.npz"
-        report = train(data, embed, lm_head, HeadShape.of(model.config), run_file, cfg, heldout=heldout, log=say,
-                       extra={"target_source_sha256": fingerprint(src)})
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if run_file.resolve() != dest.resolve():
-            shutil.copy2(run_file, dest)
-        for kind, r in report["heldout"].items():
-            say(f"{kind:>12}: first token {r['first_top1']:.1%}, acceptance by position "
-                f"{', '.join(f'{a:.2f}' for a in r['acceptance_by_position'])}; chain tau by depth "
-                f"{', '.join(f'{t:.2f}' for t in r['tau_by_depth'])}")
-        typer.echo(str(dest))
-
-    _guard(run)
+app.command(name="train-medusa", cls=_Command)(_train_medusa)
+app.command(name="train-eagle", cls=_Command)(_train_eagle)
 
 
 def _fmt(v, spec: str) -> str:

@@ -486,7 +486,7 @@ def test_the_compiled_eagle_head_on_the_device_drafts_what_the_onnx_head_does(ti
     from specrt.export.eagle import HeadShape, export_eagle_onnx
     from specrt.runtime.backends.cuda_memory import HostMemory
     from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
-    from specrt.runtime.backends.tensorrt_eagle import TrtEagleHead
+    from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
 
     config = AutoConfig.from_pretrained(str(tiny_dir))
     shape = HeadShape.of(config)

@@ -16,7 +16,7 @@ machine without TensorRT or a GPU, and an engine whose profiles cannot hold max_
 records the architectures it was compiled for (gpu_archs) instead; it is checked against this GPU, then by the
 library's own header check (get_engine_validity), and its contexts are made from a runtime configuration
 (rtx_runtime_config: a runtime cache per GPU under engines/.cache/tensorrt-rtx, EAGER kernel specialization, our
-own capture). Compiled Medusa heads (TrtHeads) and EAGLE heads (tensorrt_eagle.TrtEagleHead) run on the GPU
+own capture). Compiled Medusa heads and EAGLE heads (tensorrt_heads.py) run on the GPU
 beside the target; heads still in ONNX run on ONNX Runtime's CPU provider.
 """
 
@@ -28,14 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import SpecrtError
-from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN,
-                          HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES, POSITION_IDS, WRITE_INDICES,
-                          past_name, present_name)
+from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
+                          POSITION_IDS, WRITE_INDICES, past_name, present_name)
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
-from .cuda_batch import DeviceBatchEngine
 from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
-from .cuda_memory import Copy2D, CudaMemory, check, compute_capability, cudart, require_device
+from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
 
 PREFILL, DECODE = 0, 1  # optimization profiles, in the order build/tensorrt.py adds them
 REBUILD = ("rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend tensorrt-rtx "
@@ -239,108 +237,6 @@ def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:
     return Buckets(buckets.widths, (static,), pad_logits=True)
 
 
-def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """Medusa heads: compiled heads (an .engine, as tensorrt-rtx sets hold them) on the GPU beside the target
-    (TrtHeads), an ONNX graph on ONNX Runtime's CPU provider."""
-    if entry.file.endswith(".engine"):
-        engine, keep, strategy, config = _load(root, entry)
-        memory = CudaMemory()
-        try:
-            return TrtHeads(engine, memory, entry.name, keep=keep, strategy=strategy, runtime_config=config)
-        except BaseException:
-            memory.close()
-            raise
-    from .onnxruntime_cpu import OrtHeads
-
-    return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
-
-
-def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """An EAGLE head: compiled (an .engine, as tensorrt-rtx sets hold it) on the GPU beside the target
-    (tensorrt_eagle.TrtEagleHead), an ONNX graph on ONNX Runtime's CPU provider."""
-    if not entry.file.endswith(".engine"):
-        from .onnxruntime_cpu import open_eagle as open_onnx
-
-        return open_onnx(root, entry, options)
-    from .tensorrt_eagle import TrtEagleHead
-
-    engine, keep, strategy, config = _load(root, entry)
-    memory = CudaMemory()
-    try:
-        return TrtEagleHead(engine, memory, name=entry.name, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
-                            head_dim=entry.head_dim, topk=int((entry.eagle or {})["topk"]), keep=keep,
-                            strategy=strategy, runtime_config=config)
-    except BaseException:
-        memory.close()
-        raise
-
-
-class TrtHeads:
-    """runtime/engine.py's Heads over compiled Medusa heads: one execution context on their one profile at one row,
-    every buffer allocated and every address and shape set once; a call takes the hidden row (from the host, or
-    where a target on this GPU left it: a device address, copied on the device, so the row never crosses to the
-    host) and uploads the pending token, runs, and downloads the candidates (K x topk token ids; the scores stay on
-    the device)."""
-
-    on_device = True  # takes hidden rows by device address (proposers/medusa.py)
-
-    def __init__(self, engine, memory, name: str, keep: tuple = (), strategy=None, runtime_config=None):
-        self.engine, self.memory, self.name, self._keep = engine, memory, name, keep
-        tensors = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        if HEADS_HIDDEN not in tensors or HEADS_CANDIDATES not in tensors:
-            raise SpecrtError(f"engine '{name}' is not a Medusa heads engine (its tensors: {', '.join(tensors)}); "
-                              "rebuild the engine set with `specrt engines`")
-        shape = tuple(engine.get_tensor_shape(HEADS_CANDIDATES))  # [rows, K, topk]
-        self.heads, self.topk = int(shape[1]), int(shape[2])
-        hidden = int(engine.get_tensor_shape(HEADS_HIDDEN)[1])
-        host = {HEADS_HIDDEN: memory.host((1, hidden), np.float32), HEADS_TOKEN: memory.host((1,), np.int64),
-                HEADS_CANDIDATES: memory.host((1, self.heads, self.topk), np.int64),
-                HEADS_SCORES: memory.host((1, self.heads, self.topk), np.float32)}
-        self._host = {t: host[t] for t in tensors if t in host}
-        self._device = {t: memory.alloc(a.nbytes) for t, a in self._host.items()}
-        if runtime_config is not None:
-            ctx = engine.create_execution_context(runtime_config)
-        else:
-            ctx = (engine.create_execution_context(strategy) if strategy is not None
-                   else engine.create_execution_context())
-        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if (strategy or runtime_config) else 0
-        if ctx is None or not ctx.set_optimization_profile_async(0, memory.stream):
-            raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}'")
-        if size:
-            ctx.set_device_memory(memory.alloc(size), size)
-        for tensor, ptr in self._device.items():
-            if not ctx.set_tensor_address(tensor, ptr):
-                raise SpecrtError(f"engine '{name}' has no tensor '{tensor}'; {REBUILD}")
-        for tensor in (HEADS_HIDDEN, HEADS_TOKEN):
-            if tensor in self._host and not ctx.set_input_shape(tensor, self._host[tensor].shape):
-                raise SpecrtError(f"engine '{name}' does not take {tensor} of one row; {REBUILD}")
-        self.context = ctx
-
-    def __call__(self, hidden: np.ndarray | int, token: int) -> np.ndarray:
-        h = self._host[HEADS_HIDDEN]
-        if isinstance(hidden, (int, np.integer)):  # the target's row on this GPU (DeviceEngine.hidden_address)
-            self.memory.copy2d(Copy2D(self._device[HEADS_HIDDEN], h.nbytes, int(hidden), h.nbytes, h.nbytes, 1))
-        else:
-            h[0] = hidden
-            self.memory.upload(self._device[HEADS_HIDDEN], h)
-        if HEADS_TOKEN in self._host:
-            self._host[HEADS_TOKEN][0] = token
-            self.memory.upload(self._device[HEADS_TOKEN], self._host[HEADS_TOKEN])
-        if not self.context.execute_async_v3(self.memory.stream):
-            raise SpecrtError(f"TensorRT failed to run engine '{self.name}' (see its log above)")
-        out = self._host[HEADS_CANDIDATES]
-        self.memory.download(out, self._device[HEADS_CANDIDATES])
-        self.memory.sync()
-        return out[0].copy()
-
-    def close(self) -> None:
-        self.context = None
-        for kept in self._keep:
-            if isinstance(kept, RuntimeCache):
-                kept.save()
-        self.memory.close()
-
-
 TRT_DTYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16"}  # numpy's name -> trt.DataType's
 
 
@@ -493,65 +389,6 @@ class TrtEngine(DeviceEngine):
         super().close()
 
 
-def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBatchEngine":
-    """`slots` sequences of a manifest entry's TensorRT engine (runtime/batch.py's batch engine): the engine's
-    decode profile must take that many sequences a pass (build/tensorrt.py's MAX_BATCH)."""
-    engine, buckets, max_prompt, keep, strategy, config = _deserialize(root, entry)
-    most = int(engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][0])
-    if most < slots:
-        raise SpecrtError(f"engine '{entry.name}' takes {most} sequence(s) a pass, fewer than --parallel {slots}; "
-                          f"use --parallel {most}, or rebuild the set here with `specrt engines --backend tensorrt` "
-                          "(engines take up to 8)")
-    graphs, note = graphs_wanted()
-    memory = CudaMemory()
-    try:
-        opened = TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
-                                name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
-                                keep=keep, strategy=strategy, runtime_config=config)
-        opened.backend = entry.backend
-        return opened
-    except BaseException:
-        memory.close()
-        raise
-
-
-class TrtBatchEngine(DeviceBatchEngine):
-    """cuda_batch.DeviceBatchEngine over a TensorRT engine: batched passes on the decode profile (one CUDA graph per
-    (rows, width, capacity)), a prefill alone on the prefill profile with its cache addresses at its slot."""
-
-    backend = "tensorrt"
-
-    def __init__(self, engine, memory, geometry: Geometry, buckets: Buckets, *, slots: int, max_prompt: int,
-                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = (),
-                 strategy=None, runtime_config=None):
-        super().__init__(memory, geometry, buckets, slots=slots, name=name, width_exact=width_exact, graphs=graphs,
-                         graphs_note=graphs_note, max_prompt=max_prompt)
-        self._keep, self.engine = keep, engine
-        stride = self.cache.slot_ptr(0, 1)
-        if slots > 1 and stride % 256:  # TensorRT takes tensor addresses on 256-byte boundaries only
-            raise SpecrtError(f"engine '{name}' holds {stride} bytes of cache a sequence, not a multiple of 256, so "
-                              f"its slots cannot be bound one by one; {REBUILD}")
-        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy,
-                                runtime_config, keep)
-        self._prefill_at: tuple[int, int] | None = (0, self.capacity)  # the slot and layout its cache addresses hold
-
-    def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
-                graph: bool) -> None:
-        if slot is None:
-            self._trt.run(DECODE, pass_shapes(self.geometry, rows, width, capacity, logits_rows),
-                          (rows, width, capacity), graph)
-        else:
-            if self._prefill_at != (slot, capacity):
-                for i, layer in enumerate(self.cache.ptrs):
-                    for kind, ptr in zip(KV_KINDS, layer):
-                        at = self.cache.slot_ptr(ptr, slot)
-                        self._trt.set_address(PREFILL, past_name(i, kind), at)
-                        self._trt.set_address(PREFILL, present_name(i, kind), at)
-                self._prefill_at = (slot, capacity)
-            self._trt.run(PREFILL, pass_shapes(self.geometry, 1, width, capacity, logits_rows), (), False)
-        if self._trt.note:
-            self.graphs, self.graphs_note = False, self._trt.note
-
-    def close(self) -> None:
-        self._trt.close()
-        super().close()
+# the backend module's API (runtime/backends/__init__.py): heads and batches live beside it
+from .tensorrt_batch import TrtBatchEngine, open_batch  # noqa: E402,F401
+from .tensorrt_heads import TrtEagleHead, TrtHeads, open_eagle, open_heads  # noqa: E402,F401

@@ -1,0 +1,225 @@
+"""The TensorRT backends' heads, on the GPU beside the target: compiled Medusa heads (TrtHeads) and the compiled EAGLE
+head (TrtEagleHead); heads still in ONNX run on ONNX Runtime's CPU provider.
+
+TrtEagleHead runs export/eagle.py's fp32 graph (RotaryEmbedding, TensorScatter into its own cache, Attention;
+build/tensorrt.py's prefill and decode profiles) with onnxruntime_cpu.OrtEagleHead's interface
+(runtime/proposers/eagle.py drives either). Its cache stays on the device at the engine's one static capacity
+(TensorRT's KV-cache update wants a static sequence dimension; the masks are that wide), written in place (each
+buffer bound as past input and present output). A call uploads its rows' features, tokens, positions and mask and
+downloads the next features and the top-k tokens with their log-probabilities; the target's features come from
+the host (the Engine contract's `hidden`), so a round moves a few rows of H floats each way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import SpecrtError
+from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HEADS_CANDIDATES,
+                          HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN, HIDDEN_STATES, INPUT_IDS, KV_KINDS, POSITION_IDS,
+                          WRITE_INDICES, past_name, present_name)
+from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
+from .cuda_memory import Copy2D, CudaMemory
+from .tensorrt import DECODE, PREFILL, REBUILD, RuntimeCache, TrtContexts, _load
+
+
+def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """Medusa heads: compiled heads (an .engine, as tensorrt-rtx sets hold them) on the GPU beside the target
+    (TrtHeads), an ONNX graph on ONNX Runtime's CPU provider."""
+    if entry.file.endswith(".engine"):
+        engine, keep, strategy, config = _load(root, entry)
+        memory = CudaMemory()
+        try:
+            return TrtHeads(engine, memory, entry.name, keep=keep, strategy=strategy, runtime_config=config)
+        except BaseException:
+            memory.close()
+            raise
+    from .onnxruntime_cpu import OrtHeads
+
+    return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
+
+
+def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """An EAGLE head: compiled (an .engine, as tensorrt-rtx sets hold it) on the GPU beside the target
+    (TrtEagleHead), an ONNX graph on ONNX Runtime's CPU provider."""
+    if not entry.file.endswith(".engine"):
+        from .onnxruntime_cpu import open_eagle as open_onnx
+
+        return open_onnx(root, entry, options)
+    engine, keep, strategy, config = _load(root, entry)
+    memory = CudaMemory()
+    try:
+        return TrtEagleHead(engine, memory, name=entry.name, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
+                            head_dim=entry.head_dim, topk=int((entry.eagle or {})["topk"]), keep=keep,
+                            strategy=strategy, runtime_config=config)
+    except BaseException:
+        memory.close()
+        raise
+
+
+class TrtHeads:
+    """runtime/engine.py's Heads over compiled Medusa heads: one execution context on their one profile at one row,
+    every buffer allocated and every address and shape set once; a call takes the hidden row (from the host, or
+    where a target on this GPU left it: a device address, copied on the device, so the row never crosses to the
+    host) and uploads the pending token, runs, and downloads the candidates (K x topk token ids; the scores stay on
+    the device)."""
+
+    on_device = True  # takes hidden rows by device address (proposers/medusa.py)
+
+    def __init__(self, engine, memory, name: str, keep: tuple = (), strategy=None, runtime_config=None):
+        self.engine, self.memory, self.name, self._keep = engine, memory, name, keep
+        tensors = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        if HEADS_HIDDEN not in tensors or HEADS_CANDIDATES not in tensors:
+            raise SpecrtError(f"engine '{name}' is not a Medusa heads engine (its tensors: {', '.join(tensors)}); "
+                              "rebuild the engine set with `specrt engines`")
+        shape = tuple(engine.get_tensor_shape(HEADS_CANDIDATES))  # [rows, K, topk]
+        self.heads, self.topk = int(shape[1]), int(shape[2])
+        hidden = int(engine.get_tensor_shape(HEADS_HIDDEN)[1])
+        host = {HEADS_HIDDEN: memory.host((1, hidden), np.float32), HEADS_TOKEN: memory.host((1,), np.int64),
+                HEADS_CANDIDATES: memory.host((1, self.heads, self.topk), np.int64),
+                HEADS_SCORES: memory.host((1, self.heads, self.topk), np.float32)}
+        self._host = {t: host[t] for t in tensors if t in host}
+        self._device = {t: memory.alloc(a.nbytes) for t, a in self._host.items()}
+        if runtime_config is not None:
+            ctx = engine.create_execution_context(runtime_config)
+        else:
+            ctx = (engine.create_execution_context(strategy) if strategy is not None
+                   else engine.create_execution_context())
+        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if (strategy or runtime_config) else 0
+        if ctx is None or not ctx.set_optimization_profile_async(0, memory.stream):
+            raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}'")
+        if size:
+            ctx.set_device_memory(memory.alloc(size), size)
+        for tensor, ptr in self._device.items():
+            if not ctx.set_tensor_address(tensor, ptr):
+                raise SpecrtError(f"engine '{name}' has no tensor '{tensor}'; {REBUILD}")
+        for tensor in (HEADS_HIDDEN, HEADS_TOKEN):
+            if tensor in self._host and not ctx.set_input_shape(tensor, self._host[tensor].shape):
+                raise SpecrtError(f"engine '{name}' does not take {tensor} of one row; {REBUILD}")
+        self.context = ctx
+
+    def __call__(self, hidden: np.ndarray | int, token: int) -> np.ndarray:
+        h = self._host[HEADS_HIDDEN]
+        if isinstance(hidden, (int, np.integer)):  # the target's row on this GPU (DeviceEngine.hidden_address)
+            self.memory.copy2d(Copy2D(self._device[HEADS_HIDDEN], h.nbytes, int(hidden), h.nbytes, h.nbytes, 1))
+        else:
+            h[0] = hidden
+            self.memory.upload(self._device[HEADS_HIDDEN], h)
+        if HEADS_TOKEN in self._host:
+            self._host[HEADS_TOKEN][0] = token
+            self.memory.upload(self._device[HEADS_TOKEN], self._host[HEADS_TOKEN])
+        if not self.context.execute_async_v3(self.memory.stream):
+            raise SpecrtError(f"TensorRT failed to run engine '{self.name}' (see its log above)")
+        out = self._host[HEADS_CANDIDATES]
+        self.memory.download(out, self._device[HEADS_CANDIDATES])
+        self.memory.sync()
+        return out[0].copy()
+
+    def close(self) -> None:
+        self.context = None
+        for kept in self._keep:
+            if isinstance(kept, RuntimeCache):
+                kept.save()
+        self.memory.close()
+
+
+class TrtEagleHead:
+    """OrtEagleHead's interface over a compiled EAGLE head. keep, strategy, runtime_config: tensorrt._load's."""
+
+    def __init__(self, engine, memory, *, name: str, hidden: int, kv_heads: int, head_dim: int, topk: int,
+                 keep: tuple = (), strategy=None, runtime_config=None):
+        self.engine, self.memory, self.name = engine, memory, name
+        tensors = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        if EAGLE_FEATURES not in tensors or EAGLE_TOKENS not in tensors:
+            raise SpecrtError(f"engine '{name}' is not an EAGLE head engine (its tensors: {', '.join(tensors)}); "
+                              "rebuild the engine set with `specrt engines --eagle-head`")
+        if engine.num_optimization_profiles != 2:
+            raise SpecrtError(f"engine '{name}' has {engine.num_optimization_profiles} optimization profiles, not "
+                              "the prefill and decode ones build/tensorrt.py makes; rebuild the engine set")
+        self.max_rows = int(engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1])
+        self.max_width = int(engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1])
+        cap = int(engine.get_tensor_shape(past_name(0, "key"))[2])
+        if cap <= 0:
+            raise SpecrtError(f"engine '{name}' has a dynamic cache capacity, which TensorRT's KV-cache update "
+                              "cannot take; rebuild the engine set")
+        self.hidden_size, self.topk = hidden, topk
+        self.capacity = self.max_capacity = cap
+        self.length = 0  # real positions the cache holds (slots [0, length))
+        R = self.max_rows
+        self._host = {EAGLE_FEATURES: memory.host((R, hidden), np.float32), INPUT_IDS: memory.host((R,), np.int64),
+                      POSITION_IDS: memory.host((R,), np.int64), ATTENTION_MASK: memory.host((R, cap), np.float32),
+                      WRITE_INDICES: memory.host((1,), np.int64), HIDDEN_STATES: memory.host((R, hidden), np.float32),
+                      EAGLE_TOKENS: memory.host((R, topk), np.int64),
+                      EAGLE_LOGPROBS: memory.host((R, topk), np.float32)}
+        self._device = {t: memory.alloc(a.nbytes) for t, a in self._host.items()}
+        self._cache_shape = (1, kv_heads, cap, head_dim)
+        self._cache_host = [memory.host(self._cache_shape, np.float32) for _ in KV_KINDS]  # save/load_prefix
+        self._cache = [memory.alloc(a.nbytes) for a in self._cache_host]
+        for ptr, a in zip(self._cache, self._cache_host):
+            memory.upload(ptr, a)  # zeros: slots a mask hides are read, never NaN
+        addresses = dict(self._device)
+        for kind, ptr in zip(KV_KINDS, self._cache):
+            addresses[past_name(0, kind)] = addresses[present_name(0, kind)] = ptr
+        self._trt = TrtContexts(engine, memory, name, addresses, np.float32, strategy, runtime_config, keep)
+
+    def reserve(self, slots: int, keep: int | None = None) -> None:
+        """The layout is the engine's one capacity: refuse what does not fit it."""
+        if slots > self.capacity:
+            raise SpecrtError(f"EAGLE head '{self.name}': {slots} slots do not fit its {self.capacity}; rebuild the "
+                              "engine set with a larger --max-context")
+
+    def run(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, slot: int,
+            mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As OrtEagleHead.run; rows past the prefill profile's widest run in chunks (row r's mask says what it
+        sees, so a chunk reads what earlier chunks wrote)."""
+        W = len(tokens)
+        if slot + W > self.capacity or mask.shape[-1] != self.capacity:
+            raise ValueError(f"EAGLE head: slots {slot}..{slot + W} with a mask of {mask.shape[-1]} do not fit its "
+                             f"layout of {self.capacity}")
+        features = np.asarray(features, np.float32).reshape(W, -1)
+        out = [np.empty((W, self.hidden_size), np.float32), np.empty((W, self.topk), np.int64),
+               np.empty((W, self.topk), np.float32)]
+        for lo in range(0, W, self.max_rows):
+            hi = min(W, lo + self.max_rows)
+            got = self._run(features[lo:hi], tokens[lo:hi], positions[lo:hi], slot + lo, mask[lo:hi])
+            for o, g in zip(out, got):
+                o[lo:hi] = g
+        return out[0], out[1], out[2]
+
+    def _run(self, features, tokens, positions, slot: int, mask):
+        W, h, m = len(tokens), self._host, self.memory
+        h[EAGLE_FEATURES][:W] = features
+        h[INPUT_IDS][:W] = tokens
+        h[POSITION_IDS][:W] = positions
+        h[ATTENTION_MASK][:W] = mask
+        h[WRITE_INDICES][0] = slot
+        for t in (EAGLE_FEATURES, INPUT_IDS, POSITION_IDS, ATTENTION_MASK):
+            m.upload(self._device[t], h[t][:W])
+        m.upload(self._device[WRITE_INDICES], h[WRITE_INDICES])
+        shapes = {EAGLE_FEATURES: (1, W, self.hidden_size), INPUT_IDS: (1, W), POSITION_IDS: (1, W),
+                  ATTENTION_MASK: (1, 1, W, self.capacity), WRITE_INDICES: (1,)}
+        shapes.update({past_name(0, kind): self._cache_shape for kind in KV_KINDS})
+        self._trt.run(DECODE if W <= self.max_width else PREFILL, shapes, (W,), graph=False)
+        for t in (HIDDEN_STATES, EAGLE_TOKENS, EAGLE_LOGPROBS):
+            m.download(h[t][:W], self._device[t])
+        m.sync()
+        return h[HIDDEN_STATES][:W].copy(), h[EAGLE_TOKENS][:W].copy(), h[EAGLE_LOGPROBS][:W].copy()
+
+    def save_prefix(self, length: int) -> KVSnapshot:
+        for a, ptr in zip(self._cache_host, self._cache):
+            self.memory.download(a, ptr)
+        self.memory.sync()
+        return snapshot_views(self._cache_host, min(length, self.length))
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        self.reserve(snapshot.length + 1)
+        restore_views(self._cache_host, snapshot)
+        for a, ptr in zip(self._cache_host, self._cache):
+            self.memory.upload(ptr, a)
+        self.length = snapshot.length
+
+    def close(self) -> None:
+        self._trt.close()
+        self.memory.close()
