@@ -101,7 +101,6 @@ def serve(
         from .runtime.engine import EngineOptions
         from .runtime.session import load
         from .runtime.speculative import SpeculativeConfig, resolve_mode
-        from .server import serve as run_server
 
         manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
         manifest.engine("target", precision)
@@ -114,3 +113,26 @@ def serve(
                    manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None, suffix_scope)
 
     _guard(run)
+
+
+def run_server(loader, model: str, host: str, port: int, api_key: str | None, max_queue: int, cache_ram_mib: int,
+               default_max_tokens: int | None, suffix_scope: str) -> None:
+    """Listen at once and load the session (loader()) in the background; a failed load stops the server with a
+    one-line SpecrtError."""
+    import logging
+
+    import uvicorn
+
+    from .errors import first_line
+    from .server import create_app, log
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib,
+                     default_max_tokens=default_max_tokens, suffix_scope=suffix_scope)
+    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server = app.state.server
+    server.on_load_error = lambda: setattr(uv, "should_exit", True)
+    log.info("loading '%s'; serving at http://%s:%d/v1 (GET /health: 503 until ready)", model, host, port)
+    uv.run()
+    if server.load_error is not None:
+        raise SpecrtError(f"could not load the engines: {first_line(server.load_error)}")

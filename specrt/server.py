@@ -45,7 +45,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import SpecrtError, first_line
 from .metrics import Metrics
-from .openai_api import ApiError, Shapes, check_model, error_body, finish_reason, parse, parse_body
+from .openai_api import ApiError, check_model, error_body, parse, parse_body
+from .openai_shapes import Shapes, finish_reason
 from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
@@ -425,22 +426,3 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
         return await generate(request, chat=False)
 
     return app
-
-
-def serve(loader, model: str, host: str, port: int, api_key: str | None = None, max_queue: int = 16,
-          cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-          suffix_scope: str = "server") -> None:
-    """Listen at once and load the session (loader()) in the background; a failed load stops the server with a
-    one-line SpecrtError."""
-    import uvicorn
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib,
-                     default_max_tokens=default_max_tokens, suffix_scope=suffix_scope)
-    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-    server = app.state.server
-    server.on_load_error = lambda: setattr(uv, "should_exit", True)
-    log.info("loading '%s'; serving at http://%s:%d/v1 (GET /health: 503 until ready)", model, host, port)
-    uv.run()
-    if server.load_error is not None:
-        raise SpecrtError(f"could not load the engines: {first_line(server.load_error)}")
