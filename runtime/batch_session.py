@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from ..errors import SpecrtError
 from ..manifest import Manifest
 from .backends import backend
-from .batch import LoadK, LoadPlanner, Scheduler, SlotEngine, SlotPool
+from .batch import Scheduler, SlotEngine, SlotPool
+from .load_k import LoadK, LoadPlanner
 from .engine import EngineOptions
 from .generate import Generator, Result, Stats, Stream
 from .prefix_cache import PrefixStore

@@ -98,7 +98,8 @@ def train_eagle(
         import torch
 
         from .corpora import BENCH_PROMPTS
-        from .export.eagle import EagleTrainConfig, HeadShape, train
+        from .export.eagle import EagleTrainConfig, HeadShape
+        from .export.eagle_train import train
         from .export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
         from .export.sources import fingerprint, load, resolve
         from .pipeline import source_name

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from specrt.runtime.batch import BatchCosts, LoadK, LoadPlanner, Scheduler, SlotEngine
+from specrt.runtime.batch import BatchCosts, Scheduler, SlotEngine
+from specrt.runtime.load_k import LoadK, LoadPlanner
 from specrt.runtime.control import Round
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.session import load
