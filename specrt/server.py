@@ -3,25 +3,23 @@
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> SSE chunks, ending `data: [DONE]`)
     GET  /v1/models, GET /health, GET /metrics (Prometheus: TTFT and latency histograms, when installed)
 
-1. Every request's Stream runs on a worker thread: one (the Session's one KV cache) by default, so requests take
-   turns, first come first served; with --parallel N (a BatchSession, runtime/batch_session.py) N threads, each
-   stream in a slot of its own, their passes batched, and the rest wait their turn. The decode loop is blocking
-   numpy/ONNX Runtime work.
-2. The worker pushes each text delta to the request's asyncio.Queue through loop.call_soon_threadsafe; the
-   SSE generator turns them into chunks.
-3. A client that disconnects cancels the SSE generator; its `finally` calls stream.close(), the loop stops at
-   the next round boundary (finish_reason "cancelled"), and the worker moves on to the next request. A
-   request still waiting in the queue when its client goes never runs.
-4. A user mistake answers OpenAI's error JSON with a 4xx (openai_api.ApiError), never a traceback; an
+1. Every request's Stream runs on a worker thread (specrt/worker.py): one by default (the Session's one KV cache),
+   so requests take turns; with --parallel N (a BatchSession, runtime/batch_session.py) N threads, their passes
+   batched. The worker pushes each text delta to the request's asyncio.Queue (loop.call_soon_threadsafe); the SSE
+   generator turns them into chunks.
+2. A client that disconnects cancels the SSE generator; its `finally` calls stream.close(): the loop stops at the
+   next round boundary (finish_reason "cancelled") and the worker moves on. A request still queued when its client
+   goes never runs.
+3. A user mistake answers OpenAI's error JSON with a 4xx (openai_api.ApiError), never a traceback; an
    unexpected failure is logged and answered 500 in the same shape, and the server keeps serving.
-5. KV reuse: the target keeps the cache of the last request's prompt + answer, and a request sharing a prefix
+4. KV reuse: the target keeps the cache of the last request's prompt + answer, and a request sharing a prefix
    with it (the next turn of a conversation, which resends the whole history) prefills only the rest; usage
    reports those prompt tokens as `cached_tokens`. Other conversations' caches wait on the host within
    `--cache-ram` MiB, least recently used out (runtime/prefix_cache.py), and go back into the engine for their
    next turn.
-6. `serve` listens at once and loads the engines in a thread: /health answers 503 until they are ready, /v1 routes
-   503 with Retry-After; a failed load stops the server with a one-line error.
-7. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
+5. `specrt serve` listens at once and loads the engines in a thread (serve_command.run_server): /health and /v1
+   answer 503 (with Retry-After) until they are ready; a failed load stops the server with a one-line error.
+6. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
    streamed request waits for its first token (the queue, a long prefill), the SSE body sends a comment line
    (": ping") every `ping_s` seconds, so clients with short read timeouts stay connected. Shutdown closes every
    stream still open, so each stops at its next round boundary.
@@ -32,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -53,6 +50,7 @@ from .runtime.session import Session
 from .scopes import store_key
 from .tool_calls import CallParser, Event, split
 from .tool_calls import grammar as tools_grammar
+from .worker import Loading, Overloaded, _drive, _sse
 
 log = logging.getLogger("specrt.server")
 
@@ -61,30 +59,6 @@ DEFAULT_CACHE_RAM_MIB = 1024
 # a chat reply's length when the request names none (voice agents' frameworks send no max_tokens): long enough for
 # any spoken turn or a page of code, short enough that one runaway reply does not hold the engine for minutes
 DEFAULT_MAX_TOKENS = 512
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _drive(stream: Stream, push, started, after=None) -> None:
-    """On the worker thread: run the loop to the end, pushing ("delta", text) then ("done", result) or
-    ("error", exception); started() first, when the request leaves the queue; after() once the result is out
-    (the KV cache's copy for reuse: off this request's and the next one's critical path)."""
-    started()
-    try:
-        for delta in stream:
-            push(("delta", delta))
-        push(("done", stream.result))
-    except Exception as e:  # noqa: BLE001 -- reported to the client and the log; the worker lives on
-        log.exception("generation failed")
-        push(("error", e))
-        return
-    if after is not None:
-        try:
-            after()
-        except Exception:  # noqa: BLE001 -- only reuse is lost
-            log.exception("keeping the KV cache for reuse failed")
 
 
 class Server:
@@ -295,14 +269,6 @@ class Server:
             return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-
-
-class Overloaded(Exception):
-    """max_queue requests are already waiting or running."""
-
-
-class Loading(Exception):
-    """The session is still loading."""
 
 
 RETRY_AFTER_S = 1
