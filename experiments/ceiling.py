@@ -226,7 +226,7 @@ def medusa_report(replays: list[Replay], ranks_by_case: dict[str, np.ndarray], c
                   ranks: int) -> list[dict]:
     """Per category: the best in-sample tree (a prefix of the joint-accuracy order) at the measured pass costs,
     with its tau and speedups, the 1-node tree, and tau of the unlimited tree of top-`ranks` paths."""
-    from specrt.export.medusa import tree_order
+    from specrt.export.medusa_tree import tree_order
 
     t1, top = costs[1], len(costs) - 1
     rows = []

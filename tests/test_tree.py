@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.export.medusa import choose_tree, tree_from_accuracies
+from specrt.export.medusa_tree import choose_tree, tree_from_accuracies
 from specrt.runtime.tree import DEFAULT_TREE, compile_tree
 
 NEG = -np.inf

@@ -136,7 +136,8 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     if req.medusa_heads is not None:
         if not Path(req.medusa_heads).is_file():
             raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
-        from ..export.medusa import HEADS_ENGINE, TREE_TOLERANCE
+        from ..export.medusa import HEADS_ENGINE
+        from ..export.medusa_tree import TREE_TOLERANCE
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
     if req.eagle_head is not None:

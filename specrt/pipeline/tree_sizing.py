@@ -28,7 +28,8 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
     engine entries so far (the tree is sized from the target's pass costs, through its logit screen where
     the runtime will use it, as decoding runs them). nodes > 0: a fixed tree size instead of the measured one."""
     from ..export.graph import read_initializers
-    from ..export.medusa import choose_tree, export_heads_onnx, load_heads, tree_from_accuracies
+    from ..export.medusa import export_heads_onnx, load_heads
+    from ..export.medusa_tree import choose_tree, tree_from_accuracies
     from ..runtime.tree import compile_tree
 
     log(f"building Medusa heads engine from {heads_path}")
