@@ -206,20 +206,26 @@ def shared_scratch(trt):
     return getattr(getattr(trt, "ExecutionContextAllocationStrategy", None), "USER_MANAGED", None)
 
 
+def on_own_memory(make):
+    """make(memory) on a CudaMemory of its own, which is freed if making fails."""
+    memory = CudaMemory()
+    try:
+        return make(memory)
+    except BaseException:
+        memory.close()
+        raise
+
+
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
     """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
     engine, buckets, max_prompt, keep, strategy, config = _deserialize(root, entry)
     graphs, note = graphs_wanted()
-    memory = CudaMemory()
-    try:
-        opened = TrtEngine(engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
-                           width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep,
-                           strategy=strategy, runtime_config=config)
-        opened.backend = entry.backend  # tensorrt or tensorrt-rtx, as descriptions say
-        return opened
-    except BaseException:
-        memory.close()
-        raise
+    opened = on_own_memory(lambda memory: TrtEngine(
+        engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
+        width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep, strategy=strategy,
+        runtime_config=config))
+    opened.backend = entry.backend  # tensorrt or tensorrt-rtx, as descriptions say
+    return opened
 
 
 def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:

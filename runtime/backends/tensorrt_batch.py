@@ -10,8 +10,7 @@ from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
 from .cuda_engine import Geometry, graphs_wanted
-from .cuda_memory import CudaMemory
-from .tensorrt import DECODE, PREFILL, REBUILD, TrtContexts, _addresses, _deserialize, pass_shapes
+from .tensorrt import DECODE, PREFILL, REBUILD, TrtContexts, _addresses, _deserialize, on_own_memory, pass_shapes
 
 
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBatchEngine":
@@ -24,16 +23,12 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBat
                           f"use --parallel {most}, or rebuild the set here with `specrt engines --backend tensorrt` "
                           "(engines take up to 8)")
     graphs, note = graphs_wanted()
-    memory = CudaMemory()
-    try:
-        opened = TrtBatchEngine(engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt,
-                                name=entry.name, width_exact=entry.width_exact, graphs=graphs, graphs_note=note,
-                                keep=keep, strategy=strategy, runtime_config=config)
-        opened.backend = entry.backend
-        return opened
-    except BaseException:
-        memory.close()
-        raise
+    opened = on_own_memory(lambda memory: TrtBatchEngine(
+        engine, memory, Geometry.of(entry), buckets, slots=slots, max_prompt=max_prompt, name=entry.name,
+        width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep, strategy=strategy,
+        runtime_config=config))
+    opened.backend = entry.backend
+    return opened
 
 
 class TrtBatchEngine(DeviceBatchEngine):

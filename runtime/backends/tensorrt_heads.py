@@ -21,8 +21,8 @@ from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_
                           HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN, HIDDEN_STATES, INPUT_IDS, KV_KINDS, POSITION_IDS,
                           WRITE_INDICES, past_name, present_name)
 from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
-from .cuda_memory import Copy2D, CudaMemory
-from .tensorrt import DECODE, PREFILL, REBUILD, RuntimeCache, TrtContexts, _load
+from .cuda_memory import Copy2D
+from .tensorrt import DECODE, PREFILL, REBUILD, RuntimeCache, TrtContexts, _load, on_own_memory
 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
@@ -30,12 +30,8 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     (TrtHeads), an ONNX graph on ONNX Runtime's CPU provider."""
     if entry.file.endswith(".engine"):
         engine, keep, strategy, config = _load(root, entry)
-        memory = CudaMemory()
-        try:
-            return TrtHeads(engine, memory, entry.name, keep=keep, strategy=strategy, runtime_config=config)
-        except BaseException:
-            memory.close()
-            raise
+        return on_own_memory(lambda memory: TrtHeads(engine, memory, entry.name, keep=keep, strategy=strategy,
+                                                     runtime_config=config))
     from .onnxruntime_cpu import OrtHeads
 
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
@@ -49,14 +45,10 @@ def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
 
         return open_onnx(root, entry, options)
     engine, keep, strategy, config = _load(root, entry)
-    memory = CudaMemory()
-    try:
-        return TrtEagleHead(engine, memory, name=entry.name, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
-                            head_dim=entry.head_dim, topk=int((entry.eagle or {})["topk"]), keep=keep,
-                            strategy=strategy, runtime_config=config)
-    except BaseException:
-        memory.close()
-        raise
+    return on_own_memory(lambda memory: TrtEagleHead(
+        engine, memory, name=entry.name, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
+        head_dim=entry.head_dim, topk=int((entry.eagle or {})["topk"]), keep=keep, strategy=strategy,
+        runtime_config=config))
 
 
 class TrtHeads:
