@@ -55,13 +55,11 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
         raise SpecrtError(f"EAGLE head '{head_path}' was trained on another checkpoint than this target; train one "
                           "for it with `specrt train-eagle`")
     embed, lm_head_t = read_initializers(cache / "model.onnx", "embed_tokens.weight", "lm_head.weight_t")
-    work = Path(tempfile.mkdtemp(prefix="eagle-", dir=tmp))
-    info = export_eagle_onnx(head_path, embed, lm_head_t.T, work / "eagle-fp32.onnx", facts["max_context"], TOPK)
     name, precision = (COMPILED, "fp32") if compiled else (NAME, "int8")
-    if compiled:
-        for f in work.iterdir():  # eagle-fp32.onnx and its weights
-            shutil.move(str(f), tmp / f.name)
-    else:
+    work = tmp if compiled else Path(tempfile.mkdtemp(prefix="eagle-", dir=tmp))  # compiled: the graph as written
+    graph = work / (COMPILED + ".onnx")
+    info = export_eagle_onnx(head_path, embed, lm_head_t.T, graph, facts["max_context"], TOPK)
+    if not compiled:
         # int8 weights (dynamic activations): a draft step reads a quarter of the bytes, 5x faster on the CPU
         # (docs/design-notes.md, "The EAGLE head in int8"); drafts stay lossless, the target verifies them
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -69,11 +67,11 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
         quiet = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process is for CNNs
         try:
-            quantize_dynamic(str(work / "eagle-fp32.onnx"), str(tmp / NAME_FILE), weight_type=QuantType.QInt8,
+            quantize_dynamic(str(graph), str(tmp / NAME_FILE), weight_type=QuantType.QInt8,
                              per_channel=True, op_types_to_quantize=["MatMul"], use_external_data_format=True)
         finally:
             logging.getLogger().setLevel(quiet)
-    shutil.rmtree(work)
+        shutil.rmtree(work)
     files = sorted(p.name for p in tmp.iterdir() if p.name.startswith(name + ".onnx"))
     cost = target_pass_costs(built, cache, facts, tmp, log)
     training = info.pop("report")
