@@ -34,7 +34,7 @@ class LookupMedusa:
         self.buckets = lookup.buckets
         self.max_tokens = max(lookup.max_tokens, medusa.max_tokens)
         # buckets >= first_medusa: a match shorter than min_match, or none
-        self.first_medusa = sum(1 for n in getattr(lookup, "match_sizes", None) or lookup.ngram_sizes if n >= min_match)
+        self.first_medusa = sum(1 for n in lookup.match_sizes if n >= min_match)
 
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
         self.lookup.start(ctx, sampling, rng)

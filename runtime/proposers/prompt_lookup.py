@@ -34,6 +34,7 @@ class PromptLookup:
             raise SpecrtError(f"prompt-lookup max_tokens must be >= 1, got {max_tokens}")
         self.ngram_sizes, self.max_tokens = sizes, max_tokens
         self.buckets = len(sizes) + 1
+        self.match_sizes = sizes  # the match lengths its buckets start at (LookupMedusa routes by them)
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self._indexed = 0  # n-grams ending at e < _indexed are in the index
         self._match = (-1, 0, None)  # (context length, bucket, end) of the last lookup
