@@ -323,12 +323,11 @@ def serve_ray(
 
     def run():
         from .runtime.speculative import SpeculativeConfig
-        from .scopes import check_suffix_scope
         from .serve_command import check_serve_flags
 
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens,
+                          suffix_scope)
         check_flags(replicas, cores_per_replica, gpus_per_replica)
-        check_suffix_scope(suffix_scope)
         suffix = (suffix_cache, suffix_threshold, suffix_factor)
         SpeculativeConfig(suffix_cache_mib=suffix_cache, suffix_threshold=suffix_threshold,
                           suffix_factor=suffix_factor).check()

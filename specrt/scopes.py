@@ -35,16 +35,22 @@ def conversation_key(path: str, body: bytes, header: str | None = None) -> str |
     JSON."""
     if header:
         return _digest(["header", header])
-    chat = path.rstrip("/").endswith("/chat/completions")
-    if not chat and not path.rstrip("/").endswith("/completions"):
+    if not path.rstrip("/").endswith("/completions"):  # /v1/chat/completions or /v1/completions
         return None
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
+    return request_key(path, req)
+
+
+def request_key(path: str, req, header: str | None = None) -> str | None:
+    """conversation_key of a generation request's parsed body."""
+    if header:
+        return _digest(["header", header])
     if not isinstance(req, dict):
         return None
-    if chat:
+    if path.rstrip("/").endswith("/chat/completions"):
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
@@ -67,13 +73,13 @@ def check_suffix_scope(scope: str) -> None:
         raise SpecrtError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, got '{scope}'")
 
 
-def store_key(scope: str, path: str, body: bytes, headers) -> str | None:
-    """The suffix store a request reads and writes under `scope` (None: the one every request shares). headers:
-    the request's, lower-case names."""
+def store_key(scope: str, path: str, req: dict, headers) -> str | None:
+    """The suffix store a generation request reads and writes under `scope` (None: the one every request shares).
+    req: its parsed body; headers: its headers, lower-case names."""
     if scope == "server":
         return None
     if scope == "api-key":
         _, _, token = headers.get("authorization", "").partition(" ")
         return "key:" + _digest(["key", token.strip()])
-    key = conversation_key(path, body, headers.get(CONVERSATION_HEADER))
+    key = request_key(path, req, headers.get(CONVERSATION_HEADER))
     return "conversation:" + (key or f"unkeyed-{next(_unkeyed)}")  # no key: the request's own store

@@ -14,7 +14,8 @@ from .scopes import check_suffix_scope
 
 
 def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
-                      prefill_chunk: int | None = None, default_max_tokens: int = 0) -> None:
+                      prefill_chunk: int | None = None, default_max_tokens: int = 0,
+                      suffix_scope: str = "server") -> None:
     """The flags `serve` and `serve-ray` share, checked before anything loads (one line each)."""
     if not 0 < port < 65536:
         raise SpecrtError(f"--port must be in 1..65535, got {port}")
@@ -28,6 +29,7 @@ def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, 
         raise SpecrtError("--api-key is empty; pass a key or omit the flag")
     if default_max_tokens < 0:
         raise SpecrtError(f"--default-max-tokens must be >= 0 (0 = the rest of the context), got {default_max_tokens}")
+    check_suffix_scope(suffix_scope)
     if prefill_chunk is not None:
         from .runtime.batch_session import check_prefill_chunk
 
@@ -89,8 +91,8 @@ def serve(
     from .cli import _guard
 
     def run():
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
-        check_suffix_scope(suffix_scope)
+        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens,
+                          suffix_scope)
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401

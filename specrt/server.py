@@ -50,7 +50,7 @@ from .runtime.session import Session
 from .scopes import store_key
 from .tool_calls import CallParser, Event, split
 from .tool_calls import grammar as tools_grammar
-from .worker import Loading, Overloaded, _drive, _sse
+from .worker import Loading, Overloaded, run_stream, sse_event
 
 log = logging.getLogger("specrt.server")
 
@@ -91,7 +91,7 @@ class Server:
         session.enable_reuse(PrefixStore(self.cache_ram_mib * MIB))
         self.max_queue = max(self.max_queue, session.parallel)  # room for at least the streams that run at once
         if session.parallel > 1:
-            session.detach = False  # each worker hands every delta on at once (_drive): the batch never waits for it
+            session.detach = False  # each worker hands every delta on at once (run_stream): the batch never waits
         self.worker = ThreadPoolExecutor(max_workers=session.parallel, thread_name_prefix="specrt-engine")
         self.model = self.model or session.manifest.name
         self.created = int(session.manifest.root.stat().st_mtime)
@@ -188,7 +188,7 @@ class Server:
             except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
                 pass
 
-        self.worker.submit(_drive, stream, push, started, self.session.stash)
+        self.worker.submit(run_stream, stream, push, started, self.session.stash)
         return queue
 
     async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool,
@@ -214,7 +214,7 @@ class Server:
                     continue  # a call completed: already streamed
                 if include_usage:
                     out["usage"] = None
-                yield _sse(out)
+                yield sse_event(out)
                 first = False
 
         try:
@@ -237,13 +237,13 @@ class Server:
                     chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls))
                     if include_usage:
                         chunk["usage"] = None
-                    yield _sse(chunk)
+                    yield sse_event(chunk)
                     if include_usage:
-                        yield _sse(shapes.usage_chunk(value.stats))
+                        yield sse_event(shapes.usage_chunk(value.stats))
                     yield "data: [DONE]\n\n"
                     return
                 else:
-                    yield _sse(error_body(f"generation failed: {first_line(value)}", "server_error"))
+                    yield sse_event(error_body(f"generation failed: {first_line(value)}", "server_error"))
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -371,9 +371,8 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
         auth(request)
         if server.session is None:
             raise Loading()
-        raw = await request.body()
-        body = parse_body(raw)
-        req, stream = server.open(body, chat, store_key(server.suffix_scope, request.url.path, raw, request.headers))
+        body = parse_body(await request.body())
+        req, stream = server.open(body, chat, store_key(server.suffix_scope, request.url.path, body, request.headers))
         server.admit()  # released when the worker finishes it (submit's push)
         shapes = Shapes(chat, server.model)
         if req.stream:

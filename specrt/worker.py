@@ -12,11 +12,11 @@ from .runtime.generate import Stream
 log = logging.getLogger("specrt.server")
 
 
-def _sse(obj) -> str:
+def sse_event(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _drive(stream: Stream, push, started, after=None) -> None:
+def run_stream(stream: Stream, push, started, after=None) -> None:
     """On the worker thread: run the loop to the end, pushing ("delta", text) then ("done", result) or
     ("error", exception); started() first, when the request leaves the queue; after() once the result is out
     (the KV cache's copy for reuse: off this request's and the next one's critical path)."""
