@@ -628,7 +628,7 @@ def test_the_gpu_batch_engines_equal_the_portable_cpu_batch_engine(tmp_path, bac
     from specrt.runtime.backends.cuda_engine import Geometry
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
     from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
-    from specrt.runtime.backends.tensorrt import TrtBatchEngine
+    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
     from specrt.runtime.batch import PassRow
     from specrt.runtime.engine import tree_moves
 
@@ -738,7 +738,7 @@ def test_a_tensorrt_batch_engine_refuses_slots_off_the_256_byte_boundary(tmp_pat
     import onnxruntime as ort
 
     from specrt.runtime.backends.cuda_engine import Geometry
-    from specrt.runtime.backends.tensorrt import TrtBatchEngine
+    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
 
     path = tmp_path / "target-fp32.onnx"
     _random_portable(path)

@@ -436,7 +436,7 @@ def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, t
     from specrt.export.medusa import export_heads_onnx
     from specrt.runtime.backends.cuda_memory import HostMemory
     from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
-    from specrt.runtime.backends.tensorrt import TrtHeads
+    from specrt.runtime.backends.tensorrt_heads import TrtHeads
 
     hidden, vocab = 64, 384
     rng = np.random.default_rng(3)

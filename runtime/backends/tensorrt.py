@@ -22,7 +22,6 @@ beside the target; heads still in ONNX run on ONNX Runtime's CPU provider.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +33,10 @@ from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
 from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
+from .tensorrt_rtx import (REBUILD, RuntimeCache, _rebuild, check_targets, check_validity,  # noqa: F401
+                           rtx_runtime_config, runtime_cache_path)
 
 PREFILL, DECODE = 0, 1  # optimization profiles, in the order build/tensorrt.py adds them
-REBUILD = ("rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend tensorrt-rtx "
-           "--gpu-arch for it)")
 
 
 def import_tensorrt():
@@ -45,12 +44,6 @@ def import_tensorrt():
     from ...backends import TENSORRT
 
     return TENSORRT.require()
-
-
-def _rebuild(entry) -> str:
-    if entry.backend == "tensorrt-rtx":
-        return "rebuild the engine set with `specrt engines --backend tensorrt-rtx --gpu-arch ARCHS`"
-    return REBUILD
 
 
 def _deserialize(root: Path, entry):
@@ -108,96 +101,6 @@ def _load(root: Path, entry):
         cache = RuntimeCache(trt, runtime_cache_path(Path(root), entry.name, trt.__version__, here))
         config = rtx_runtime_config(trt, engine, cache)
     return engine, (logger, runtime, cache), shared_scratch(trt), config
-
-
-def check_targets(entry, here: str) -> None:
-    """A TensorRT for RTX engine runs on the architectures it was compiled for (entry.build's gpu_archs); Hopper and
-    data-center Blackwell are regular TensorRT's. One line naming the backend or --gpu-arch to build instead."""
-    from ...backends import DEFAULT_GPU_ARCHS, GPU_ARCHS
-
-    arch = "sm" + here.replace(".", "")
-    targets = (entry.build or {}).get("gpu_archs") or list(DEFAULT_GPU_ARCHS)
-    if arch not in GPU_ARCHS:
-        raise SpecrtError(f"engine '{entry.name}' is a TensorRT for RTX engine, and this GPU (compute capability "
-                          f"{here}) is not one TensorRT for RTX runs on (it targets {', '.join(GPU_ARCHS)}); build "
-                          "the set on this machine with `specrt engines --backend tensorrt`")
-    if arch not in targets:
-        raise SpecrtError(f"engine '{entry.name}' was compiled for {', '.join(targets)}, and this GPU is {arch}; "
-                          f"rebuild the set with `specrt engines --backend tensorrt-rtx --gpu-arch "
-                          f"{','.join([*targets, arch])}`")
-
-
-def check_validity(trt, runtime, blob: bytes, entry) -> None:
-    """TensorRT for RTX's own check of an engine's header against this machine (Runtime.get_engine_validity),
-    before deserializing: an engine it calls invalid would fail there with less to say."""
-    size = int(getattr(runtime, "engine_header_size", 0) or 0)
-    if not size or not hasattr(runtime, "get_engine_validity"):
-        return
-    validity, diagnostics = runtime.get_engine_validity(memoryview(blob)[:size])
-    if validity != trt.EngineValidity.INVALID:
-        return
-    reasons = [n.lower().replace("_", " ") for n, v in trt.EngineInvalidityDiagnostics.__members__.items()
-               if diagnostics & int(v)] or ["no reason given"]
-    fix = ("update the NVIDIA driver" if any(r.startswith(("old cuda", "cuda error")) for r in reasons)
-           else _rebuild(entry))
-    raise SpecrtError(f"TensorRT for RTX says engine '{entry.name}' cannot run here ({', '.join(reasons)}); {fix}")
-
-
-def runtime_cache_path(root: Path, engine: str, version: str, here: str) -> Path:
-    """The runtime cache of one TensorRT for RTX engine of a set on this GPU: engines/.cache/tensorrt-rtx/, one file
-    per set, engine, GPU model, compute capability and TensorRT for RTX version (each engine saves its own whole
-    cache at close; the library ignores a cache from another GPU or version)."""
-    name = "gpu"
-    try:
-        prop = check(cudart().cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
-        raw = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
-        name = "".join(c if c.isalnum() else "-" for c in raw.strip("\x00 ").lower()).strip("-") or name
-    except (SpecrtError, AttributeError):
-        pass
-    return (root.resolve().parent / ".cache" / "tensorrt-rtx" /
-            f"{root.resolve().name}-{engine}-{name}-sm{here.replace('.', '')}-{version}.bin")
-
-
-class RuntimeCache:
-    """TensorRT for RTX's runtime cache (the kernels it compiles for this GPU when an engine first runs a shape),
-    read from its file at open and written back, whole, at close: the second start skips that compilation
-    (docs: "Work with the Runtime Cache")."""
-
-    def __init__(self, trt, path: Path):
-        self.path, self.cache = path, None
-        self._trt = trt
-
-    def attach(self, config) -> None:
-        self.cache = config.create_runtime_cache()
-        if self.path.is_file() and not self.cache.deserialize(self.path.read_bytes()):
-            self.path.unlink(missing_ok=True)  # another driver's or a damaged file: compiled anew, saved at close
-        config.set_runtime_cache(self.cache)
-
-    def save(self) -> None:
-        if self.cache is None:
-            return
-        data = self.cache.serialize()
-        part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            part.write_bytes(memoryview(data))
-            os.replace(part, self.path)
-        except OSError:  # a read-only engines folder only costs the next start its kernel compilation
-            part.unlink(missing_ok=True)
-
-
-def rtx_runtime_config(trt, engine, cache: RuntimeCache):
-    """TensorRT for RTX's runtime configuration for our contexts: the runtime cache; EAGER shape specialization, so
-    the uncaptured warm-up pass of a new (width, capacity) compiles its specialized kernels before we capture it (a
-    capture would freeze LAZY's fallback kernels); the library's own CUDA graphs off, since we capture ourselves
-    (its docs: turn RTX CUDA graphs off when capturing the stream externally; every pass shape is static here, the
-    cache capacity fixed in the graph); one USER_MANAGED scratch shared by the two contexts, as on TensorRT."""
-    config = engine.create_runtime_config()
-    cache.attach(config)
-    config.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.EAGER
-    config.cuda_graph_strategy = trt.CudaGraphStrategy.DISABLED
-    config.set_execution_context_allocation_strategy(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-    return config
 
 
 def shared_scratch(trt):
@@ -395,6 +298,20 @@ class TrtEngine(DeviceEngine):
         super().close()
 
 
-# the backend module's API (runtime/backends/__init__.py): heads and batches live beside it
-from .tensorrt_batch import TrtBatchEngine, open_batch  # noqa: E402,F401
-from .tensorrt_heads import TrtEagleHead, TrtHeads, open_eagle, open_heads  # noqa: E402,F401
+# the rest of the backend module's API (runtime/backends/__init__.py), in modules of their own that import this one
+def open_batch(root: Path, entry, options: EngineOptions, slots: int):
+    from .tensorrt_batch import open_batch as open_
+
+    return open_(root, entry, options, slots)
+
+
+def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
+    from .tensorrt_heads import open_heads as open_
+
+    return open_(root, entry, options)
+
+
+def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
+    from .tensorrt_heads import open_eagle as open_
+
+    return open_(root, entry, options)

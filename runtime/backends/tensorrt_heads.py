@@ -197,7 +197,7 @@ class TrtEagleHead:
         for t in (HIDDEN_STATES, EAGLE_TOKENS, EAGLE_LOGPROBS):
             m.download(h[t][:W], self._device[t])
         m.sync()
-        return h[HIDDEN_STATES][:W].copy(), h[EAGLE_TOKENS][:W].copy(), h[EAGLE_LOGPROBS][:W].copy()
+        return h[HIDDEN_STATES][:W], h[EAGLE_TOKENS][:W], h[EAGLE_LOGPROBS][:W]  # views: run copies them out
 
     def save_prefix(self, length: int) -> KVSnapshot:
         for a, ptr in zip(self._cache_host, self._cache):
