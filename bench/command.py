@@ -79,10 +79,13 @@ def bench(
                           ignore_eos=ignore_eos, isolate=isolate, compare=tuple(compare))
         res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
         if repeat_calls:
+            from ..manifest import load_manifest
+            from .contenders import our_modes, spec_modes
             from .repeat import run as run_repeat
 
-            ours = [m[: -len("-fp32")] for m in res["modes"] if m.endswith("-fp32") and not m.startswith("genai")]
-            spec = ["off"] + [m for m in ours if m != "plain"]
+            ours = our_modes(load_manifest(engines_dir))  # name -> (strategy, precision), never split by hand
+            spec = ["off"] + [s for s, p in (ours[m] for m in res["modes"] if m in ours)
+                              if p == "fp32" and s in spec_modes()]
             res["repeat"] = run_repeat(str(engines_dir), spec, repeat_calls, min(8, max(1, repeat_calls // 4)),
                                        96, min(10, repeat_calls), log=lambda m: typer.secho(m, err=True, dim=True))
         command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])

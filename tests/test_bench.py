@@ -136,11 +136,12 @@ def test_the_workloads_that_repeat_are_reported_beside_the_prompt_set(tmp_path):
     engines = make_engine_set(EngineSetRequest(str(ckpt), "tiny-long", ("fp32",), 2048, tmp_path / "e"),
                               log=lambda m: None)
     r = specrt("--engines", engines, "--prompts", write_prompts(tmp_path / "p.jsonl"), "--quick", "--reps", 1,
-               "--threads", 1, "--modes", "plain-fp32,prompt-lookup-fp32,suffix-fp32", "--categories", "chat",
+               "--threads", 1, "--modes", "plain-fp32,plain-fullhead-fp32,prompt-lookup-fp32,suffix-fp32",
+               "--categories", "chat",
                "--repeat-calls", 2, "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "o" / "results.json").read_text())["repeat"]
-    assert rep["modes"] == ["off", "prompt-lookup", "suffix"] and rep["calls"] == 2 and rep["edits"] == 1
+    assert rep["modes"] == ["off", "prompt-lookup", "suffix"] and rep["calls"] == 2 and rep["edits"] == 1  # no fullhead
     for workload in ("voice", "code"):
         s = rep["summary"][workload]
         assert all(s["identical"].values()) and s["tau"]["off"] <= 1.0 and s["drafted"]["off"] == 0
