@@ -71,7 +71,9 @@ class Engine(Protocol):
         """Lay the cache out for about `positions` positions (a hint; a pass past it grows the layout)."""
 
     def enable_hidden(self) -> None:
-        """Opt in to `hidden` on every pass (Medusa/EAGLE heads read it)."""
+        """Opt in to `hidden` on every pass (Medusa/EAGLE heads read it). A GPU engine (backends/cuda_engine.py)
+        also takes device_only=True and gives hidden_address(row) / hidden_addresses(rows) and hidden_rows, which
+        heads on its GPU read instead (the rows then stay on the device)."""
 
     def save_prefix(self, length: int) -> "KVSnapshot":
         """A host copy of the first `length` committed positions of the cache (KV reuse across sequences)."""
@@ -151,7 +153,8 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> H
 
 
 def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """The EAGLE head engine of a manifest entry, on the entry's backend (ONNX Runtime's CPU provider today)."""
+    """The EAGLE head engine of a manifest entry, on the entry's backend (a compiled head beside a TensorRT target;
+    ONNX Runtime's CPU provider otherwise)."""
     from .backends import backend
 
     return backend(entry).open_eagle(Path(root), entry, options)

@@ -330,3 +330,123 @@ def test_eagle_variants_names_a_bad_variant_before_any_work(spec, message, capsy
     with pytest.raises(SystemExit) as e:
         main([spec])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# --- the compiled head beside a target on the device (tensorrt backends), on host-memory fakes ----------------
+
+@pytest.fixture(scope="module")
+def fake_gpu_eagle(tmp_path_factory):
+    """A random portable target (hidden 32, vocab 96) and a random EAGLE head for it, the head's graph with its
+    cache capacity fixed at 320 as build/tensorrt.py compiles it."""
+    from test_gpu_backends import _random_portable
+
+    from specrt.build.tensorrt import fix_capacity
+    from specrt.export.eagle import export_eagle_onnx, save_head
+
+    out = tmp_path_factory.mktemp("fake-gpu-eagle")
+    _random_portable(out / "target-fp32.onnx")
+    torch.manual_seed(0)
+    save_head(out / "head.npz", make_head(SHAPE), np.arange(96), {"shape": SHAPE.__dict__})
+    rng = np.random.default_rng(0)
+    embed, lm_head = rng.standard_normal((2, 96, 32)).astype(np.float32)
+    export_eagle_onnx(out / "head.npz", embed, lm_head, out / "eagle.onnx", 256, 8)
+    (out / "eagle-fixed.onnx").write_bytes(fix_capacity(out / "eagle.onnx", 320))
+    return out
+
+
+def _gpu_eagle(root, tree: bool, on_device: bool = True):
+    """(target, head, proposer): TrtEngine and TrtEagleHead over host-memory fakes (CountingMemory), the head
+    reading the target's rows on the device, or with on_device False the same head class on the host path."""
+    from test_gpu_backends import CountingMemory, HostEagleEngine, fake_target
+
+    from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
+    from specrt.runtime.proposers.eagle import Eagle
+
+    target = fake_target(root / "target-fp32.onnx", "tensorrt")
+    head = TrtEagleHead(HostEagleEngine(root / "eagle-fixed.onnx", max_rows=16, max_width=4), CountingMemory(),
+                        name="eagle-fp32", hidden=32, kv_heads=2, head_dim=8, topk=8)
+    if not on_device:
+        head.on_device = False
+    return target, head, Eagle(head, max_tokens=4, tree=tree, beam=3, nodes=8)
+
+
+PROMPT = np.random.default_rng(5).integers(0, 96, 37)  # wider than the fake head's 16 prefill rows: chunks
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_eagle_features_stay_on_the_device_beside_a_compiled_target(fake_gpu_eagle, tree):
+    """The device path (the target's accepted rows copied on the device into the head's store, the head's
+    predicted features fed back by address) against the host path of the same head class, round by round through
+    long forced accepts: the same drafts, tokens and kept features; no hidden or feature row downloaded on the
+    device path (the host path downloads both); KV reuse's copy of the features equal. A device copy skipped, or
+    of the wrong rows, drafts otherwise."""
+    from specrt.interface import HIDDEN_STATES
+    from test_gpu_backends import hidden_fetched, speculate
+
+    host_t, host_h, host_p = _gpu_eagle(fake_gpu_eagle, tree, on_device=False)
+    want, host_drafts = speculate(host_t, host_p, PROMPT, 60, 4, forced=True)
+    assert not host_p._device and max(len(t) for t, _ in host_drafts) > 1
+    target, head, proposer = _gpu_eagle(fake_gpu_eagle, tree)
+    got, drafts = speculate(target, proposer, PROMPT, 60, 4, forced=True)
+    assert proposer._device and drafts == host_drafts and got == want
+    # what crossed to the host: on the device path no row of the target's hidden states, nor of the head's
+    # features (its outputs or its store); the host path fetches both
+    rows = head.max_rows * head.hidden_size * 4
+    assert hidden_fetched(target) == 0 and len(target.hidden) == 0
+    assert head.memory.fetched(head._device[HIDDEN_STATES], rows) == 0
+    assert head.memory.fetched(head._store, head.capacity * head.hidden_size * 4) == 0
+    assert hidden_fetched(host_t) > 0 and host_h.memory.fetched(host_h._device[HIDDEN_STATES], rows) > 0
+    n = proposer._known
+    assert n == host_p._known > len(PROMPT) + 40
+    np.testing.assert_array_equal(head.read_features(n), host_p._feat[:n])  # the store holds the same rows
+    saved, host_saved = proposer.save_state(n), host_p.save_state(n)
+    np.testing.assert_array_equal(saved.feat, host_saved.feat)
+    for a, b in zip(saved.cache.arrays, host_saved.cache.arrays):
+        np.testing.assert_array_equal(a, b)
+    kept = host_saved.cache.length  # the head's positions (its last rows are read next round)
+    proposer.load_state(np.zeros(kept, np.int64), host_saved)  # a prefix kept across requests: back in the store
+    np.testing.assert_array_equal(head.read_features(kept), host_saved.feat)
+    # a call's feature outputs hold until the next call; of a call in chunks, the last chunk's rows only
+    mask, one = np.zeros((20, head.capacity), np.float32), np.array([1])
+    f = head.run(head.stored(0, 1), one, one, kept, mask[:1])[0]
+    head.run(f, one, one, kept + 1, mask[:1])
+    with pytest.raises(ValueError, match="since overwritten"):
+        head.run(f, one, one, kept + 1, mask[:1])
+    wide = head.run(head.stored(0, 20), np.ones(20, np.int64), np.arange(20), kept, mask)[0]
+    assert (wide.addresses[:16] == 0).all() and (wide.addresses[16:] > 0).all()
+    # the test sees a device copy skipped, or one of the wrong rows
+    for sabotage in ("skip", "shift"):
+        target, head, proposer = _gpu_eagle(fake_gpu_eagle, tree)
+        if sabotage == "skip":
+            head.keep_features = lambda position, addresses: None
+        else:
+            rows_of = target.hidden_addresses
+            target.hidden_addresses = lambda rows: rows_of(np.asarray(rows) + 1)
+        assert speculate(target, proposer, PROMPT, 60, 4, forced=True)[1] != host_drafts, sabotage
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_eagle_on_the_device_keeps_the_targets_output(fake_gpu_eagle, tree):
+    """Greedy speculative decoding with the head on the device path (real verification) gives plain greedy
+    decoding's tokens, and drafts on the way."""
+    from test_gpu_backends import fake_target, hidden_fetched, plain, speculate
+
+    target, _, proposer = _gpu_eagle(fake_gpu_eagle, tree)
+    got, drafts = speculate(target, proposer, PROMPT, 50, 4)
+    assert proposer._device and sum(len(t) for t, _ in drafts) > 0 and hidden_fetched(target) == 0
+    assert got == plain(fake_target(fake_gpu_eagle / "target-fp32.onnx", "tensorrt"), PROMPT, 50)
+
+
+def test_device_feature_rows_are_gathered_and_refused_when_overwritten():
+    """rows_plan packs rows that follow each other at their source into one copy; DeviceRows keep the epoch of
+    the call whose outputs they are, and a joined level of mixed epochs is refused by a head."""
+    from specrt.runtime.backends.cuda_memory import DeviceRows, rows_plan
+
+    plan = rows_plan(5000, 16, [100, 116, 132, 300, 100])
+    assert [(c.dst, c.src, c.width) for c in plan] == [(5000, 100, 48), (5048, 300, 16), (5064, 100, 16)]
+    assert all(c.height == 1 and c.dpitch == c.spitch == c.width for c in plan)
+    with pytest.raises(ValueError, match="no longer on the device"):
+        rows_plan(5000, 16, [100, 0])
+    rows = DeviceRows([10, 20, 30], epoch=4)
+    assert len(rows[-1:]) == 1 and rows[0].epoch == 4 and list(rows.join([rows[2], rows[0]]).addresses) == [30, 10]
+    assert rows.join([rows[0], DeviceRows([7])]).epoch == -1

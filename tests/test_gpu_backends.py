@@ -320,6 +320,117 @@ class FakeTrtEngine:
         return ctx
 
 
+# --- compiled heads faked, and memory that counts what crosses to the host ----------------------------------
+
+def random_heads(hidden: int, vocab: int, k: int = 3) -> dict:
+    """Medusa heads' weights as `specrt train-medusa` keeps them, random."""
+    rng = np.random.default_rng(0)
+    w = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float16)  # noqa: E731
+    return {"w1": w(k, hidden, hidden), "b1": w(k, hidden), "w2": w(k, hidden, hidden), "b2": w(k, hidden),
+            "vocab": np.arange(min(vocab, 64), dtype=np.int32), "report": {}}
+
+
+class HostEngine:
+    """A compiled heads engine faked by an ONNX Runtime session of the same graph that reads its inputs from, and
+    writes its outputs to, the host addresses and shapes TrtHeads set: what reaches TensorRT is what a call needs."""
+
+    num_optimization_profiles = 1
+    device_memory_size_v2 = 1024
+
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3  # its cache is fed as a copy each run, which ORT warns of
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.io = [*self.session.get_inputs(), *self.session.get_outputs()]
+        self.num_io_tensors = len(self.io)
+        self.contexts = []
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.io[i].name
+
+    def get_tensor_shape(self, name: str):
+        return [-1 if isinstance(d, str) else d for d in next(t.shape for t in self.io if t.name == name)]
+
+    def create_execution_context(self, config=None):
+        engine = self
+
+        class Context:
+            config_ = None
+
+            def __init__(self):
+                self.addresses, self.shapes = {}, {}
+
+            def set_optimization_profile_async(self, profile, stream):
+                return 0 <= profile < engine.num_optimization_profiles
+
+            def set_device_memory(self, ptr, size):
+                self.scratch = (ptr, size)
+
+            def set_tensor_address(self, name, ptr):
+                self.addresses[name] = ptr
+                return True
+
+            def set_input_shape(self, name, shape):
+                self.shapes[name] = tuple(shape)
+                return True
+
+            def execute_async_v3(self, stream):
+                import ctypes
+
+                types_ = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+                feed = {}
+                for i in engine.session.get_inputs():
+                    a = np.empty(self.shapes[i.name], types_[i.type])
+                    ctypes.memmove(a.ctypes.data, self.addresses[i.name], a.nbytes)
+                    feed[i.name] = a
+                for o, v in zip(engine.session.get_outputs(), engine.session.run(None, feed)):
+                    v = np.ascontiguousarray(v)
+                    ctypes.memmove(self.addresses[o.name], v.ctypes.data, v.nbytes)
+                return True
+
+        ctx = Context()
+        ctx.config_ = config
+        self.contexts.append(ctx)
+        return ctx
+
+
+class HostEagleEngine(HostEngine):
+    """A compiled EAGLE head faked likewise: its graph with the cache capacity fixed, as build/tensorrt.py compiles
+    it, and the prefill and decode profiles (rows up to max_rows and max_width)."""
+
+    num_optimization_profiles = 2
+
+    def __init__(self, path: Path, max_rows: int, max_width: int):
+        super().__init__(path)
+        self.max = (max_rows, max_width)
+
+    def get_tensor_profile_shape(self, name, profile):
+        return [(1, 1), (1, 1), (1, self.max[profile])]
+
+    def get_tensor_dtype(self, name):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="FLOAT")
+
+
+class CountingMemory(HostMemory):
+    """HostMemory that records every download (device to host) by source address and size."""
+
+    def __init__(self):
+        super().__init__()
+        self.downloads: list[tuple[int, int]] = []
+
+    def download(self, host: np.ndarray, src: int) -> None:
+        self.downloads.append((src, host.nbytes))
+        super().download(host, src)
+
+    def fetched(self, start: int, nbytes: int) -> int:
+        """Bytes downloaded from [start, start + nbytes)."""
+        return sum(n for src, n in self.downloads if start <= src < start + nbytes)
+
+
 @pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt", "tensorrt-rtx"])
 def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend):
     """OrtCudaEngine and TrtEngine (every buffer in HostMemory; ORT bound to it by address, TensorRT faked by a
@@ -753,3 +864,121 @@ def test_a_tensorrt_batch_engine_refuses_slots_off_the_256_byte_boundary(tmp_pat
     one.close()
     TrtBatchEngine(fake, HostMemory(), geometry, Buckets(widths, (704,), pad_logits=True), slots=2, max_prompt=600,
                    name="t", width_exact=True, graphs=False, graphs_note="test").close()
+
+
+# --- speculation beside a target on the device (the heads' device path), on the fakes -----------------------
+
+def forced_accept():
+    """A sampled mode's `accept` that keeps a path chosen by the round's number, not by p (the draft's first m
+    nodes of a chain; a node and its ancestors of a tree; at times none), then the target's most likely token
+    after it: rounds with long accepts, which random heads never reach, for the bookkeeping of both paths."""
+    from specrt.runtime.verify import VerifyResult
+
+    count = [0]
+
+    def accept(p, draft, rng):
+        n, path = draft.tokens.size, []
+        count[0] += 1
+        node = (count[0] * 3) % (n + 1) - 1 if n else -1
+        parents = np.arange(n) - 1 if draft.parents is None else draft.parents
+        while node >= 0:
+            path.insert(0, node)
+            node = int(parents[node])
+        idx = np.asarray(path, np.int64)
+        row = idx[-1] + 1 if path else 0
+        return VerifyResult(draft.tokens[idx], idx, int(p[row].argmax()), bool(path),
+                            np.arange(draft.depth()) < idx.size)
+
+    return accept
+
+
+def speculate(target, proposer, prompt, new_tokens: int, k: int, forced: bool = False):
+    """(tokens, every round's draft as (tokens, parents)) of speculative decoding on target with proposer: greedy,
+    or with forced, sampled at temperature 1 through forced_accept."""
+    from specrt.runtime.control import FixedK
+    from specrt.runtime.generate import Stats
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.speculative import speculative_decode
+
+    drafts, propose = [], proposer.propose
+
+    def recording(ctx, k):
+        d = propose(ctx, k)
+        drafts.append((d.tokens.tolist(), None if d.parents is None else d.parents.tolist()))
+        return d
+
+    proposer.propose = recording
+    sampling = SamplingParams(temperature=1.0 if forced else 0.0)
+    extra = {"accept": forced_accept()} if forced else {}
+    out, it = [], speculative_decode(target, list(prompt), sampling, np.random.default_rng(0), Stats(),
+                                     proposer=proposer, control=FixedK(k), **extra)
+    for tokens in it:
+        out += tokens
+        if len(out) >= new_tokens:
+            break
+    it.close()
+    return out[:new_tokens], drafts
+
+
+def plain(target, prompt, new_tokens: int) -> list[int]:
+    """Greedy target-only decoding's first new_tokens tokens."""
+    from specrt.runtime.generate import Stats, plain_decode
+    from specrt.runtime.sampling import SamplingParams
+
+    out, it = [], plain_decode(target, list(prompt), SamplingParams(), np.random.default_rng(0), Stats())
+    for tokens in it:
+        out += tokens
+        if len(out) >= new_tokens:
+            break
+    it.close()
+    return out[:new_tokens]
+
+
+def fake_target(path: Path, backend: str):
+    """A device engine of backend's class over the random portable graph at path, in CountingMemory."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEngine
+    from specrt.runtime.backends.tensorrt import TrtEngine
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")
+    buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
+    if backend == "onnxruntime-cuda":
+        return OrtCudaEngine(session, CountingMemory(), geometry, buckets, name="t", device="cpu")
+    return TrtEngine(FakeTrtEngine(session), CountingMemory(), geometry, buckets, max_prompt=600, name="t",
+                     width_exact=True, graphs=False, graphs_note="test")
+
+
+def hidden_fetched(target) -> int:
+    """Bytes of the target's hidden states that came back to the host."""
+    return target.memory.fetched(target.out_hidden, target.max_prompt * target.geometry.hidden_size * 4)
+
+
+def test_ort_cuda_heads_read_the_hidden_row_by_address_as_the_cpu_heads_read_it(tmp_path):
+    """OrtCudaHeads (bound through IOBinding; "cpu" addresses in HostMemory here, as the engine tests run) against
+    OrtHeads: the same candidates from a host row and from the row's device address, with and without the token
+    input."""
+    import onnxruntime as ort
+
+    from specrt.export.medusa import export_heads_onnx
+    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaHeads
+
+    rng = np.random.default_rng(3)
+    for token_input in (False, True):
+        heads = random_heads(32, 96)
+        if token_input:
+            heads["a"] = (rng.standard_normal((32, 32)) * 0.1).astype(np.float16)
+        graph = tmp_path / f"heads-{token_input}.onnx"
+        export_heads_onnx(heads, rng.standard_normal((96, 32)).astype(np.float32), graph, topk=4)
+        gpu = OrtCudaHeads(ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]), device="cpu")
+        cpu, memory = OrtHeads(graph), HostMemory()
+        assert (gpu.heads, gpu.topk) == (cpu.heads, cpu.topk) == (3, 4) and gpu.on_device
+        row = memory.alloc(32 * 4)
+        for _ in range(4):
+            h, t = rng.standard_normal(32).astype(np.float32), int(rng.integers(0, 96))
+            np.testing.assert_array_equal(gpu(h, t), cpu(h, t))
+            memory.upload(row, h)
+            np.testing.assert_array_equal(gpu(row, t), cpu(h, t))

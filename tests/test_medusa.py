@@ -515,3 +515,53 @@ def test_heads_on_the_targets_gpu_read_the_hidden_row_there():
         medusa.propose(ctx, 2)
         got = heads.got[-1]
         assert got == 1000 + 16 * 2 if on_device else (got == target.hidden[2]).all()
+
+
+@pytest.mark.parametrize("backend", ["tensorrt", "onnxruntime-cuda"])
+def test_heads_beside_either_gpu_backends_target_keep_its_hidden_states_on_the_device(tmp_path, backend):
+    """Medusa on the host-memory fakes of a GPU backend (TrtEngine with compiled heads, TrtHeads; OrtCudaEngine with
+    heads on the CUDA EP, OrtCudaHeads): the device path (the heads read the accepted row by address) against the
+    host path of the same heads, round by round through long forced accepts: the same trees and tokens, and no
+    hidden row downloaded on the device path (the host path downloads them); greedy output equals plain decoding's.
+    A row of the wrong position drafts otherwise."""
+    import onnxruntime as ort
+    from test_gpu_backends import (HostEngine, _random_portable, fake_target, hidden_fetched, plain, random_heads,
+                                   speculate)
+
+    from specrt.export.medusa import export_heads_onnx
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaHeads
+    from specrt.runtime.backends.tensorrt_heads import TrtHeads
+    from specrt.runtime.proposers.medusa import Medusa
+
+    _random_portable(tmp_path / "target-fp32.onnx")
+    graph = tmp_path / "medusa-fp32.onnx"
+    export_heads_onnx(random_heads(32, 96), np.random.default_rng(2).standard_normal((96, 32)).astype(np.float32),
+                      graph, topk=4)
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
+    prompt = np.random.default_rng(5).integers(0, 96, 37)
+
+    def stack(on_device: bool = True):
+        target = fake_target(tmp_path / "target-fp32.onnx", backend)
+        if backend == "tensorrt":
+            heads = TrtHeads(HostEngine(graph), HostMemory(), "medusa-fp32")
+        else:
+            heads = OrtCudaHeads(ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]), device="cpu")
+        if not on_device:
+            heads.on_device = False
+        return target, Medusa(heads, paths)
+
+    host_target, host = stack(on_device=False)
+    want, host_trees = speculate(host_target, host, prompt, 60, 3, forced=True)
+    assert not host._device and hidden_fetched(host_target) > 0 and max(len(t) for t, _ in host_trees) == len(paths)
+    target, medusa = stack()
+    got, trees = speculate(target, medusa, prompt, 60, 3, forced=True)
+    assert medusa._device and trees == host_trees and got == want
+    assert hidden_fetched(target) == 0 and len(target.hidden) == 0
+    target, medusa = stack()
+    address = target.hidden_address
+    target.hidden_address = lambda row: address(row + 1)
+    assert speculate(target, medusa, prompt, 60, 3, forced=True)[1] != host_trees
+    target, medusa = stack()
+    assert speculate(target, medusa, prompt, 50, 3)[0] == plain(fake_target(tmp_path / "target-fp32.onnx", backend),
+                                                                 prompt, 50)

@@ -18,6 +18,9 @@ import onnx
 import pytest
 
 from specrt.errors import SpecrtError
+from test_gpu_backends import HostEagleEngine as _HostEagleEngine
+from test_gpu_backends import HostEngine as _HostEngine
+from test_gpu_backends import random_heads as _random_heads
 
 try:
     import tensorrt_rtx_bindings  # noqa: F401
@@ -137,13 +140,6 @@ def test_a_set_under_another_name_reuses_the_compiled_engines(rtx_set, tiny_dir)
     make_engine_set(EngineSetRequest(str(tiny_dir), "tiny-rtx-again", ("fp16",), 256, path.parent,
                                      backend="tensorrt-rtx", gpu_archs=("sm89",)), log=again.append)
     assert not any("compiling" in s for s in again) and any("target-fp16:" in s for s in again)
-
-
-def _random_heads(hidden: int, vocab: int, k: int = 3) -> dict:
-    rng = np.random.default_rng(0)
-    w = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float16)  # noqa: E731
-    return {"w1": w(k, hidden, hidden), "b1": w(k, hidden), "w2": w(k, hidden, hidden), "b2": w(k, hidden),
-            "vocab": np.arange(min(vocab, 64), dtype=np.int32), "report": {}}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8", "int8", "int4-awq"])
@@ -365,70 +361,6 @@ def test_the_set_records_parity_and_quality_like_the_portable_set(rtx_set):
     assert raw["draft-fp32"]["quality"]["drafting"]["against"] == "target-fp32"
 
 
-class _HostEngine:
-    """A compiled heads engine faked by an ONNX Runtime session of the same graph that reads its inputs from, and
-    writes its outputs to, the host addresses and shapes TrtHeads set: what reaches TensorRT is what a call needs."""
-
-    num_optimization_profiles = 1
-    device_memory_size_v2 = 1024
-
-    def __init__(self, path: Path):
-        import onnxruntime as ort
-
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        self.io = [*self.session.get_inputs(), *self.session.get_outputs()]
-        self.num_io_tensors = len(self.io)
-        self.contexts = []
-
-    def get_tensor_name(self, i: int) -> str:
-        return self.io[i].name
-
-    def get_tensor_shape(self, name: str):
-        return [-1 if isinstance(d, str) else d for d in next(t.shape for t in self.io if t.name == name)]
-
-    def create_execution_context(self, config=None):
-        engine = self
-
-        class Context:
-            config_ = None
-
-            def __init__(self):
-                self.addresses, self.shapes = {}, {}
-
-            def set_optimization_profile_async(self, profile, stream):
-                return 0 <= profile < engine.num_optimization_profiles
-
-            def set_device_memory(self, ptr, size):
-                self.scratch = (ptr, size)
-
-            def set_tensor_address(self, name, ptr):
-                self.addresses[name] = ptr
-                return True
-
-            def set_input_shape(self, name, shape):
-                self.shapes[name] = tuple(shape)
-                return True
-
-            def execute_async_v3(self, stream):
-                import ctypes
-
-                types_ = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
-                feed = {}
-                for i in engine.session.get_inputs():
-                    a = np.empty(self.shapes[i.name], types_[i.type])
-                    ctypes.memmove(a.ctypes.data, self.addresses[i.name], a.nbytes)
-                    feed[i.name] = a
-                for o, v in zip(engine.session.get_outputs(), engine.session.run(None, feed)):
-                    v = np.ascontiguousarray(v)
-                    ctypes.memmove(self.addresses[o.name], v.ctypes.data, v.nbytes)
-                return True
-
-        ctx = Context()
-        ctx.config_ = config
-        self.contexts.append(ctx)
-        return ctx
-
-
 @pytest.mark.parametrize("token_input", [False, True])
 def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, token_input):
     """TrtHeads (every buffer in HostMemory, TensorRT faked by a session of the same graph at the addresses it was
@@ -457,23 +389,6 @@ def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, t
         trt_heads.memory.upload(row, h)
         np.testing.assert_array_equal(trt_heads(row, t), cpu_heads(h, t))  # read there: copied on the device
     trt_heads.close()
-
-
-class _HostEagleEngine(_HostEngine):
-    """A compiled EAGLE head faked likewise: its graph with the cache capacity fixed, as build/tensorrt.py compiles
-    it, and the prefill and decode profiles (rows up to max_rows and max_width)."""
-
-    num_optimization_profiles = 2
-
-    def __init__(self, path: Path, max_rows: int, max_width: int):
-        super().__init__(path)
-        self.max = (max_rows, max_width)
-
-    def get_tensor_profile_shape(self, name, profile):
-        return [(1, 1), (1, 1), (1, self.max[profile])]
-
-    def get_tensor_dtype(self, name):
-        return types.SimpleNamespace(name="FLOAT")
 
 
 def test_the_compiled_eagle_head_on_the_device_drafts_what_the_onnx_head_does(tiny_dir, tmp_path):

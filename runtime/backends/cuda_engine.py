@@ -99,6 +99,7 @@ class DeviceEngine:
         self.with_hidden = False
         self._hidden_to_host = False  # some reader wants `hidden` on the host (not only hidden_address)
         self.hidden = self._hidden[:0]  # [n, hidden] of the last pass (after enable_hidden), a reused buffer
+        self.hidden_rows = 0  # rows of the last pass whose hidden states lie at hidden_address
         self.cache = DeviceCache(memory, g.num_layers, g.num_kv_heads, g.head_dim, g.cache_dtype, C)
         self.length = 0
         self.cache.relayout(buckets.capacities[0], 0)
@@ -138,6 +139,10 @@ class DeviceEngine:
         pass)."""
         return self.out_hidden + row * self.geometry.hidden_size * 4
 
+    def hidden_addresses(self, rows: np.ndarray) -> np.ndarray:
+        """hidden_address of each of `rows` (the accepted tokens' rows an EAGLE head keeps as its features)."""
+        return self.out_hidden + np.asarray(rows, np.int64) * (self.geometry.hidden_size * 4)
+
     def argmax(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
         """The greedy token of each of the last num_logits rows, argmax taken on the device: [num_logits] int64
@@ -174,6 +179,7 @@ class DeviceEngine:
         if self.with_hidden and self._hidden_to_host:
             self.hidden = self._hidden[:n]
             m.download(self.hidden, self.out_hidden)
+        self.hidden_rows = n if self.with_hidden else 0
         m.sync()
 
     def commit(self, n: int, path: np.ndarray | None = None) -> None:

@@ -266,6 +266,43 @@ def commit_plan(buffer: int, scratch: int, heads: int, row: int, capacity: int, 
     return out
 
 
+def rows_plan(dst: int, row: int, addresses) -> list[Copy2D]:
+    """The copies that gather rows of `row` bytes from `addresses` (in order) into dst, packed: rows that lie one
+    after the other at their source go as one copy."""
+    out: list[Copy2D] = []
+    j = 0
+    for a in (int(x) for x in addresses):
+        if not a:
+            raise ValueError("a feature row that is no longer on the device (an earlier chunk's output)")
+        last = out[-1] if out else None
+        if last is not None and a == last.src + last.width:
+            out[-1] = Copy2D(last.dst, last.width + row, last.src, last.width + row, last.width + row, 1)
+        else:
+            out.append(Copy2D(dst + j * row, row, a, row, row, 1))
+        j += 1
+    return out
+
+
+class DeviceRows:
+    """Rows of float32 features on the device, by address (row i at addresses[i]): what an EAGLE head on the GPU
+    takes and gives in place of host arrays, so they never cross to the host. epoch: the head call whose outputs
+    they are (None: rows kept by target position), which a head checks, as the next call overwrites them."""
+
+    def __init__(self, addresses, epoch: int | None = None):
+        self.addresses, self.epoch = np.asarray(addresses, np.int64).reshape(-1), epoch
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    def __getitem__(self, key) -> "DeviceRows":
+        return DeviceRows(self.addresses[key], self.epoch)
+
+    def join(self, rows: list["DeviceRows"]) -> "DeviceRows":
+        """rows one after the other (a tree level's inputs); of one epoch, else of none that a head accepts."""
+        epochs = {r.epoch for r in rows}
+        return DeviceRows(np.concatenate([r.addresses for r in rows]), epochs.pop() if len(epochs) == 1 else -1)
+
+
 class DeviceCache:
     """A static-shape engine's KV cache in device memory: one buffer per (layer, key|value) of max_capacity
     positions for each of `slots` sequences, viewed as a contiguous [slots, kv_heads, capacity, head_dim] tensor for

@@ -8,8 +8,9 @@ here is bound from host arrays: all inputs, outputs and the cache live in device
 of its own (ids from 1; ORT reserves 0, and -1 runs uncaptured: the wide prefill). ORT gets our stream as its
 compute stream (`user_compute_stream`) and is told not to sync after a run, so upload, pass, cache copies and
 download are ordered on one stream and a pass ends in one sync. Each cache buffer is bound as both past input
-and present output: TensorScatter writes in place. Medusa heads run on the CPU (onnxruntime_cpu.OrtHeads): a
-few small MatMuls between two target passes.
+and present output: TensorScatter writes in place. Medusa heads run on the CUDA EP beside it (OrtCudaHeads), reading
+the target's hidden row where it lies; the EAGLE head of these sets (eagle-int8, backend onnxruntime) runs on ONNX
+Runtime's CPU provider, its features through the host.
 
 Two rules of ORT's CUDA graphs shape the runs (the CUDA EP keeps its graphs per host thread, and after its first
 two runs it captures a new gpu_graph_id on that id's first run): with graphs on, every run goes through one worker
@@ -31,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import SpecrtError, first_line
-from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
-                          POSITION_IDS, WRITE_INDICES, past_name, present_name)
+from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES,
+                          INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES, POSITION_IDS, WRITE_INDICES, past_name,
+                          present_name)
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
@@ -125,18 +127,58 @@ def _open(root: Path, entry, options: EngineOptions, make):
         raise
 
 
-def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """Medusa heads on the CUDA EP beside the target: one row a round, the hidden row in and the candidates out
-    through the host (a few KB), as TensorRT's heads (tensorrt.TrtHeads)."""
+def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtCudaHeads":
+    """Medusa heads on the CUDA EP beside the target (OrtCudaHeads): the hidden row read where the target left it,
+    only the candidates back to the host, as TensorRT's heads (tensorrt_heads.TrtHeads)."""
     import onnxruntime as ort
 
-    from .onnxruntime_cpu import OrtHeads
+    from .onnxruntime_cpu import open_session as open_cpu_session
 
     require_cuda_provider(ort.get_available_providers())
-    heads = OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config,
-                     providers=("CUDAExecutionProvider",))
-    require_cuda_provider(heads.session.get_providers())  # ORT falls back to the CPU with only a warning
-    return heads
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    for key, value in (entry.session_config or {}).items():  # a Q/DQ heads graph runs as written
+        so.add_session_config_entry(key, value)
+    session = open_cpu_session(Path(root) / entry.file, so, providers=(CUDA_EP,))
+    require_cuda_provider(session.get_providers())  # ORT falls back to the CPU with only a warning
+    return OrtCudaHeads(session)
+
+
+class OrtCudaHeads:
+    """runtime/engine.py's Heads over a heads graph on the CUDA EP, through one IOBinding: the hidden row bound by
+    its device address (a target's row on this GPU, DeviceEngine.hidden_address, read in place: ORT's IOBinding
+    takes a raw buffer pointer, onnxruntime.ai/docs/api/python/api_summary.html "IOBinding") or from the host
+    array given, the token from the host, and the candidates bound to a host buffer, which ORT fills as a run's
+    last step. The target's pass ended in a sync and ORT's run syncs its own stream, so the row is read before the
+    next pass writes it. device: "cuda", or "cpu" with a CPU session (the tests)."""
+
+    on_device = True  # takes hidden rows by device address (proposers/medusa.py)
+
+    def __init__(self, session, device: str = "cuda"):
+        self.session, self.device = session, device
+        shape = next(o.shape for o in session.get_outputs() if o.name == HEADS_CANDIDATES)  # [rows, K, topk]
+        self.heads, self.topk = int(shape[1]), int(shape[2])
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.hidden_size = int(inputs[HEADS_HIDDEN].shape[1])
+        self._token = HEADS_TOKEN in inputs
+        self._h, self._t = np.zeros((1, self.hidden_size), np.float32), np.zeros(1, np.int64)
+        self._out = np.zeros((1, self.heads, self.topk), np.int64)
+        self._io = session.io_binding()
+        self._io.bind_output(HEADS_CANDIDATES, "cpu", 0, np.int64, list(self._out.shape), self._out.ctypes.data)
+
+    def __call__(self, hidden: np.ndarray | int, token: int) -> np.ndarray:
+        io = self._io
+        if isinstance(hidden, (int, np.integer)):
+            io.bind_input(HEADS_HIDDEN, self.device, 0, np.float32, [1, self.hidden_size], int(hidden))
+        else:
+            self._h[0] = hidden
+            io.bind_cpu_input(HEADS_HIDDEN, self._h)
+        if self._token:
+            self._t[0] = token
+            io.bind_cpu_input(HEADS_TOKEN, self._t)
+        self.session.run_with_iobinding(io)
+        return self._out[0].copy()
 
 
 class _Bindings:

@@ -17,6 +17,11 @@ the next row is [predicted feature ; e(drafted token)], written past the real en
 
 Drafts are deterministic (q = None), so `verify` keeps the output exactly the target's, greedy or sampled. The
 first round (the prompt is pending, no features yet) drafts nothing: the first token waits for the target alone.
+
+A head on the target's GPU (TrtEagleHead.on_device) beside a target that gives its rows' device addresses
+(DeviceEngine.hidden_addresses) keeps the features there: `observe` has the head copy the committed rows on the
+device, and the head's calls take and give feature rows by address (DeviceRows), so only tokens and their
+log-probabilities come to the host. Otherwise the features are host arrays (`_feat`).
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ class Eagle(HeldTokens, OneBucket):
         cap = head.max_capacity - (max_tokens * self.beam + 2)
         self.max_context = cap if max_context is None else min(max_context, cap)
         self._feat = np.zeros((head.max_capacity, head.hidden_size), np.float32)  # features by target position
-        self._known = 0          # features of positions [0, _known) are in _feat
+        self._known = 0          # features of positions [0, _known) are in _feat (or the head's store: _device)
         self.target = None
         self._base = 0
+        self._device = False
 
     # --- KV reuse across requests (Generator.prefix_store) ----------------------------------------------------
     def held(self) -> np.ndarray:
@@ -60,12 +66,15 @@ class Eagle(HeldTokens, OneBucket):
 
     def save_state(self, limit: int):
         n = min(self.head.length, limit)
-        return _State(self.head.save_prefix(n), self._feat[:n].copy())
+        feat = self.head.read_features(n) if self._device else self._feat[:n].copy()
+        return _State(self.head.save_prefix(n), feat)
 
     def load_state(self, ids, state: "_State") -> None:
         self.head.load_prefix(state.cache)
         n = state.cache.length
         self._feat[:n] = state.feat
+        if getattr(self.head, "on_device", False):  # before start decides where features live: both are current
+            self.head.write_features(state.feat)
         self._known = n
         self.hold(ids, n)
 
@@ -74,7 +83,9 @@ class Eagle(HeldTokens, OneBucket):
         self.target = ctx.target
         if self.target is None:
             raise ValueError("EAGLE reads the target's features; run it through the speculative loop")
-        self.target.enable_hidden()
+        # a head on the target's GPU keeps the features there (the module docstring): none crosses to the host
+        self._device = getattr(self.head, "on_device", False) and hasattr(self.target, "hidden_addresses")
+        self.target.enable_hidden(device_only=True) if self._device else self.target.enable_hidden()
         # the head keeps the entries this prompt shares with its cache, if the target kept them too (KV reuse)
         keep = common_prefix(self.held(), ctx.ids, ctx.cached) if ctx.cached else 0
         self.head.length = keep
@@ -96,7 +107,8 @@ class Eagle(HeldTokens, OneBucket):
         lo, hi = h.length, t.length
         ids = ctx.ids
         mask = self._mask(hi - lo, lo)
-        feat, top, logp = h.run(self._feat[lo:hi], ids[lo + 1: hi + 1], np.arange(lo, hi), lo, mask)
+        feats = h.stored(lo, hi) if self._device else self._feat[lo:hi]
+        feat, top, logp = h.run(feats, ids[lo + 1: hi + 1], np.arange(lo, hi), lo, mask)
         h.length = hi
         f, top, logp = feat[-1:], top[-1:], logp[-1:]  # row of position t.length - 1: guesses after the pending token
         return self._tree(f, top, logp, k) if self.tree else self._chain(f, top, k)
@@ -140,7 +152,7 @@ class Eagle(HeldTokens, OneBucket):
                     if slot_of[a] >= 0:
                         mask[r, slot_of[a]] = 0
                     a = parents[a]
-            rows_f = np.stack([feats[i] for i in grow])
+            rows_f = _stack([feats[i] for i in grow])
             pos = np.full(W, base + depth - 1, np.int64)
             out_f, out_top, out_logp = h.run(rows_f, np.array([tokens[i] for i in grow]), pos, slot, mask)
             slot += W
@@ -175,11 +187,14 @@ class Eagle(HeldTokens, OneBucket):
             return
         P = n - result.num_accepted
         rows = np.arange(P) if result.num_accepted == 0 else np.concatenate([np.arange(P), P + result.path])
-        hidden = t.hidden
-        if hidden.shape[0] < rows.max() + 1 or self._known < self._base:
+        have = t.hidden_rows if self._device else t.hidden.shape[0]
+        if have < rows.max() + 1 or self._known < self._base:
             self._known = min(self._known, self._base)
             return
-        self._feat[self._base: t.length] = hidden[rows]
+        if self._device:  # copied on the device, target rows to the head's store
+            self.head.keep_features(self._base, t.hidden_addresses(rows))
+        else:
+            self._feat[self._base: t.length] = t.hidden[rows]
         self._known = t.length
 
     def _mask(self, W: int, lo: int) -> np.ndarray:
@@ -197,6 +212,12 @@ class _State:
     @property
     def nbytes(self) -> int:
         return self.cache.nbytes + self.feat.nbytes
+
+
+def _stack(rows: list):
+    """A tree level's input features: host rows stacked, or a device head's rows (DeviceRows) joined."""
+    join = getattr(rows[0], "join", None)
+    return join(rows) if join is not None else np.stack(rows)
 
 
 def _closed(keep: list[int], parents: list[int]) -> list[int]:
