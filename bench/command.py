@@ -24,8 +24,10 @@ def bench(
     quick: bool = typer.Option(False, "--quick",
                                help="1 prompt per category, at most 32 new tokens, core modes unless --modes "
                                     "(a few minutes)."),
-    per_category: Optional[int] = typer.Option(None, "--per-category", help="Use the first N prompts per category."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap every prompt's max_new_tokens."),
+    per_category: Optional[int] = typer.Option(None, "--per-category", min=1,
+                                               help="Use the first N prompts per category."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                 help="Cap every prompt's max_new_tokens."),
     load_order: str = typer.Option("listed", "--load-order",
                                    help="listed (the order of --modes / the default list) or reversed. ONNX Runtime "
                                         "sessions created later in a process can decode up to ~10% faster, so compare "
@@ -41,7 +43,7 @@ def bench(
     hf_assistant: Optional[Path] = typer.Option(None, "--hf-assistant",
                                                 help="HF folder or GGUF of a smaller model with the same vocabulary, "
                                                      "for transformers' assistant_model (hf-assisted)."),
-    repeat_calls: int = typer.Option(0, "--repeat-calls", metavar="N",
+    repeat_calls: int = typer.Option(0, "--repeat-calls", metavar="N", min=0,
                                      help="Also run the workloads that repeat (bench/repeat.py): a voice-agent "
                                           "script of N calls (30+ shows how a suffix store warms up) and a "
                                           "code-edit loop, for plain and every speculation mode of --modes at "
@@ -55,50 +57,41 @@ def bench(
     import shlex
     import sys
 
-    from ..cli import _guard
+    from ..errors import SpecrtError
+    from ..manifest import load_manifest
+    from .prompts import DEFAULT_PROMPTS
+    from .report import write
+    from .runner import BenchConfig, run_bench
 
-    def run():
-        from ..errors import SpecrtError
-        from .prompts import DEFAULT_PROMPTS
-        from .report import write
-        from .runner import BenchConfig, run_bench
+    cats = tuple(c.strip() for c in categories.split(",") if c.strip()) if categories else None
+    if out.exists() and not out.is_dir():  # found before the run, not after twenty minutes of it
+        raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
+    if hf_assistant is not None and not hf_assistant.exists():
+        raise SpecrtError(f"--hf-assistant '{hf_assistant}' not found; pass a HF folder or a .gguf file")
+    cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,
+                      reps=reps, threads=threads, quick=quick, per_category=per_category,
+                      max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order,
+                      ignore_eos=ignore_eos, isolate=isolate, compare=tuple(compare))
+    manifest = load_manifest(engines_dir)  # once: the bench and the repeat workloads' modes read it
+    res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True), manifest=manifest)
+    if repeat_calls:
+        from .contenders import our_modes, spec_modes
+        from .repeat import run as run_repeat
 
-        cats = tuple(c.strip() for c in categories.split(",") if c.strip()) if categories else None
-        for name, v in (("--per-category", per_category), ("--max-new-tokens", max_new_tokens)):
-            if v is not None and v < 1:
-                raise SpecrtError(f"{name} must be >= 1, got {v}")
-        if repeat_calls < 0:
-            raise SpecrtError(f"--repeat-calls must be >= 0 (0 = off), got {repeat_calls}")
-        if out.exists() and not out.is_dir():  # found before the run, not after twenty minutes of it
-            raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
-        if hf_assistant is not None and not hf_assistant.exists():
-            raise SpecrtError(f"--hf-assistant '{hf_assistant}' not found; pass a HF folder or a .gguf file")
-        cfg = BenchConfig(engines=engines_dir, prompts=prompts or DEFAULT_PROMPTS, modes=modes, categories=cats,
-                          reps=reps, threads=threads, quick=quick, per_category=per_category,
-                          max_new_tokens=max_new_tokens, hf_assistant=hf_assistant, load_order=load_order,
-                          ignore_eos=ignore_eos, isolate=isolate, compare=tuple(compare))
-        res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
-        if repeat_calls:
-            from ..manifest import load_manifest
-            from .contenders import our_modes, spec_modes
-            from .repeat import run as run_repeat
-
-            ours = our_modes(load_manifest(engines_dir))  # name -> (strategy, precision), never split by hand
-            spec = ["off"] + [s for s, p in (ours[m] for m in res["modes"] if m in ours)
-                              if p == "fp32" and s in spec_modes()]
-            res["repeat"] = run_repeat(str(engines_dir), spec, repeat_calls, min(8, max(1, repeat_calls // 4)),
-                                       96, min(10, repeat_calls), log=lambda m: typer.secho(m, err=True, dim=True))
-        command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
-        write(res, out, command)
-        for r in res["summary"]:
-            if r["category"] == "all":
-                typer.echo(f"{r['mode']:>36}: {r['tok_s']:7.1f} tok/s  {r['speedup'] or 0:5.2f}x  "
-                           f"identical {r['identical']}" + (f"  drafts: {r['proposer']}" if r["proposer"] else ""))
-        for n in res["notes"] + res.get("caveats", []):
-            typer.secho(n, err=True, fg=typer.colors.YELLOW)
-        typer.echo(f"wrote {out / 'report.md'}")
-
-    _guard(run)
+        ours = our_modes(manifest)  # name -> (strategy, precision), never split by hand
+        spec = ["off"] + [s for s, p in (ours[m] for m in res["modes"] if m in ours)
+                          if p == "fp32" and s in spec_modes()]
+        res["repeat"] = run_repeat(manifest, spec, repeat_calls, min(8, max(1, repeat_calls // 4)),
+                                   96, min(10, repeat_calls), log=lambda m: typer.secho(m, err=True, dim=True))
+    command = "specrt bench " + shlex.join(sys.argv[1:][1:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    write(res, out, command)
+    for r in res["summary"]:
+        if r["category"] == "all":
+            typer.echo(f"{r['mode']:>36}: {r['tok_s']:7.1f} tok/s  {r['speedup'] or 0:5.2f}x  "
+                       f"identical {r['identical']}" + (f"  drafts: {r['proposer']}" if r["proposer"] else ""))
+    for n in res["notes"] + res.get("caveats", []):
+        typer.secho(n, err=True, fg=typer.colors.YELLOW)
+    typer.echo(f"wrote {out / 'report.md'}")
 
 
 def bench_serve(
@@ -170,54 +163,50 @@ def bench_serve(
     import shlex
     import sys
 
-    from ..cli import _guard
+    from ..errors import SpecrtError
+    from .prompts import DEFAULT_PROMPTS
+    from .serve_load import ServeBenchConfig, parse_concurrency, run as run_load
+    from .serve_report import multiturn_table, prompt_table, write
 
-    def run():
-        from ..errors import SpecrtError
-        from .prompts import DEFAULT_PROMPTS
-        from .serve_load import ServeBenchConfig, parse_concurrency, run as run_load
-        from .serve_report import multiturn_table, prompt_table, write
+    if out.exists() and not out.is_dir():
+        raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
+    for flag, v in (("--health-timeout", health_timeout), ("--start-timeout", start_timeout),
+                    ("--request-timeout", request_timeout)):
+        if not v > 0:
+            raise SpecrtError(f"{flag} must be > 0 seconds, got {v}")
+    def _split(flag: str, text: str) -> tuple[str, ...]:
+        try:
+            return tuple(shlex.split(text))
+        except ValueError as e:
+            raise SpecrtError(f"{flag} '{text}' cannot be split into options ({e}); quote it like "
+                              f"{flag} '--cache-ram 0'") from None
 
-        if out.exists() and not out.is_dir():
-            raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
-        for flag, v in (("--health-timeout", health_timeout), ("--start-timeout", start_timeout),
-                        ("--request-timeout", request_timeout)):
-            if not v > 0:
-                raise SpecrtError(f"{flag} must be > 0 seconds, got {v}")
-        def _split(flag: str, text: str) -> tuple[str, ...]:
-            try:
-                return tuple(shlex.split(text))
-            except ValueError as e:
-                raise SpecrtError(f"{flag} '{text}' cannot be split into options ({e}); quote it like "
-                                  f"{flag} '--cache-ram 0'") from None
+    cfg = ServeBenchConfig(engines=engines_dir, urls=tuple(url), llamacpp=llamacpp, in_process=in_process,
+                           overhead_reps=overhead_reps, prompts=prompts or DEFAULT_PROMPTS,
+                           num_prompts=num_prompts,
+                           concurrency=parse_concurrency(concurrency), max_tokens=max_tokens,
+                           conversations=conversations, turn_max_tokens=turn_max_tokens, ignore_eos=ignore_eos,
+                           min_tokens=min_tokens, speculate=speculate, precision=precision, threads=threads,
+                           api_key=api_key, health_timeout_s=health_timeout, start_timeout_s=start_timeout,
+                           request_timeout_s=request_timeout, serve_args=_split("--serve-args", serve_args),
+                           llamacpp_args=_split("--llamacpp-args", llamacpp_args))
+    res = run_load(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
+    argv = sys.argv[1:][1:] if sys.argv[1:2] == ["bench-serve"] else sys.argv[1:]
+    write(res, out, "specrt bench-serve " + shlex.join(argv))
+    typer.echo("\n".join(prompt_table(res)))
+    if res["summary"]["multiturn"]:
+        typer.echo("\n" + "\n".join(multiturn_table(res)))
+    o = res["summary"]["overhead"]
+    if o:
+        n = len(o["pairs"])
+        typer.echo(f"\nserver / in-process: tok/s {o['tok_s_ratio']:.3f}x, TTFT p50 "
+                   f"{o['ttft_diff_ms']:+.1f} ms" + (f" (medians of {n} pairs)" if n > 1 else "")
+                   + f"; identical answers {o['identical_texts']}/{o['prompts']}")
+    for r in res["summary"]["versus"]:
+        typer.echo(f"C={r['concurrency']}: TTFT p50 {r['ttft_p50_ms'][0]:.1f} vs {r['ttft_p50_ms'][1]:.1f} ms, "
+                   f"ITL p99 {r['itl_p99_ms'][0]:.2f} vs {r['itl_p99_ms'][1]:.2f} ms ({r['ours']} vs "
+                   f"{r['peer']})")
+    for n in res["notes"]:
+        typer.secho(n, err=True, fg=typer.colors.YELLOW)
+    typer.echo(f"wrote {out / 'report.md'}")
 
-        cfg = ServeBenchConfig(engines=engines_dir, urls=tuple(url), llamacpp=llamacpp, in_process=in_process,
-                               overhead_reps=overhead_reps, prompts=prompts or DEFAULT_PROMPTS,
-                               num_prompts=num_prompts,
-                               concurrency=parse_concurrency(concurrency), max_tokens=max_tokens,
-                               conversations=conversations, turn_max_tokens=turn_max_tokens, ignore_eos=ignore_eos,
-                               min_tokens=min_tokens, speculate=speculate, precision=precision, threads=threads,
-                               api_key=api_key, health_timeout_s=health_timeout, start_timeout_s=start_timeout,
-                               request_timeout_s=request_timeout, serve_args=_split("--serve-args", serve_args),
-                               llamacpp_args=_split("--llamacpp-args", llamacpp_args))
-        res = run_load(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
-        argv = sys.argv[1:][1:] if sys.argv[1:2] == ["bench-serve"] else sys.argv[1:]
-        write(res, out, "specrt bench-serve " + shlex.join(argv))
-        typer.echo("\n".join(prompt_table(res)))
-        if res["summary"]["multiturn"]:
-            typer.echo("\n" + "\n".join(multiturn_table(res)))
-        o = res["summary"]["overhead"]
-        if o:
-            n = len(o["pairs"])
-            typer.echo(f"\nserver / in-process: tok/s {o['tok_s_ratio']:.3f}x, TTFT p50 "
-                       f"{o['ttft_diff_ms']:+.1f} ms" + (f" (medians of {n} pairs)" if n > 1 else "")
-                       + f"; identical answers {o['identical_texts']}/{o['prompts']}")
-        for r in res["summary"]["versus"]:
-            typer.echo(f"C={r['concurrency']}: TTFT p50 {r['ttft_p50_ms'][0]:.1f} vs {r['ttft_p50_ms'][1]:.1f} ms, "
-                       f"ITL p99 {r['itl_p99_ms'][0]:.2f} vs {r['itl_p99_ms'][1]:.2f} ms ({r['ours']} vs "
-                       f"{r['peer']})")
-        for n in res["notes"]:
-            typer.secho(n, err=True, fg=typer.colors.YELLOW)
-        typer.echo(f"wrote {out / 'report.md'}")
-
-    _guard(run)

@@ -67,8 +67,9 @@ def voice_calls(n: int, seed: int = 0) -> list[list[str]]:
     return calls
 
 
-def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int, warm: int, config=None,
+def run(engines, modes: list[str], calls: int, edits: int, max_tokens: int, warm: int, config=None,
         log=print) -> dict:
+    from ..manifest import Manifest, load_manifest
     from ..runtime.sampling import SamplingParams
     from ..runtime.session import load
     from ..runtime.speculative import SpeculativeConfig
@@ -77,7 +78,8 @@ def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int,
     greedy = SamplingParams(temperature=0.0)
     shared: dict = {}
     config = config or SpeculativeConfig()
-    sessions = {m: load(engines, "fp32", m, shared=shared, config=config)
+    manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))  # read once for every mode
+    sessions = {m: load(manifest, "fp32", m, shared=shared, config=config)
                 for m in ["off"] + [m for m in modes if m != "off"]}
     rows = []
 
@@ -108,7 +110,8 @@ def run(engines: str, modes: list[str], calls: int, edits: int, max_tokens: int,
         code = answer.split("```python\n")[-1].split("```")[0] if "```" in answer else answer
         code = code if code.endswith("\n") else code + "\n"
         log(f"code edit {i + 1}/{edits}: " + _line(rows, "code", i, sessions))
-    return {"engines": engines, "modes": list(sessions), "calls": calls, "edits": edits, "max_tokens": max_tokens,
+    return {"engines": str(manifest.root), "modes": list(sessions), "calls": calls, "edits": edits,
+            "max_tokens": max_tokens,
             "suffix": {"threshold": config.suffix_threshold, "factor": config.suffix_factor,
                        "cache_mib": config.suffix_cache_mib},
             "warm": warm, "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),

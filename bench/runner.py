@@ -78,12 +78,13 @@ def _cases(cfg: BenchConfig) -> list[PromptCase]:
     return select(cases, categories=cfg.categories, per_category=per_cat, max_new_tokens=cap)
 
 
-def run_bench(cfg: BenchConfig, log=print) -> dict:
+def run_bench(cfg: BenchConfig, log=print, manifest=None) -> dict:
+    """Run the benchmark -> the results dict. manifest: cfg.engines' Manifest when the caller loaded it already."""
     if cfg.reps < 1:
         raise SpecrtError(f"--reps must be >= 1, got {cfg.reps}")
     if cfg.load_order not in ("listed", "reversed"):
         raise SpecrtError(f"--load-order must be 'listed' or 'reversed', got '{cfg.load_order}'")
-    manifest = load_manifest(Path(cfg.engines))
+    manifest = manifest or load_manifest(Path(cfg.engines))
     others = {Path(p).name: load_manifest(Path(p)) for p in cfg.compare}
     cases = _cases(cfg)
     names = contenders.parse_modes(cfg.modes, manifest, cfg.quick, others)

@@ -124,15 +124,16 @@ def select_cases(path: Path, n: int) -> list[PromptCase]:
 # ---------------------------------------------------------------- the in-process baseline
 
 
-def in_process(cfg: ServeBenchConfig, cases: list[PromptCase], log=print, rep: int = 0) -> list[dict]:
+def in_process(cfg: ServeBenchConfig, cases: list[PromptCase], log=print, rep: int = 0, manifest=None) -> list[dict]:
     """The prompts, one at a time, through load(...).stream(...) in this process: the same deltas the server
-    streams, without HTTP (the server's KV reuse on, as `specrt serve` sets it); figures as `request`'s."""
+    streams, without HTTP (the server's KV reuse on, as `specrt serve` sets it); figures as `request`'s.
+    manifest: cfg.engines' Manifest when plan() loaded it (else it is loaded here)."""
     from ..runtime.engine import EngineOptions
     from ..runtime.sampling import SamplingParams
     from ..runtime.session import load
     from ..runtime.tokenizer import Message
 
-    held = {"session": load(cfg.engines, cfg.precision, cfg.speculate, EngineOptions(threads=cfg.threads))}
+    held = {"session": load(manifest or cfg.engines, cfg.precision, cfg.speculate, EngineOptions(threads=cfg.threads))}
     held["session"].generator.keep_cache = True
     mode = held["session"].mode
     greedy = SamplingParams(temperature=0.0)
@@ -241,7 +242,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     t_bench = time.perf_counter()
     records, servers = [], []
     if cfg.engines is not None and cfg.in_process:
-        records += in_process(cfg, p.cases, log)
+        records += in_process(cfg, p.cases, log, manifest=p.manifest)
     logs = Path(tempfile.mkdtemp(prefix="specrt-bench-serve-"))
     try:
         for t in p.targets:
@@ -257,7 +258,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                 records += drive(t, p.cases, cfg, log)
                 # the overhead pairs again, each baseline right before its server run (the server idles meanwhile)
                 for rep in range(1, cfg.overhead_reps if cfg.in_process else 1):
-                    records += in_process(cfg, p.cases, log, rep)
+                    records += in_process(cfg, p.cases, log, rep, p.manifest)
                     records += drive(t, p.cases, cfg, log, rep)
             servers.append(t)
         if cfg.llamacpp:

@@ -12,11 +12,11 @@ prefill: a long prompt delays the other streams' next token by one chunk, not by
 
 from __future__ import annotations
 
-import importlib
 
 import threading
 from dataclasses import dataclass
 
+from ..backends import BACKENDS
 from ..errors import SpecrtError
 from ..manifest import Manifest
 from .backends import backend
@@ -116,13 +116,9 @@ class BatchSession:
     def batch_of(self, entry, options: EngineOptions):
         """The batch engine of a manifest entry (the target's, a draft model's), opened once."""
         if entry.name not in self._batches:
-            module = backend(entry)
-            if not hasattr(module, "open_batch"):
-                from ..backends import BACKENDS
-                from .backends import MODULES
-
-                able = [n for n, b in BACKENDS.items()
-                        if b.precisions and hasattr(importlib.import_module(MODULES[n]), "open_batch")]
+            module = backend(entry)  # an unknown backend: its one-line error
+            if not BACKENDS[entry.backend].batch:
+                able = [n for n, b in BACKENDS.items() if b.precisions and b.batch]
                 raise SpecrtError(f"the {entry.backend} backend cannot run several streams at once yet; "
                                   f"use --parallel 1 or an engine set of {', '.join(able)}")
             self._batches[entry.name] = module.open_batch(self.manifest.root, entry, options, self.parallel)

@@ -82,6 +82,36 @@ class Engine(Protocol):
         """Put a save_prefix copy back: the cache then holds its positions and `length` is its length."""
 
 
+class BatchEngine(Protocol):
+    """`slots` sequences' caches behind one engine (runtime/batch.py): each slot is driven through a SlotEngine, the
+    Engine contract over that slot, and the scheduler runs every waiting slot's pass as one call of `run`. A
+    backend whose descriptor says `batch` (specrt/backends.py) has `open_batch(root, entry, options, slots)`."""
+
+    slots: int
+    lengths: list[int]    # committed positions per slot
+    max_context: int
+    vocab_size: int
+    max_pass_tokens: int
+    width_exact: bool
+    description: str
+    screen: bool
+
+    def enable_hidden(self) -> None:
+        """Opt in to each row's hidden states (PassRow.hidden) on every pass."""
+
+    def run(self, rows) -> list[tuple[float, int, int]]:
+        """Every PassRow's pass, fills row.out (and row.hidden), advances nothing: (seconds, rows, width) per call."""
+
+    def snapshot(self, slot: int, length: int) -> "KVSnapshot":
+        """A host copy of the slot's first `length` positions (KV reuse)."""
+
+    def restore(self, slot: int, snapshot: "KVSnapshot") -> None:
+        """Put a snapshot back into the slot."""
+
+    def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the slot's cache positions src to dst (a tree's accepted path, compacted)."""
+
+
 @dataclass
 class KVSnapshot:
     """save_prefix's copy: per (layer, key|value), a host array of `length` positions (axis -2), in the layout of

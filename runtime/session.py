@@ -6,7 +6,8 @@ name -> a Session that streams answers.
     for delta in stream: ...
     stream.result.stats        # stream.close() stops it at the next round boundary ("cancelled")
 
-`load` resolves 'auto' once, decides whether the target takes turns with a draft model on the cores, opens the
+`load` resolves 'auto' once (a caller that holds the loaded Manifest and the resolved mode passes them in: neither
+is loaded or resolved again), decides whether the target takes turns with a draft model on the cores, opens the
 target through the backend registry, and builds the decoder (proposer + controller), which keeps what it
 measured across requests. A Session serves one request at a time (one KV cache).
 """
@@ -21,7 +22,7 @@ from .engine import Engine, EngineOptions
 from .generate import Generator, Result, Stream
 from .methods import METHODS
 from .prefix_cache import PrefixStore
-from .speculative import SpeculativeConfig, make_decoder, resolve_mode
+from .speculative import SpeculativeConfig, make_decoder, resolved
 from .tokenizer import Message
 
 
@@ -80,7 +81,7 @@ def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str
     thread, their passes batched; prefill_chunk: a prompt longer than this is read in passes of that many tokens while
     other streams decode (None: batch_session.PREFILL_CHUNK, 0: in one pass)."""
     manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
-    mode = resolve_mode(speculate, manifest, precision)
+    mode = resolved(speculate, manifest, precision)
     if options.taking_turns is None:
         # a draft model or an EAGLE head runs its own passes between the target's, on the same cores
         options = replace(options, taking_turns=mode in METHODS and METHODS[mode].needs in ("draft", "eagle"))

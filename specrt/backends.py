@@ -28,6 +28,7 @@ class Backend:
     default_precisions: tuple[str, ...] = ()
     portable: bool = False             # builds the portable graph (export/portable.py)
     compiler: str | None = None        # the portable graph compiled by this TensorRT (build/tensorrt.py COMPILERS)
+    batch: bool = False                # its module has open_batch: several streams (runtime/engine.py BatchEngine)
 
     @property
     def module(self) -> str:
@@ -36,15 +37,16 @@ class Backend:
 
 BACKENDS = {b.name: b for b in (
     Backend("onnxruntime", "ONNX Runtime's CPU provider with fused kernels (the fastest here)", "onnxruntime_cpu",
-            precisions=("fp32", "int8", "int4", "int4-fp32"), default_precisions=("fp32", "int8", "int4")),
+            precisions=("fp32", "int8", "int4", "int4-fp32"), default_precisions=("fp32", "int8", "int4"), batch=True),
     Backend("onnxruntime-portable", "the standard-op graph GPUs compile, run on the CPU (their parity reference)",
-            "onnxruntime_portable", "-portable", PORTABLE_PRECISIONS, ("fp32", "fp16"), portable=True),
+            "onnxruntime_portable", "-portable", PORTABLE_PRECISIONS, ("fp32", "fp16"), portable=True, batch=True),
     Backend("onnxruntime-cuda", "onnxruntime-gpu's CUDA EP with CUDA graphs", "onnxruntime_cuda", "-cuda",
-            PORTABLE_PRECISIONS, ("fp16",), portable=True),
+            PORTABLE_PRECISIONS, ("fp16",), portable=True, batch=True),
     Backend("tensorrt", "serialized TensorRT engines, built on the GPU that runs them", "tensorrt", "-tensorrt",
-            PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt"),
+            PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt", batch=True),
     Backend("tensorrt-rtx", "TensorRT for RTX engines, compiled ahead of time on any machine for --gpu-arch",
-            "tensorrt", "-tensorrt-rtx", PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt-rtx"),
+            "tensorrt", "-tensorrt-rtx", PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt-rtx",
+            batch=True),
     Backend("reference", "numpy, for tests: the engine contract's executable spec", "reference"),
 )}
 BUILT = tuple(name for name, b in BACKENDS.items() if b.precisions)  # what --backend takes

@@ -1,78 +1,29 @@
 """The `specrt` command line. Heavy modules are imported inside commands so `--help` is instant
-and works without torch; user mistakes (SpecrtError, ValueError) print one line and exit 2."""
+and works without torch; user mistakes print one line and exit 2 (specrt/commands.py's Command)."""
 
 from __future__ import annotations
 
-import errno
 import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from typer.core import TyperCommand, TyperGroup
 
 from .backends import BACKENDS
+from .commands import Command, Group
 from .errors import SpecrtError
-
-
-class _Flags:
-    """typer's rich help prints a flag as `--json <bool>`, as if it took a value; show flags bare."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        for p in self.params:
-            if getattr(p, "is_flag", False) and p.metavar is None:
-                p.metavar = ""
-
-    def get_help_option(self, ctx):
-        opt = super().get_help_option(ctx)
-        if opt is not None:
-            opt.metavar = ""
-        return opt
-
-
-class _Command(_Flags, TyperCommand):
-    pass
-
-
-class _Group(_Flags, TyperGroup):
-    pass
-
 
 app = typer.Typer(
     help="specrt: compiled, exact speculative decoding. Build an engine set, then generate from it.\n\n"
          "Quick start:  specrt engines  &&  specrt generate --prompt 'Hello'",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=_Group,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=Group,
 )
 
 DEFAULT_ENGINES = Path("engines/smollm2-135m")
 
 
-def _fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(2)
-
-
-def _guard(fn):
-    """Run fn(); turn user mistakes into a one-line error and exit code 2."""
-    try:
-        return fn()
-    except SpecrtError as e:
-        _fail(str(e))
-    except ValueError as e:  # parameter validation (sampling, precision) raises ValueError
-        _fail(str(e).splitlines()[0])
-    except KeyboardInterrupt:
-        _fail("interrupted")
-    except Exception as e:  # a full disk, from Python (OSError) or from onnxruntime's writers (its own errors)
-        if not (isinstance(e, OSError) and e.errno == errno.ENOSPC) and "No space left on device" not in str(e):
-            raise
-        where = f"the disk holding '{e.filename}'" if getattr(e, "filename", None) else "the disk"
-        _fail(f"no space left on {where}; free some space (`specrt cache --prune` deletes build folders no "
-              "engine set uses) and run the command again")
-
-
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def engines(
     source: Optional[str] = typer.Option(None, "--source", "-s",
                                          help="Embedded model name, a Hugging Face model directory, or a .gguf file. "
@@ -135,48 +86,44 @@ def engines(
                                                   "heads/<source>-eagle.npz when there is one; 'none' = no head."),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
+    from .pipeline import EngineSetRequest, check_destination, make_engine_set
 
-    def run():
-        from .pipeline import EngineSetRequest, check_destination, make_engine_set
+    from .pipeline.portable import check_backend
 
-        from .pipeline.portable import check_backend
+    if backend not in BACKENDS or not BACKENDS[backend].precisions:
+        check_backend(backend, ())  # the one-line error naming the backends
+    precs = (tuple(p.strip() for p in precisions.split(",") if p.strip()) if precisions is not None
+             else BACKENDS[backend].default_precisions)
+    dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
+    if not precs or not dprecs:
+        raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
+    src, dsrc, set_name = source or "smollm2-135m", draft, name
+    if preset is not None and (source is not None or draft is not None):
+        raise SpecrtError("--preset names both the target and the draft; drop --source/--draft (or the preset)")
+    if preset is not None:
+        from .export.presets import assemble, get_preset
 
-        if backend not in BACKENDS or not BACKENDS[backend].precisions:
-            check_backend(backend, ())  # the one-line error naming the backends
-        precs = (tuple(p.strip() for p in precisions.split(",") if p.strip()) if precisions is not None
-                 else BACKENDS[backend].default_precisions)
-        dprecs = tuple(p.strip() for p in draft_precisions.split(",") if p.strip())
-        if not precs or not dprecs:
-            raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
-        src, dsrc, set_name = source or "smollm2-135m", draft, name
-        if preset is not None and (source is not None or draft is not None):
-            raise SpecrtError("--preset names both the target and the draft; drop --source/--draft (or the preset)")
-        if preset is not None:
-            from .export.presets import assemble, get_preset
+        pre = get_preset(preset)
+        check_destination(out, name or pre.name)  # before gigabytes of download
+        cache = out / ".cache" / "presets"
+        src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
+        set_name = name or pre.name
+    from .pipeline import default_eagle, default_heads, source_name
 
-            pre = get_preset(preset)
-            check_destination(out, name or pre.name)  # before gigabytes of download
-            cache = out / ".cache" / "presets"
-            src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
-            set_name = name or pre.name
-        from .pipeline import default_eagle, default_heads, source_name
+    set_name = set_name or source_name(src) + BACKENDS[backend].set_suffix
 
-        set_name = set_name or source_name(src) + BACKENDS[backend].set_suffix
-
-        heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
-                 else default_heads(src))
-        eagle = (None if eagle_head == "none" else Path(eagle_head) if eagle_head else default_eagle(src))
-        path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
-                                                medusa_tree_nodes, eagle, backend, calibration_texts, quality_floor,
-                                                float_layers, tuple(k for k in float_gemms.split(",") if k),
-                                                outlier_channels,
-                                                None if gpu_arch is None else tuple(gpu_arch.split(","))))
-        typer.echo(str(path))
-
-    _guard(run)
+    heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
+             else default_heads(src))
+    eagle = (None if eagle_head == "none" else Path(eagle_head) if eagle_head else default_eagle(src))
+    path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
+                                            medusa_tree_nodes, eagle, backend, calibration_texts, quality_floor,
+                                            float_layers, tuple(k for k in float_gemms.split(",") if k),
+                                            outlier_channels,
+                                            None if gpu_arch is None else tuple(gpu_arch.split(","))))
+    typer.echo(str(path))
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def cache(
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets (its .cache is listed)."),
     prune: bool = typer.Option(False, "--prune", help="Delete the export/build folders no engine set uses "
@@ -190,105 +137,93 @@ def cache(
     or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and
     preset downloads are not touched.
     """
+    from .pipeline import cache_entries, prune_cache
 
-    def run():
-        from .pipeline import cache_entries, prune_cache
-
-        if not (out / ".cache").is_dir():
-            raise SpecrtError(f"no build cache at {out / '.cache'}; "
-                              f"build an engine set with `specrt engines --out {out}`")
-        entries = cache_entries(out)
-        for e in entries:
-            typer.echo(f"{e.bytes / 2**30:8.2f} GiB  {'in use' if e.in_use else 'stale ':6}  {e.path}")
-        stale = sum(e.bytes for e in entries if not e.in_use)
-        if prune:
-            freed = prune_cache(out, log=lambda m: typer.secho(m, err=True, dim=True))
-            typer.echo(f"freed {freed / 2**30:.2f} GiB")
-        else:
-            typer.echo(f"{stale / 2**30:.2f} GiB stale; `specrt cache --prune` deletes it (a later build of those "
-                       "recipes would redo the work)")
-
-    _guard(run)
+    if not (out / ".cache").is_dir():
+        raise SpecrtError(f"no build cache at {out / '.cache'}; "
+                          f"build an engine set with `specrt engines --out {out}`")
+    entries = cache_entries(out)
+    for e in entries:
+        typer.echo(f"{e.bytes / 2**30:8.2f} GiB  {'in use' if e.in_use else 'stale ':6}  {e.path}")
+    stale = sum(e.bytes for e in entries if not e.in_use)
+    if prune:
+        freed = prune_cache(out, log=lambda m: typer.secho(m, err=True, dim=True))
+        typer.echo(f"freed {freed / 2**30:.2f} GiB")
+    else:
+        typer.echo(f"{stale / 2**30:.2f} GiB stale; `specrt cache --prune` deletes it (a later build of those "
+                   "recipes would redo the work)")
 
 
 from .generate_command import generate as _generate  # noqa: E402  (typer-only import; the runtime loads inside)
 
-app.command(name="generate", cls=_Command)(_generate)
+app.command(name="generate", cls=Command)(_generate)
 
 
 from .train_command import train_eagle as _train_eagle  # noqa: E402  (typer-only import; torch loads inside)
 from .train_command import train_medusa as _train_medusa  # noqa: E402
 
-app.command(name="train-medusa", cls=_Command)(_train_medusa)
-app.command(name="train-eagle", cls=_Command)(_train_eagle)
+app.command(name="train-medusa", cls=Command)(_train_medusa)
+app.command(name="train-eagle", cls=Command)(_train_eagle)
 
 
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder."),
-         parallel: int = typer.Option(1, "--parallel", help="Also the memory of this many streams at once "
+         parallel: int = typer.Option(1, "--parallel", min=1, help="Also the memory of this many streams at once "
                                       "(`specrt serve --parallel N`): the weights once, a KV cache each.")):
     """Show an engine set's manifest: engines, precisions, parity figures, and the memory each target needs with
     the proposers it runs."""
+    from rich.console import Console
+    from rich.table import Table
 
-    def run():
-        from .errors import SpecrtError
+    from .manifest import engine_memory, load_manifest
+    from .runtime.speculative import proposer_entry
 
-        if parallel < 1:
-            raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
-        from rich.console import Console
-        from rich.table import Table
-
-        from .manifest import engine_memory, load_manifest
-        from .runtime.speculative import proposer_entry
-
-        m = load_manifest(engines_dir)
-        t = Table(title=f"{m.name}  ({m.root})")
-        for col in ("engine", "role", "backend", "precision", "max ctx", "vocab", "|Δlogit| vs torch",
-                    "greedy agree", "width-exact", "logit screen", "weights MiB", "KV KiB/pos", "MiB at max ctx"):
-            t.add_column(col)
-        memory = {}
-        for e in m.engines.values():
-            p = e.raw.get("parity", {})
-            mem = memory[e.name] = e.memory or engine_memory(e, m.root)  # sets built before entries recorded it
-            t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
-                      _fmt(p.get("max_abs_logit_diff_vs_torch"), ".2g"),
-                      _fmt(p.get("greedy_agreement_vs_torch"), ".0%"), str(e.width_exact) if p else "-",
-                      _screen_status(e.raw), f"{mem['weights_bytes'] / 2**20:.0f}",
-                      f"{mem['kv_bytes_per_position'] / 2**10:.1f}", f"{mem['total_bytes_at_max_context'] / 2**20:.0f}")
-        console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get the full table
-        console.print(t)
-        for precision in sorted({e.precision for e in m.engines.values() if e.role == "target"}):
-            together = [m.engine("target", precision)] + [  # with the one of each proposer the runtime runs
-                e for role in ("draft", "medusa", "eagle") if (e := proposer_entry(m, role, precision)) is not None]
-            total = sum(memory[e.name]["total_bytes_at_max_context"] for e in together)
-            draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
-            drafts = f" (the draft model: {draft / 2**20:.0f} MiB)" if draft else ""
-            kv = sum(memory[e.name]["kv_bytes_per_position"] * e.max_context for e in together)
-            streams = (f"; {parallel} streams at once: {(total + (parallel - 1) * kv) / 2**20:.0f} MiB "
-                       f"({kv / 2**20:.0f} MiB of KV cache a stream)" if parallel > 1 else "")
-            console.print(f"memory at max context, target-{precision} with {', '.join(e.name for e in together[1:])}"
-                          f": {total / 2**20:.0f} MiB{drafts}{streams}" if len(together) > 1 else
-                          f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB{streams}")
-        for e in m.engines.values():  # what a TensorRT compiler made of each graph
-            b = e.build or {}
-            if b.get("compiler") or b.get("tensorrt"):
-                label = {"tensorrt-rtx": "TensorRT for RTX"}.get(b.get("compiler"), "TensorRT")
-                where = (f"for {', '.join(b['gpu_archs'])}" if b.get("gpu_archs") else
-                         f"on compute capability {b.get('compute_capability')}")
-                console.print(f"compiled: {e.name} by {label} {b.get('version', b.get('tensorrt'))} {where}: "
-                              f"{b.get('engine_bytes', 0) / 2**20:.0f} MiB in {b.get('build_s', 0):.0f} s, from ONNX "
-                              f"sha256 {str(b.get('onnx_sha256'))[:12]}…")
-        src = m.raw.get("source", {})
-        console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
-
-    _guard(run)
+    m = load_manifest(engines_dir)
+    t = Table(title=f"{m.name}  ({m.root})")
+    for col in ("engine", "role", "backend", "precision", "max ctx", "vocab", "|Δlogit| vs torch",
+                "greedy agree", "width-exact", "logit screen", "weights MiB", "KV KiB/pos", "MiB at max ctx"):
+        t.add_column(col)
+    memory = {}
+    for e in m.engines.values():
+        p = e.raw.get("parity", {})
+        mem = memory[e.name] = e.memory or engine_memory(e, m.root)  # sets built before entries recorded it
+        t.add_row(e.name, e.role, e.backend, e.precision, str(e.max_context), str(e.vocab_size),
+                  _fmt(p.get("max_abs_logit_diff_vs_torch"), ".2g"),
+                  _fmt(p.get("greedy_agreement_vs_torch"), ".0%"), str(e.width_exact) if p else "-",
+                  _screen_status(e.raw), f"{mem['weights_bytes'] / 2**20:.0f}",
+                  f"{mem['kv_bytes_per_position'] / 2**10:.1f}", f"{mem['total_bytes_at_max_context'] / 2**20:.0f}")
+    console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get the full table
+    console.print(t)
+    for precision in sorted({e.precision for e in m.engines.values() if e.role == "target"}):
+        together = [m.engine("target", precision)] + [  # with the one of each proposer the runtime runs
+            e for role in ("draft", "medusa", "eagle") if (e := proposer_entry(m, role, precision)) is not None]
+        total = sum(memory[e.name]["total_bytes_at_max_context"] for e in together)
+        draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
+        drafts = f" (the draft model: {draft / 2**20:.0f} MiB)" if draft else ""
+        kv = sum(memory[e.name]["kv_bytes_per_position"] * e.max_context for e in together)
+        streams = (f"; {parallel} streams at once: {(total + (parallel - 1) * kv) / 2**20:.0f} MiB "
+                   f"({kv / 2**20:.0f} MiB of KV cache a stream)" if parallel > 1 else "")
+        console.print(f"memory at max context, target-{precision} with {', '.join(e.name for e in together[1:])}"
+                      f": {total / 2**20:.0f} MiB{drafts}{streams}" if len(together) > 1 else
+                      f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB{streams}")
+    for e in m.engines.values():  # what a TensorRT compiler made of each graph
+        b = e.build or {}
+        if b.get("compiler") or b.get("tensorrt"):
+            label = {"tensorrt-rtx": "TensorRT for RTX"}.get(b.get("compiler"), "TensorRT")
+            where = (f"for {', '.join(b['gpu_archs'])}" if b.get("gpu_archs") else
+                     f"on compute capability {b.get('compute_capability')}")
+            console.print(f"compiled: {e.name} by {label} {b.get('version', b.get('tensorrt'))} {where}: "
+                          f"{b.get('engine_bytes', 0) / 2**20:.0f} MiB in {b.get('build_s', 0):.0f} s, from ONNX "
+                          f"sha256 {str(b.get('onnx_sha256'))[:12]}…")
+    src = m.raw.get("source", {})
+    console.print(f"source: {src.get('label')} ({src.get('kind')}, sha256 {str(src.get('sha256'))[:12]}…)")
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def parity(
     engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="A portable engine set (specrt engines --backend ...)."),
     precision: str = typer.Option("fp32", "--precision", help="The target engine to check."),
@@ -302,58 +237,51 @@ def parity(
     rtol: float = typer.Option(1e-3, "--rtol"),
 ):
     """Compare a portable engine's graph across backends with Polygraphy's comparator, on real padded passes."""
+    import numpy as np
 
-    def run():
-        import numpy as np
+    from .manifest import load_manifest
+    from .pipeline.parity import compare, protocol_feeds
 
-        from .manifest import load_manifest
-        from .pipeline.parity import compare, protocol_feeds
+    m = load_manifest(engines_dir)
+    entry = m.engine("target", precision)
+    if not entry.file.endswith(".onnx"):
+        raise SpecrtError(f"engine '{entry.name}' is a {entry.backend} engine, not an ONNX graph; run parity on "
+                          "the onnxruntime-portable set built from the same source")
+    if entry.backend == "onnxruntime":
+        raise SpecrtError(f"'{engines_dir}' holds onnxruntime (contrib-op) engines; build the portable set with "
+                          "`specrt engines --backend onnxruntime-portable` and check that")
+    feeds = protocol_feeds(m.root / entry.file, entry, np.arange(1, 33) % entry.vocab_size)
+    if save_inputs is not None:
+        from polygraphy.json import save_json
 
-        m = load_manifest(engines_dir)
-        entry = m.engine("target", precision)
-        if not entry.file.endswith(".onnx"):
-            raise SpecrtError(f"engine '{entry.name}' is a {entry.backend} engine, not an ONNX graph; run parity on "
-                              "the onnxruntime-portable set built from the same source")
-        if entry.backend == "onnxruntime":
-            raise SpecrtError(f"'{engines_dir}' holds onnxruntime (contrib-op) engines; build the portable set with "
-                              "`specrt engines --backend onnxruntime-portable` and check that")
-        feeds = protocol_feeds(m.root / entry.file, entry, np.arange(1, 33) % entry.vocab_size)
-        if save_inputs is not None:
-            from polygraphy.json import save_json
-
-            save_json(feeds, str(save_inputs))
-        res = compare(m.root / entry.file, feeds, tuple(r.strip() for r in runners.split(",") if r.strip()),
-                      atol, rtol)
-        typer.echo(json.dumps(res, indent=1))
-        if not res["passed"]:
-            raise typer.Exit(1)
-
-    _guard(run)
+        save_json(feeds, str(save_inputs))
+    res = compare(m.root / entry.file, feeds, tuple(r.strip() for r in runners.split(",") if r.strip()),
+                  atol, rtol)
+    typer.echo(json.dumps(res, indent=1))
+    if not res["passed"]:
+        raise typer.Exit(1)
 
 
-@app.command(name="quant-report", cls=_Command)
+@app.command(name="quant-report", cls=Command)
 def quant_report(
     engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set folder."),
     out: Path = typer.Option(Path("quant-report"), "--out", help="Folder for report.md and quality.png."),
 ):
     """Accuracy of every precision of a set against its fp32 engine (measured at build): a table and a plot."""
+    from .bench.quant_report import rows, write
+    from .manifest import load_manifest
 
-    def run():
-        from .bench.quant_report import rows, write
-        from .manifest import load_manifest
+    m = load_manifest(engines_dir)
+    if out.exists() and not out.is_dir():
+        raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
+    path = write(m, out)
+    for r in rows(m):
+        top1 = "-" if r["top1_vs_fp32"] is None else f"{r['top1_vs_fp32']:.1%}"
+        kl = "-" if r["kl_vs_fp32"] is None else f"{r['kl_vs_fp32']:.4f}"
+        tau = "" if r["draft_tau"] is None else f"  draft tau {r['draft_tau']:.3f}"
+        typer.echo(f"{r['engine']:>16}  top-1 {top1:>6}  KL {kl:>7}  width-exact {r['width_exact']}{tau}")
+    typer.echo(f"wrote {path}")
 
-        m = load_manifest(engines_dir)
-        if out.exists() and not out.is_dir():
-            raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
-        path = write(m, out)
-        for r in rows(m):
-            top1 = "-" if r["top1_vs_fp32"] is None else f"{r['top1_vs_fp32']:.1%}"
-            kl = "-" if r["kl_vs_fp32"] is None else f"{r['kl_vs_fp32']:.4f}"
-            tau = "" if r["draft_tau"] is None else f"  draft tau {r['draft_tau']:.3f}"
-            typer.echo(f"{r['engine']:>16}  top-1 {top1:>6}  KL {kl:>7}  width-exact {r['width_exact']}{tau}")
-        typer.echo(f"wrote {path}")
-
-    _guard(run)
 
 
 def _screen_status(entry: dict) -> str:
@@ -370,19 +298,19 @@ def _screen_status(entry: dict) -> str:
 
 from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
 
-app.command(name="bench", cls=_Command)(_bench)
+app.command(name="bench", cls=Command)(_bench)
 
 from .bench.command import bench_serve as _bench_serve  # noqa: E402  (typer-only import, like `bench`)
 
-app.command(name="bench-serve", cls=_Command)(_bench_serve)
+app.command(name="bench-serve", cls=Command)(_bench_serve)
 
 from .serve_command import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
 
-app.command(name="serve", cls=_Command)(_serve)
+app.command(name="serve", cls=Command)(_serve)
 
 from .ray_serve import serve_ray as _serve_ray  # noqa: E402  (typer-only import; Ray loads inside the command)
 
-app.command(name="serve-ray", cls=_Command)(_serve_ray)
+app.command(name="serve-ray", cls=Command)(_serve_ray)
 
 
 def main():  # pragma: no cover

@@ -25,11 +25,11 @@ def generate(
     precision: str = typer.Option("fp32", "--precision",
                                   help="Which target engine of the set to run: fp32 (exact), int8, int4 or int4-fp32 "
                                        "(those the set was built with; `specrt info` lists them)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Stop after this many new tokens."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed",
+    seed: Optional[int] = typer.Option(None, "--seed", min=0,
                                        help="Seed for sampling: the same seed gives the same output, and with prompt "
                                             "lookup or Medusa the same output as --speculate off (a draft model "
                                             "samples its own drafts: reproducible only with --draft-tokens fixed)."),
@@ -55,65 +55,56 @@ def generate(
                                             "after a one-token warm-up."),
 ):
     """Generate from an engine set; streams text, then prints stats to stderr."""
+    from . import compare_plain as cmp
+    from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import load_messages_file
 
-    def run():
-        from . import compare_plain as cmp
-        from .runtime.sampling import SamplingParams
-        from .runtime.tokenizer import load_messages_file
+    if (prompt is None) == (messages is None):
+        raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
+    if any(not s for s in stop):  # it would match before the first token: an empty answer
+        raise SpecrtError("--stop '' is empty and would stop before any output; pass a non-empty stop string")
+    chat = load_messages_file(messages) if messages is not None else prompt
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as e:  # its messages name the Python fields (top_p=1.0): name the flags
+        raise SpecrtError(re.sub(r"\b(temperature|top_k|top_p)\b=?",
+                                 lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
+                                 str(e))) from None
+    from .runtime.engine import EngineOptions
+    from .runtime.session import load
+    from .runtime.speculative import SpeculativeConfig
 
-        if (prompt is None) == (messages is None):
-            raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
-        if max_new_tokens < 1:
-            raise SpecrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}; e.g. --max-new-tokens 256")
-        if seed is not None and seed < 0:
-            raise SpecrtError(f"--seed must be >= 0, got {seed}; omit it for a random seed")
-        if any(not s for s in stop):  # it would match before the first token: an empty answer
-            raise SpecrtError("--stop '' is empty and would stop before any output; pass a non-empty stop string")
-        chat = load_messages_file(messages) if messages is not None else prompt
-        try:
-            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        except ValueError as e:  # its messages name the Python fields (top_p=1.0): name the flags
-            raise SpecrtError(re.sub(r"\b(temperature|top_k|top_p)\b=?",
-                                     lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
-                                     str(e))) from None
-        from .runtime.engine import EngineOptions
-        from .runtime.session import load
-        from .runtime.speculative import SpeculativeConfig
+    shared = {}  # --compare-plain's plain pass reuses the target engine
+    session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),
+                   SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical), shared=shared)
+    ask = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
+               ignore_eos=ignore_eos)
+    if compare_plain:
+        cmp.check_speculating(session.mode)
+        cmp.warm_up(session, chat, **ask)
+    s = session.stream(chat, **ask)
+    for delta in s:
+        if stream and not as_json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    r = s.result
+    if as_json:
+        found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask)) if compare_plain else None
+        typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict(),
+                               **({"compare_plain": found} if found else {})}))
+        return
+    if not stream:
+        typer.echo(r.text)
+    else:
+        typer.echo()
+    st = r.stats
+    spec = (f", {st.proposer}: tau {st.tau:.2f}, draft {st.draft_s:.2f}s / verify {st.verify_s:.2f}s"
+            + ("" if st.exact else ", LOSSY (typical acceptance)" if st.lossy else ", NOT width-exact")
+            if st.proposer != "off" else "")
+    typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
+                f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
+    if compare_plain:
+        typer.secho("[the same prompt with --speculate off ...]", err=True, dim=True)
+        found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask))
+        typer.secho(cmp.line(found, speculate), err=True, bold=True)
 
-        shared = {}  # --compare-plain's plain pass reuses the target engine
-        session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),
-                       SpeculativeConfig(draft_tokens=draft_tokens, lossy_typical=lossy_typical), shared=shared)
-        ask = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop), chat=not raw,
-                   ignore_eos=ignore_eos)
-        if compare_plain:
-            cmp.check_speculating(session.mode)
-            cmp.warm_up(session, chat, **ask)
-        s = session.stream(chat, **ask)
-        for delta in s:
-            if stream and not as_json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        r = s.result
-        if as_json:
-            found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask)) if compare_plain else None
-            typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict(),
-                                   **({"compare_plain": found} if found else {})}))
-            return
-        if not stream:
-            typer.echo(r.text)
-        else:
-            typer.echo()
-        st = r.stats
-        spec = (f", {st.proposer}: tau {st.tau:.2f}, draft {st.draft_s:.2f}s / verify {st.verify_s:.2f}s"
-                + ("" if st.exact else ", LOSSY (typical acceptance)" if st.lossy else ", NOT width-exact")
-                if st.proposer != "off" else "")
-        typer.secho(f"[{st.prompt_tokens} prompt + {st.new_tokens} new tokens, ttft {st.ttft_s * 1000:.0f} ms, "
-                    f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
-        if compare_plain:
-            typer.secho("[the same prompt with --speculate off ...]", err=True, dim=True)
-            found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask))
-            typer.secho(cmp.line(found, speculate), err=True, bold=True)
-
-    from .cli import _guard
-
-    _guard(run)

@@ -35,7 +35,7 @@ import typer
 
 from .errors import SpecrtError, first_line
 from .scopes import CONVERSATION_HEADER, conversation_key
-from .serve_command import DEFAULT_MAX_TOKENS_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP
+from .serve_command import DEFAULT_MAX_TOKENS_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP, SuffixScope
 
 log = logging.getLogger("specrt.ray_serve")
 
@@ -310,7 +310,7 @@ def serve_ray(
     default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",
                                            help=DEFAULT_MAX_TOKENS_HELP),
     suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB", help="Per replica: " + SUFFIX_CACHE_HELP),
-    suffix_scope: str = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
+    suffix_scope: SuffixScope = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P", help="As for `specrt serve`."),
     suffix_factor: float = typer.Option(4.0, "--suffix-factor", metavar="X", help="As for `specrt serve`."),
     address: Optional[str] = typer.Option(None, "--address",
@@ -319,66 +319,62 @@ def serve_ray(
 ):
     """Serve an engine set on Ray Serve: N replicas of `specrt serve`'s app behind one HTTP endpoint, each
     conversation's turns routed to the replica that holds its KV cache. Needs the ray extra."""
-    from .cli import _guard
+    from .runtime.speculative import SpeculativeConfig
+    from .serve_command import check_serve_flags
 
-    def run():
-        from .runtime.speculative import SpeculativeConfig
-        from .serve_command import check_serve_flags
+    check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
+    check_flags(replicas, cores_per_replica, gpus_per_replica)
+    suffix = (suffix_cache, suffix_threshold, suffix_factor)
+    SpeculativeConfig(suffix_cache_mib=suffix_cache, suffix_threshold=suffix_threshold,
+                      suffix_factor=suffix_factor).check()
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise SpecrtError(INSTALL_HINT) from None
+    try:
+        import fastapi  # noqa: F401
+    except ImportError as e:
+        raise SpecrtError(f"`specrt serve-ray` needs the serve extra ({e.name} is missing); "
+                          "pip install 'specrt[serve,ray]'") from None
+    from dataclasses import replace
 
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens,
-                          suffix_scope)
-        check_flags(replicas, cores_per_replica, gpus_per_replica)
-        suffix = (suffix_cache, suffix_threshold, suffix_factor)
-        SpeculativeConfig(suffix_cache_mib=suffix_cache, suffix_threshold=suffix_threshold,
-                          suffix_factor=suffix_factor).check()
+    from .manifest import load_manifest
+    from .runtime.speculative import resolve_mode
+
+    manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before Ray starts
+    manifest.engine("target", precision)
+    mode = resolve_mode(speculate, manifest, precision)  # the replicas get it resolved
+    ray.init(address=address, logging_level=logging.WARNING)
+    started = False
+    try:
+        placement = plan(replicas, cores_per_replica, gpus_per_replica, ray.cluster_resources())
+        spec = replace(EngineSpec(str(Path(manifest.root).resolve())), precision=precision, speculate=mode,
+                       threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
+                       parallel=parallel, prefill_chunk=prefill_chunk,
+                       default_max_tokens=default_max_tokens or None, suffix=suffix,
+                       suffix_scope=suffix_scope.value)
+        serve.start(http_options={"host": host, "port": port})
+        started = True
+        typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"
+                   + (f", {placement.num_gpus:g} GPUs" if placement.num_gpus else "") + " each)", err=True)
         try:
-            import ray
-            from ray import serve
-        except ImportError:
-            raise SpecrtError(INSTALL_HINT) from None
+            serve.run(build_app(spec, placement), name=APP_NAME, route_prefix="/")
+        except Exception as e:  # noqa: BLE001 -- a replica that cannot load: one line
+            raise SpecrtError(f"could not start the replicas: {first_line(e)}") from None
+        typer.echo(f"serving at http://{host}:{port}/v1 ({placement.replicas} replicas, routed by "
+                   "conversation); Ctrl-C stops", err=True)
         try:
-            import fastapi  # noqa: F401
-        except ImportError as e:
-            raise SpecrtError(f"`specrt serve-ray` needs the serve extra ({e.name} is missing); "
-                              "pip install 'specrt[serve,ray]'") from None
-        from dataclasses import replace
+            import time
 
-        from .manifest import load_manifest
-        from .runtime.speculative import resolve_mode
-
-        manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before Ray starts
-        manifest.engine("target", precision)
-        resolve_mode(speculate, manifest, precision)
-        ray.init(address=address, logging_level=logging.WARNING)
-        started = False
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            typer.echo("stopping", err=True)
+    finally:
         try:
-            placement = plan(replicas, cores_per_replica, gpus_per_replica, ray.cluster_resources())
-            spec = replace(EngineSpec(str(Path(manifest.root).resolve())), precision=precision, speculate=speculate,
-                           threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
-                           parallel=parallel, prefill_chunk=prefill_chunk,
-                           default_max_tokens=default_max_tokens or None, suffix=suffix, suffix_scope=suffix_scope)
-            serve.start(http_options={"host": host, "port": port})
-            started = True
-            typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"
-                       + (f", {placement.num_gpus:g} GPUs" if placement.num_gpus else "") + " each)", err=True)
-            try:
-                serve.run(build_app(spec, placement), name=APP_NAME, route_prefix="/")
-            except Exception as e:  # noqa: BLE001 -- a replica that cannot load: one line
-                raise SpecrtError(f"could not start the replicas: {first_line(e)}") from None
-            typer.echo(f"serving at http://{host}:{port}/v1 ({placement.replicas} replicas, routed by "
-                       "conversation); Ctrl-C stops", err=True)
-            try:
-                import time
-
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                typer.echo("stopping", err=True)
+            if started:
+                serve.shutdown()
         finally:
-            try:
-                if started:
-                    serve.shutdown()
-            finally:
-                ray.shutdown()
+            ray.shutdown()
 
-    _guard(run)

@@ -17,8 +17,6 @@ import hashlib
 import itertools
 import json
 
-from .errors import SpecrtError
-
 CONVERSATION_HEADER = "x-specrt-conversation"  # a client's own conversation key (overrides the computed one)
 PROMPT_PREFIX_CHARS = 64                       # /v1/completions: the key is this much of the prompt
 SUFFIX_SCOPES = ("server", "api-key", "conversation")
@@ -66,11 +64,6 @@ def request_key(path: str, req, header: str | None = None) -> str | None:
     if not isinstance(prompt, (str, list)) or not prompt:
         return None
     return _digest(["text", req.get("model"), prompt[:PROMPT_PREFIX_CHARS]])
-
-
-def check_suffix_scope(scope: str) -> None:
-    if scope not in SUFFIX_SCOPES:
-        raise SpecrtError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, got '{scope}'")
 
 
 def store_key(scope: str, path: str, req: dict, headers) -> str | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -10,12 +11,13 @@ import typer
 
 from .errors import SpecrtError
 from .runtime.methods import modes_help
-from .scopes import check_suffix_scope
+from .scopes import SUFFIX_SCOPES
+
+SuffixScope = Enum("SuffixScope", {s: s for s in SUFFIX_SCOPES}, type=str)  # --suffix-scope's choices, for typer
 
 
 def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
-                      prefill_chunk: int | None = None, default_max_tokens: int = 0,
-                      suffix_scope: str = "server") -> None:
+                      prefill_chunk: int | None = None, default_max_tokens: int = 0) -> None:
     """The flags `serve` and `serve-ray` share, checked before anything loads (one line each)."""
     if not 0 < port < 65536:
         raise SpecrtError(f"--port must be in 1..65535, got {port}")
@@ -29,7 +31,6 @@ def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, 
         raise SpecrtError("--api-key is empty; pass a key or omit the flag")
     if default_max_tokens < 0:
         raise SpecrtError(f"--default-max-tokens must be >= 0 (0 = the rest of the context), got {default_max_tokens}")
-    check_suffix_scope(suffix_scope)
     if prefill_chunk is not None:
         from .runtime.batch_session import check_prefill_chunk
 
@@ -69,7 +70,7 @@ def serve(
                                                help="Fixed draft length K (default: adaptive, by load with "
                                                     "--parallel)."),
     suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB", help=SUFFIX_CACHE_HELP),
-    suffix_scope: str = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
+    suffix_scope: SuffixScope = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P",
                                            help="--speculate suffix: the least probability (0, 1] of a drafted "
                                                 "path, from how often it followed before."),
@@ -88,33 +89,28 @@ def serve(
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
     request runs at a time, or --parallel N at once; each conversation's KV cache is reused by its next turn."""
-    from .cli import _guard
+    check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing); "
+                          "pip install 'specrt[serve]'") from None
+    from .manifest import load_manifest
+    from .runtime.engine import EngineOptions
+    from .runtime.session import load
+    from .runtime.speculative import SpeculativeConfig, resolve_mode
 
-    def run():
-        check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens,
-                          suffix_scope)
-        try:
-            import fastapi  # noqa: F401
-            import uvicorn  # noqa: F401
-        except ImportError as e:
-            raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing); "
-                              "pip install 'specrt[serve]'") from None
-        from .manifest import load_manifest
-        from .runtime.engine import EngineOptions
-        from .runtime.session import load
-        from .runtime.speculative import SpeculativeConfig, resolve_mode
-
-        manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
-        manifest.engine("target", precision)
-        resolve_mode(speculate, manifest, precision)
-        config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
-                                   suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
-        config.check()
-        run_server(lambda: load(manifest, precision, speculate, EngineOptions(threads=threads), config=config,
-                                parallel=parallel, prefill_chunk=prefill_chunk),
-                   manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None, suffix_scope)
-
-    _guard(run)
+    manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
+    manifest.engine("target", precision)
+    mode = resolve_mode(speculate, manifest, precision)  # the session gets both: neither is loaded or resolved again
+    config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
+                               suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
+    config.check()
+    run_server(lambda: load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
+                            parallel=parallel, prefill_chunk=prefill_chunk),
+               manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
+               suffix_scope.value)
 
 
 def run_server(loader, model: str, host: str, port: int, api_key: str | None, max_queue: int, cache_ram_mib: int,

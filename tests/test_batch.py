@@ -597,3 +597,30 @@ def test_parallel_conversations_reuse_their_prefixes_from_any_slot(tiny_engines)
             if turn:
                 assert out[k].stats.cached_tokens >= 40, (turn, k, out[k].stats.cached_tokens)
             history += [Message("assistant", out[k].text), Message("user", "More.")]
+
+
+def test_batch_engines_follow_the_protocol_and_their_descriptor(tiny_engines):
+    """A backend's descriptor says `batch` exactly when its module opens batch engines, and every batch engine class
+    has what runtime/engine.py's BatchEngine names (an instance on the CPU: its attributes too)."""
+    import importlib
+    import inspect
+
+    from specrt.backends import BACKENDS
+    from specrt.manifest import load_manifest
+    from specrt.runtime.backends.cuda_batch import DeviceBatchEngine
+    from specrt.runtime.backends.onnxruntime_batch import OrtBatchEngine, open_batch
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
+    from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.engine import BatchEngine, EngineOptions
+
+    for name, b in BACKENDS.items():
+        assert b.batch == hasattr(importlib.import_module(b.module), "open_batch"), name
+    methods = [n for n, v in vars(BatchEngine).items() if inspect.isfunction(v)]
+    assert {"run", "snapshot", "restore", "move", "enable_hidden"} <= set(methods)
+    for cls in (OrtBatchEngine, PortableBatchEngine, DeviceBatchEngine, TrtBatchEngine, OrtCudaBatchEngine):
+        assert all(callable(getattr(cls, n, None)) for n in methods), cls
+    m = load_manifest(tiny_engines)
+    batch = open_batch(m.root, m.engine("target", "fp32"), EngineOptions(threads=1), 2)
+    assert [n for n in BatchEngine.__annotations__ if not hasattr(batch, n)] == []
+    assert batch.slots == 2 and batch.lengths == [0, 0]
