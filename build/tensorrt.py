@@ -92,6 +92,15 @@ def compute_capability() -> str | None:
     return None
 
 
+def local_gpu_arch() -> str:
+    """The architecture of this machine's GPU as regular TensorRT's engines are keyed by it (e.g. "sm90"): they run
+    only where they were built; a one-line SpecrtError where there is none."""
+    cc = compute_capability()
+    if cc is None:
+        raise SpecrtError("--backend tensorrt found no CUDA device; build TensorRT engines on the GPU that runs them")
+    return "sm" + cc.replace(".", "")
+
+
 def profile_shapes(inputs: dict[str, tuple[int, ...]], seq: tuple[int, int, int], logits: tuple[int, int, int],
                    capacity: tuple[int, int, int], batch: tuple[int, int, int] = (1, 1, 1),
                    ) -> dict[str, tuple[tuple[int, ...], ...]]:

@@ -183,8 +183,8 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> H
 
 
 def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """The EAGLE head engine of a manifest entry, on the entry's backend (a compiled head beside a TensorRT target;
-    ONNX Runtime's CPU provider otherwise)."""
+    """The EAGLE head engine of a manifest entry, on the entry's backend (a compiled head beside a TensorRT target, the
+    CUDA EP beside an onnxruntime-cuda one: on the target's GPU; ONNX Runtime's CPU provider otherwise)."""
     from .backends import backend
 
     return backend(entry).open_eagle(Path(root), entry, options)

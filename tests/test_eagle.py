@@ -332,7 +332,8 @@ def test_eagle_variants_names_a_bad_variant_before_any_work(spec, message, capsy
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-# --- the compiled head beside a target on the device (tensorrt backends), on host-memory fakes ----------------
+# --- the head beside a target on the device (compiled: tensorrt backends; the CUDA EP: onnxruntime-cuda), on
+# host-memory fakes ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def fake_gpu_eagle(tmp_path_factory):
@@ -354,17 +355,29 @@ def fake_gpu_eagle(tmp_path_factory):
     return out
 
 
-def _gpu_eagle(root, tree: bool, on_device: bool = True):
-    """(target, head, proposer): TrtEngine and TrtEagleHead over host-memory fakes (CountingMemory), the head
-    reading the target's rows on the device, or with on_device False the same head class on the host path."""
+GPU_BACKENDS = ["tensorrt", "onnxruntime-cuda"]
+
+
+def _gpu_eagle(root, tree: bool, on_device: bool = True, backend: str = "tensorrt"):
+    """(target, head, proposer): the backend's engine and EAGLE head over host-memory fakes (CountingMemory):
+    TrtEngine and TrtEagleHead (TensorRT faked), or OrtCudaEngine and OrtCudaEagleHead (a CPU session bound by
+    address, 16 rows a call as the fake compiled head's prefill profile), the head reading the target's rows on the
+    device, or with on_device False the same head class on the host path."""
+    import onnxruntime as ort
     from test_gpu_backends import CountingMemory, HostEagleEngine, fake_target
 
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
     from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
     from specrt.runtime.proposers.eagle import Eagle
 
-    target = fake_target(root / "target-fp32.onnx", "tensorrt")
-    head = TrtEagleHead(HostEagleEngine(root / "eagle-fixed.onnx", max_rows=16, max_width=4), CountingMemory(),
-                        name="eagle-fp32", hidden=32, kv_heads=2, head_dim=8, topk=8)
+    target = fake_target(root / "target-fp32.onnx", backend)
+    dims = dict(name="eagle-fp32", hidden=32, kv_heads=2, head_dim=8, topk=8)
+    if backend == "tensorrt":
+        head = TrtEagleHead(HostEagleEngine(root / "eagle-fixed.onnx", max_rows=16, max_width=4), CountingMemory(),
+                            **dims)
+    else:
+        session = ort.InferenceSession(str(root / "eagle.onnx"), providers=["CPUExecutionProvider"])
+        head = OrtCudaEagleHead(session, CountingMemory(), capacity=320, max_rows=16, device="cpu", **dims)
     if not on_device:
         head.on_device = False
     return target, head, Eagle(head, max_tokens=4, tree=tree, beam=3, nodes=8)
@@ -373,20 +386,21 @@ def _gpu_eagle(root, tree: bool, on_device: bool = True):
 PROMPT = np.random.default_rng(5).integers(0, 96, 37)  # wider than the fake head's 16 prefill rows: chunks
 
 
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("tree", [False, True])
-def test_eagle_features_stay_on_the_device_beside_a_compiled_target(fake_gpu_eagle, tree):
+def test_eagle_features_stay_on_the_device_beside_a_gpu_target(fake_gpu_eagle, tree, backend):
     """The device path (the target's accepted rows copied on the device into the head's store, the head's
     predicted features fed back by address) against the host path of the same head class, round by round through
     long forced accepts: the same drafts, tokens and kept features; no hidden or feature row downloaded on the
     device path (the host path downloads both); KV reuse's copy of the features equal. A device copy skipped, or
-    of the wrong rows, drafts otherwise."""
+    of the wrong rows, drafts otherwise. For a compiled head (TensorRT) and one on the CUDA EP."""
     from specrt.interface import HIDDEN_STATES
     from test_gpu_backends import hidden_fetched, speculate
 
-    host_t, host_h, host_p = _gpu_eagle(fake_gpu_eagle, tree, on_device=False)
+    host_t, host_h, host_p = _gpu_eagle(fake_gpu_eagle, tree, on_device=False, backend=backend)
     want, host_drafts = speculate(host_t, host_p, PROMPT, 60, 4, forced=True)
     assert not host_p._device and max(len(t) for t, _ in host_drafts) > 1
-    target, head, proposer = _gpu_eagle(fake_gpu_eagle, tree)
+    target, head, proposer = _gpu_eagle(fake_gpu_eagle, tree, backend=backend)
     got, drafts = speculate(target, proposer, PROMPT, 60, 4, forced=True)
     assert proposer._device and drafts == host_drafts and got == want
     # what crossed to the host: on the device path no row of the target's hidden states, nor of the head's
@@ -416,7 +430,7 @@ def test_eagle_features_stay_on_the_device_beside_a_compiled_target(fake_gpu_eag
     assert (wide.addresses[:16] == 0).all() and (wide.addresses[16:] > 0).all()
     # the test sees a device copy skipped, or one of the wrong rows
     for sabotage in ("skip", "shift"):
-        target, head, proposer = _gpu_eagle(fake_gpu_eagle, tree)
+        target, head, proposer = _gpu_eagle(fake_gpu_eagle, tree, backend=backend)
         if sabotage == "skip":
             head.keep_features = lambda position, addresses: None
         else:
@@ -425,16 +439,17 @@ def test_eagle_features_stay_on_the_device_beside_a_compiled_target(fake_gpu_eag
         assert speculate(target, proposer, PROMPT, 60, 4, forced=True)[1] != host_drafts, sabotage
 
 
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("tree", [False, True])
-def test_greedy_eagle_on_the_device_keeps_the_targets_output(fake_gpu_eagle, tree):
+def test_greedy_eagle_on_the_device_keeps_the_targets_output(fake_gpu_eagle, tree, backend):
     """Greedy speculative decoding with the head on the device path (real verification) gives plain greedy
     decoding's tokens, and drafts on the way."""
     from test_gpu_backends import fake_target, hidden_fetched, plain, speculate
 
-    target, _, proposer = _gpu_eagle(fake_gpu_eagle, tree)
+    target, _, proposer = _gpu_eagle(fake_gpu_eagle, tree, backend=backend)
     got, drafts = speculate(target, proposer, PROMPT, 50, 4)
     assert proposer._device and sum(len(t) for t, _ in drafts) > 0 and hidden_fetched(target) == 0
-    assert got == plain(fake_target(fake_gpu_eagle / "target-fp32.onnx", "tensorrt"), PROMPT, 50)
+    assert got == plain(fake_target(fake_gpu_eagle / "target-fp32.onnx", backend), PROMPT, 50)
 
 
 def test_device_feature_rows_are_gathered_and_refused_when_overwritten():
@@ -450,3 +465,118 @@ def test_device_feature_rows_are_gathered_and_refused_when_overwritten():
     rows = DeviceRows([10, 20, 30], epoch=4)
     assert len(rows[-1:]) == 1 and rows[0].epoch == 4 and list(rows.join([rows[2], rows[0]]).addresses) == [30, 10]
     assert rows.join([rows[0], DeviceRows([7])]).epoch == -1
+
+
+def test_the_cuda_ep_head_drafts_what_the_cpu_head_does(fake_gpu_eagle):
+    """OrtCudaEagleHead (every buffer in HostMemory, bound by address to a CPU session of the graph) against
+    OrtEagleHead on the CPU: the same next features and top-k for a prompt wider than its rows a call (run in
+    chunks), chain steps and a tree level, and after its cache is saved and loaded back."""
+    import onnxruntime as ort
+
+    from specrt.errors import SpecrtError
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
+
+    graph = fake_gpu_eagle / "eagle.onnx"
+    dims = dict(hidden=32, kv_heads=2, head_dim=8, topk=8)
+
+    def cuda_head():
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        return OrtCudaEagleHead(session, HostMemory(), name="eagle-fp32", capacity=320, max_rows=16, device="cpu",
+                                **dims)
+
+    gpu, cpu = cuda_head(), OrtEagleHead(graph, capacity=320, **dims)
+    cpu.reserve(320)
+    assert gpu.capacity == gpu.max_capacity == cpu.capacity == 320 and gpu.on_device
+    rng = np.random.default_rng(0)
+
+    def step(lo: int, rows: int, heads=(gpu, cpu)):
+        feats = rng.standard_normal((rows, 32)).astype(np.float32)
+        toks = rng.integers(0, 96, rows)
+        mask = np.where(np.arange(320)[None, :] <= lo + np.arange(rows)[:, None], np.float32(0), np.float32(-1e9))
+        outs = [h.run(feats, toks, np.arange(lo, lo + rows), lo, mask) for h in heads]
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+        assert (outs[0][1] == outs[1][1]).all()
+        for h in heads:
+            h.length = lo + rows
+
+    step(0, 37)   # a prompt: 16 rows at a time
+    step(37, 1)   # a chain step
+    step(38, 4)   # a tree level
+    saved = gpu.save_prefix(30)
+    again = cuda_head()
+    again.load_prefix(saved)
+    cpu.length = 30
+    step(30, 3, (again, cpu))  # reads the 30 positions loaded back, as the CPU head reads its own
+    with pytest.raises(SpecrtError, match="do not fit its 320"):
+        gpu.reserve(321)
+    gpu.close()
+
+
+def test_an_onnxruntime_cuda_sets_eagle_head_opens_on_the_cuda_ep(fake_gpu_eagle, monkeypatch):
+    """The runtime opens an onnxruntime-cuda set's eagle-fp32 entry through its backend as OrtCudaEagleHead at the
+    entry's capacity and top-k, its session made on the CUDA EP with the head's own stream (the GPU's pieces
+    faked here); where this onnxruntime has no CUDA EP, one line."""
+    import onnxruntime as ort
+
+    from specrt.errors import SpecrtError
+    from specrt.manifest import EngineEntry
+    from specrt.runtime.backends import onnxruntime_cuda
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.engine import open_eagle
+
+    entry = EngineEntry(name="eagle-fp32", role="eagle", file="eagle.onnx", backend="onnxruntime-cuda",
+                        precision="fp32", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32,
+                        vocab_size=96, max_context=256, eagle={"capacity": 320, "topk": 8})
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(SpecrtError, match="runs on the CPU only"):
+            open_eagle(fake_gpu_eagle, entry)
+    opened = []
+    monkeypatch.setattr(onnxruntime_cuda, "require_cuda_provider", lambda providers: None)
+    monkeypatch.setattr(onnxruntime_cuda, "require_device", lambda backend: None)
+    monkeypatch.setattr(onnxruntime_cuda, "CudaMemory", HostMemory)
+    monkeypatch.setattr(onnxruntime_cuda, "open_session", lambda path, stream, threads, graphs: opened.append(
+        (path.name, stream, threads, graphs)) or (ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]),
+                                                  None))
+    head = open_eagle(fake_gpu_eagle, entry)
+    assert isinstance(head, onnxruntime_cuda.OrtCudaEagleHead) and head.on_device and head.device == "cuda"
+    assert (head.capacity, head.topk, head.max_rows, head.hidden_size) == (320, 8, 320, 32)
+    assert opened == [("eagle.onnx", 0, 1, False)]
+
+
+def test_the_eagle_head_of_a_gpu_set_is_the_standard_op_graph(tiny_dir, tiny_engines, tmp_path, monkeypatch):
+    """Sets whose head runs on the GPU (a TensorRT compiler's, onnxruntime-cuda's) get eagle-fp32, the fp32 graph
+    of standard ops, as an entry of their backend; the others eagle-int8 on ONNX Runtime's CPU provider."""
+    import json
+
+    import onnx
+    from transformers import AutoConfig
+
+    from specrt.export.eagle import save_head
+    from specrt.export.sources import fingerprint, resolve
+    from specrt.pipeline import eagle as pipeline_eagle
+
+    assert {b: pipeline_eagle.on_gpu(b) for b in ("onnxruntime", "onnxruntime-portable", "onnxruntime-cuda",
+                                                  "tensorrt", "tensorrt-rtx")} == {
+        "onnxruntime": False, "onnxruntime-portable": False, "onnxruntime-cuda": True, "tensorrt": True,
+        "tensorrt-rtx": True}
+    config = AutoConfig.from_pretrained(str(tiny_dir))
+    shape = HeadShape.of(config)
+    torch.manual_seed(0)
+    head = tmp_path / "head.npz"
+    save_head(head, make_head(shape), np.arange(config.vocab_size), {"shape": shape.__dict__})
+    fp = fingerprint(resolve(str(tiny_dir)))
+    cache = next((tiny_engines.parent / ".cache").glob(f"export-{fp[:16]}-ctx256-*"))
+    facts = json.loads((cache / "export.json").read_text())
+    monkeypatch.setattr(pipeline_eagle, "target_pass_costs", lambda *a: [[1, 0.01], [8, 0.02]])
+    out = tmp_path / "set"
+    out.mkdir()
+    entry = pipeline_eagle.build_eagle(head, cache, facts, out, lambda m: None, {}, backend="onnxruntime-cuda")
+    assert (entry.name, entry.backend, entry.precision, entry.file) == ("eagle-fp32", "onnxruntime-cuda", "fp32",
+                                                                        "eagle-fp32.onnx")
+    assert sorted(p.name for p in out.iterdir()) == sorted(entry.files) and entry.eagle["capacity"] == 320
+    ops = {n.op_type for n in onnx.load(str(out / entry.file), load_external_data=False).graph.node}
+    assert {"RotaryEmbedding", "TensorScatter", "Attention"} <= ops
+    assert not ops & {"DynamicQuantizeLinear", "MatMulInteger"}

@@ -2,7 +2,8 @@
 draft model, Medusa heads (fp32 and Q/DQ) and the EAGLE head through `specrt engines --backend tensorrt-rtx`, each a
 real parser and builder run that fails the test on any error; what the manifest records of it; the one-line
 refusals (bad --gpu-arch, fp8 where an architecture lacks it, a parser or builder failure, the library missing);
-and the runtime's checks of an engine against the GPU it is opened on, its compiled heads against fakes. Running an
+and the runtime's checks of an engine against the GPU it is opened on, its compiled heads against fakes. Regular
+TensorRT's heads go through the same build with this module standing in for `tensorrt` (a GPU faked). Running an
 engine needs a GPU TensorRT for RTX supports (tests/gpu/check.sh)."""
 
 from __future__ import annotations
@@ -443,3 +444,130 @@ def test_the_compiled_eagle_head_on_the_device_drafts_what_the_onnx_head_does(ti
     with pytest.raises(SpecrtError, match="do not fit its 320"):
         gpu.reserve(321)
     gpu.close()
+
+
+# --- regular TensorRT's heads: the same build, on the GPU that builds (TensorRT for RTX standing in) -----------
+
+@pytest.fixture(scope="module")
+def tensorrt_heads_set(tiny_dir, tiny_engines, tmp_path_factory):
+    """A regular `tensorrt` set's heads compiled by compile_set, TensorRT for RTX's module standing in for `tensorrt`
+    (a real parser and builder run: it builds without a GPU) on a GPU faked as sm89: its target already an engine
+    (built on the GPU before its checks: left as it is), its Medusa heads and EAGLE head as the pipeline writes them
+    (build_medusa, build_eagle's eagle-fp32; the target's pass costs given). -> (set, compile cache, ONNX graphs
+    kept aside, log lines)."""
+    import shutil
+
+    from specrt.build import tensorrt as build_trt
+    from specrt.export.sources import fingerprint, resolve
+    from specrt.manifest import EngineEntry
+    from specrt.pipeline import eagle as pipeline_eagle
+    from specrt.pipeline import tree_sizing
+    from specrt.pipeline.portable import compile_set
+
+    out = tmp_path_factory.mktemp("tensorrt-heads")
+    tmp, graphs, said = out / "set", out / "graphs", []
+    tmp.mkdir()
+    fp = fingerprint(resolve(str(tiny_dir)))
+    cache = next((tiny_engines.parent / ".cache").glob(f"export-{fp[:16]}-ctx256-*"))
+    facts = json.loads((cache / "export.json").read_text())
+    costs = lambda *a: [[1, 0.01], [64, 0.03]]  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree_sizing, "target_pass_costs", costs)
+        mp.setattr(pipeline_eagle, "target_pass_costs", costs)
+        medusa = tree_sizing.build_medusa(random_heads_file(out / "heads.npz"), cache, facts, tmp, said.append, 0, {},
+                                          "tensorrt")
+        eagle = pipeline_eagle.build_eagle(random_eagle_file(out / "eagle.npz", tiny_dir), cache, facts, tmp,
+                                           said.append, {}, backend="tensorrt")
+        shutil.copytree(tmp, graphs)
+        (tmp / "target-fp16.engine").write_bytes(b"an engine built on the GPU")
+        s = facts["spec"]
+        target = EngineEntry(name="target-fp16", role="target", file="target-fp16.engine", files=["target-fp16.engine"],
+                             backend="tensorrt", precision="fp16", num_layers=s["num_layers"],
+                             num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],
+                             hidden_size=s["hidden_size"], vocab_size=s["vocab_size"], max_context=256)
+        (tmp / "manifest.json").write_text(json.dumps({"engines": {e.name: e.to_dict()
+                                                                   for e in (target, medusa, eagle)}}))
+        mp.setitem(sys.modules, "tensorrt", tensorrt_rtx_bindings)
+        mp.setattr(build_trt, "compute_capability", lambda: "8.9")
+        compile_set(tmp, "tensorrt", None, out / "compiled", said.append)
+    return tmp, out / "compiled", graphs, said
+
+
+def test_a_tensorrt_sets_heads_compile_on_its_gpu_with_the_same_build(tensorrt_heads_set):
+    from specrt.build.tensorrt import COMPILE_FORMAT, MAX_BATCH
+
+    path, compiled, _, said = tensorrt_heads_set
+    version = tensorrt_rtx_bindings.__version__
+    engines = json.loads((path / "manifest.json").read_text())["engines"]
+    assert engines["target-fp16"]["file"] == "target-fp16.engine" and "build" not in engines["target-fp16"]
+    assert sorted(p.name for p in path.iterdir()) == ["eagle-fp32.engine", "manifest.json", "medusa-fp32.engine",
+                                                      "target-fp16.engine"]  # no ONNX left
+    for name in ("medusa-fp32", "eagle-fp32"):
+        e, b = engines[name], engines[name]["build"]
+        assert e["backend"] == "tensorrt" and e["file"] == f"{name}.engine" and e["files"] == [e["file"]]
+        # what the runtime checks of a regular TensorRT engine: its compiler, version and the GPU it was built on
+        assert (b["compiler"], b["version"], b["tensorrt"], b["compute_capability"]) == ("tensorrt", version,
+                                                                                       version, "8.9")
+        assert "gpu_archs" not in b and "log" not in b and e["build_versions"]["tensorrt"] == version
+        assert e["memory"]["weights_bytes"] == b["engine_bytes"] == (path / e["file"]).stat().st_size > 100_000
+        assert f"compiling {name} with TensorRT {version} on this GPU (sm89)" in said
+    assert engines["medusa-fp32"]["build"]["profiles"] == {"heads": {"rows": [1, 1, 64]}}
+    eagle = engines["eagle-fp32"]
+    assert set(eagle["build"]["profiles"]) == {"prefill", "decode"} and eagle["build"]["decomposable_attention"] == 1
+    assert eagle["precision"] == "fp32" and eagle["eagle"]["topk"] == 8
+    # cached per TensorRT version and GPU architecture, as the targets' engines are; its kernel timings kept
+    folder = compiled / f"tensorrt-{version}-c{COMPILE_FORMAT}-sm89-b{MAX_BATCH}"
+    assert len(list(folder.glob("*.engine"))) == 2 and (folder / "tensorrt.cache").is_file()
+    assert not any("compiling target" in s for s in said)
+
+
+def test_the_runtime_opens_a_tensorrt_sets_compiled_heads_on_the_device(tensorrt_heads_set, monkeypatch):
+    """The entries compile_set wrote pass the runtime's checks of a regular TensorRT engine (its version, the GPU it
+    was built for) and open as on-device heads, TrtHeads and TrtEagleHead (TensorRT's runtime faked: the engine
+    deserialized is a session of the graph compiled, on HostMemory); the Medusa candidates equal the ONNX heads'.
+    A set built before its heads were compiled keeps them on ONNX Runtime's CPU provider."""
+    from types import SimpleNamespace
+
+    from specrt.build.tensorrt import fix_capacity
+    from specrt.manifest import EngineEntry
+    from specrt.runtime.backends import tensorrt as backend
+    from specrt.runtime.backends import tensorrt_heads
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.engine import open_eagle, open_heads
+
+    path, _, graphs, _ = tensorrt_heads_set
+    raw = json.loads((path / "manifest.json").read_text())["engines"]
+    entries = {name: EngineEntry.from_dict(name, raw[name]) for name in ("medusa-fp32", "eagle-fp32")}
+    (graphs / "eagle-fixed.onnx").write_bytes(fix_capacity(graphs / "eagle-fp32.onnx", 320))
+    fakes = {(path / "medusa-fp32.engine").read_bytes(): lambda: _HostEngine(graphs / "medusa-fp32.onnx"),
+             (path / "eagle-fp32.engine").read_bytes(): lambda: _HostEagleEngine(graphs / "eagle-fixed.onnx", 256, 64)}
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, severity):
+            pass
+
+    runtime = SimpleNamespace(deserialize_cuda_engine=lambda blob: fakes[bytes(blob)]())
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__=tensorrt_rtx_bindings.__version__,
+                                                                 Logger=Logger, Runtime=lambda logger: runtime))
+    monkeypatch.setattr(backend, "require_device", lambda name: None)
+    monkeypatch.setattr(backend, "compute_capability", lambda device=0: "8.9")
+    monkeypatch.setattr(tensorrt_heads, "on_own_memory", lambda make: make(HostMemory()))
+    heads = open_heads(path, entries["medusa-fp32"])
+    head = open_eagle(path, entries["eagle-fp32"])
+    assert isinstance(heads, tensorrt_heads.TrtHeads) and heads.on_device
+    assert isinstance(head, tensorrt_heads.TrtEagleHead) and head.on_device
+    assert (head.capacity, head.max_rows, head.max_width, head.topk) == (320, 256, 64, 8)
+    onnx_heads = OrtHeads(graphs / "medusa-fp32.onnx")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        h, t = rng.standard_normal(64).astype(np.float32), int(rng.integers(0, 384))
+        np.testing.assert_array_equal(heads(h, t), onnx_heads(h, t))
+    monkeypatch.setattr(backend, "compute_capability", lambda device=0: "9.0")  # another GPU: refused in one line
+    with pytest.raises(SpecrtError, match="built for compute capability 8.9, this GPU is 9.0"):
+        open_heads(path, entries["medusa-fp32"])
+    old = EngineEntry.from_dict("medusa-fp32", {**raw["medusa-fp32"], "file": "medusa-fp32.onnx",
+                                                "files": ["medusa-fp32.onnx"]})
+    assert isinstance(open_heads(graphs, old), OrtHeads)

@@ -1,8 +1,9 @@
 """Backend registry: the manifest's `backend` field -> the module that runs engines of that kind.
 
 Each module exposes `open_engine(root, entry, options) -> Engine` and `open_heads(root, entry, options) ->
-Heads` (runtime/engine.py), the ONNX Runtime CPU and TensorRT ones `open_eagle` too, and is imported only when an
-engine of its kind opens, so the loop, `--help` and the CPU tests never import a backend library they do not use.
+Heads` (runtime/engine.py), the ONNX Runtime CPU and CUDA and the TensorRT ones `open_eagle` too, and is imported
+only when an engine of its kind opens, so the loop, `--help` and the CPU tests never import a backend library they do
+not use.
 """
 
 from __future__ import annotations

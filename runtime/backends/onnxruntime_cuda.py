@@ -9,8 +9,9 @@ of its own (ids from 1; ORT reserves 0, and -1 runs uncaptured: the wide prefill
 compute stream (`user_compute_stream`) and is told not to sync after a run, so upload, pass, cache copies and
 download are ordered on one stream and a pass ends in one sync. Each cache buffer is bound as both past input
 and present output: TensorScatter writes in place. Medusa heads run on the CUDA EP beside it (OrtCudaHeads), reading
-the target's hidden row where it lies; the EAGLE head of these sets (eagle-int8, backend onnxruntime) runs on ONNX
-Runtime's CPU provider, its features through the host.
+the target's hidden row where it lies, and so does the EAGLE head (OrtCudaEagleHead: eagle-fp32, the standard-op
+graph), its cache and features kept on the device; sets built before (eagle-int8, backend onnxruntime) run theirs
+on ONNX Runtime's CPU provider, its features through the host.
 
 Two rules of ORT's CUDA graphs shape the runs (the CUDA EP keeps its graphs per host thread, and after its first
 two runs it captures a new gpu_graph_id on that id's first run): with graphs on, every run goes through one worker
@@ -32,16 +33,18 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import SpecrtError, first_line
-from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES,
-                          INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES, POSITION_IDS, WRITE_INDICES, past_name,
-                          present_name)
+from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, GREEDY_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN,
+                          HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES, POSITION_IDS, WRITE_INDICES,
+                          past_name, present_name)
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
 from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
 from .cuda_memory import CudaMemory, Memory, require_device
+from .device_eagle import OUTPUTS, DeviceEagleHead
 
 MAX_PASS_TOKENS = 64
+EAGLE_ROWS = 2048  # rows of one EAGLE head call, as TensorRT's prefill profile (pipeline/portable.py): more in chunks
 CUDA_EP = "CUDAExecutionProvider"
 NO_CUDA = ("onnxruntime-cuda: this onnxruntime runs on the CPU only ({}); pip install onnxruntime-gpu on a machine "
            "with CUDA, or build with --backend onnxruntime-portable")
@@ -179,6 +182,77 @@ class OrtCudaHeads:
             io.bind_cpu_input(HEADS_TOKEN, self._t)
         self.session.run_with_iobinding(io)
         return self._out[0].copy()
+
+
+def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtCudaEagleHead":
+    """The EAGLE head (eagle-fp32) on the CUDA EP beside the target (OrtCudaEagleHead), on a stream and memory of
+    its own, at the entry's capacity."""
+    import onnxruntime as ort
+
+    require_cuda_provider(ort.get_available_providers())
+    require_device("onnxruntime-cuda")
+    memory = CudaMemory()
+    try:
+        session, _ = open_session(Path(root) / entry.file, memory.stream, threads=1, graphs=False)
+        e = entry.eagle or {}
+        return OrtCudaEagleHead(session, memory, name=entry.name, hidden=entry.hidden_size,
+                                kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, topk=int(e["topk"]),
+                                capacity=int(e["capacity"]))
+    except BaseException:
+        memory.close()
+        raise
+
+
+class OrtCudaEagleHead(DeviceEagleHead):
+    """device_eagle.DeviceEagleHead over the EAGLE head's graph on the CUDA EP: one IOBinding binds every input,
+    output and cache buffer by its device address (rebound when a call's row count changes), and ORT runs on the
+    memory's stream without a sync of its own (`user_compute_stream`, onnxruntime.ai/docs/execution-providers/
+    CUDA-ExecutionProvider.html), so uploads, run and downloads are ordered on one stream and a call ends in one
+    sync. One static capacity (the entry's): the buffers and masks are allocated once. device: "cuda", or "cpu"
+    with HostMemory and a CPU session (the tests)."""
+
+    def __init__(self, session, memory: Memory, *, name: str, hidden: int, kv_heads: int, head_dim: int, topk: int,
+                 capacity: int, max_rows: int = EAGLE_ROWS, device: str = "cuda"):
+        import onnxruntime as ort
+
+        inputs = [i.name for i in session.get_inputs()]
+        if EAGLE_FEATURES not in inputs:
+            raise SpecrtError(f"engine '{name}' is not an EAGLE head graph (its inputs: {', '.join(inputs)}); "
+                              "rebuild the engine set with `specrt engines --eagle-head`")
+        self.session, self.device = session, device
+        self._addresses = self._setup(memory, name=name, hidden=hidden, kv_heads=kv_heads, head_dim=head_dim,
+                                      topk=topk, capacity=capacity, max_rows=min(max_rows, capacity))
+        self._io, self._rows = session.io_binding(), 0
+        self._run_options = ort.RunOptions()
+        if device == "cuda":  # the call syncs once after its downloads, on the same stream
+            self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
+    def _launch(self, W: int) -> None:
+        if self._rows != W:
+            io, dev, addresses = self._io, self.device, self._addresses
+            for name, shape in self._shapes(W).items():
+                io.bind_input(name, dev, 0, self._dtype(name), list(shape), addresses[name])
+            for name in OUTPUTS:
+                shape = [1, W, self._host[name].shape[1]]
+                io.bind_output(name, dev, 0, self._host[name].dtype, shape, addresses[name])
+            for kind in KV_KINDS:  # in place: the past buffer is the present one
+                io.bind_output(present_name(0, kind), dev, 0, np.float32, list(self._cache_shape),
+                               addresses[present_name(0, kind)])
+            self._rows = W
+        try:
+            self.session.run_with_iobinding(self._io, self._run_options)
+        except MemoryError:
+            raise
+        except Exception as e:
+            raise SpecrtError(f"onnxruntime-cuda failed EAGLE head '{self.name}' on {W} rows ({first_line(e)})") \
+                from None
+
+    def _dtype(self, name: str):
+        return self._host[name].dtype if name in self._host else np.float32  # the cache is float32
+
+    def close(self) -> None:
+        self._io, self.session = None, None  # before the device memory they are bound to
+        super().close()
 
 
 class _Bindings:

@@ -18,7 +18,17 @@ from .tree_sizing import target_pass_costs
 TOPK = 8  # children per expanded node of the dynamic tree, and what a chain reads (its best)
 NAME = "eagle-int8"
 NAME_FILE = NAME + ".onnx"
-COMPILED = "eagle-fp32"  # a set a TensorRT compiler turns into engines: the standard-op graph, not int8's
+COMPILED = "eagle-fp32"  # a set whose head runs on the GPU: the standard-op graph, not int8's
+
+
+def on_gpu(backend: str) -> bool:
+    """Whether a `backend` set runs its EAGLE head on the GPU beside the target (entry eagle-fp32, standard ops):
+    compiled by a TensorRT compiler, or on ONNX Runtime's CUDA EP, as its target graph runs there (int8's dynamic
+    quantization is ORT's CPU recipe: onnxruntime.ai/docs/performance/model-optimizations/quantization.html).
+    Elsewhere eagle-int8 runs on ONNX Runtime's CPU provider."""
+    from ..backends import BACKENDS
+
+    return BACKENDS[backend].compiler is not None or backend == "onnxruntime-cuda"
 
 
 def check_head(head_path: Path) -> None:
@@ -36,11 +46,12 @@ def check_head(head_path: Path) -> None:
 
 
 def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
-                built: dict[str, EngineEntry], compiled: bool = False) -> EngineEntry:
+                built: dict[str, EngineEntry], backend: str | None = None) -> EngineEntry:
     """Entry eagle-int8 (role "eagle"; int8 weights): runs on ONNX Runtime's CPU provider beside any target
-    backend. compiled: entry eagle-fp32 instead, the fp32 graph of standard ops (RotaryEmbedding, TensorScatter,
-    Attention) a TensorRT compiler takes (its DynamicQuantizeLinear and MatMulInteger nodes do not parse), which
-    compile_set (portable.py) compiles beside the target."""
+    backend. backend (a set whose head runs on the GPU: on_gpu): entry eagle-fp32 of that backend instead, the
+    fp32 graph of standard ops (RotaryEmbedding, TensorScatter, Attention) that a TensorRT compiler takes (int8's
+    DynamicQuantizeLinear and MatMulInteger nodes do not parse) and compile_set (portable.py) compiles beside the
+    target, or that the CUDA EP runs as it is."""
     from ..export.eagle import export_eagle_onnx, head_arrays
     from ..export.graph import read_initializers
 
@@ -55,11 +66,12 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
         raise SpecrtError(f"EAGLE head '{head_path}' was trained on another checkpoint than this target; train one "
                           "for it with `specrt train-eagle`")
     embed, lm_head_t = read_initializers(cache / "model.onnx", "embed_tokens.weight", "lm_head.weight_t")
-    name, precision = (COMPILED, "fp32") if compiled else (NAME, "int8")
-    work = tmp if compiled else Path(tempfile.mkdtemp(prefix="eagle-", dir=tmp))  # compiled: the graph as written
+    standard = backend is not None
+    name, precision = (COMPILED, "fp32") if standard else (NAME, "int8")
+    work = tmp if standard else Path(tempfile.mkdtemp(prefix="eagle-", dir=tmp))  # standard: the graph as written
     graph = work / (COMPILED + ".onnx")
     info = export_eagle_onnx(head_path, embed, lm_head_t.T, graph, facts["max_context"], TOPK)
-    if not compiled:
+    if not standard:
         # int8 weights (dynamic activations): a draft step reads a quarter of the bytes, 5x faster on the CPU
         # (docs/design-notes.md, "The EAGLE head in int8"); drafts stay lossless, the target verifies them
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -77,10 +89,10 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
     training = info.pop("report")
     sh = training["shape"]
     entry = EngineEntry(
-        name=name, role="eagle", file=name + ".onnx", files=files, backend="onnxruntime", precision=precision,
-        num_layers=1,
-        num_heads=sh["heads"], num_kv_heads=sh["kv_heads"], head_dim=sh["head_dim"], hidden_size=s["hidden_size"],
-        vocab_size=s["vocab_size"], max_context=facts["max_context"],
+        name=name, role="eagle", file=name + ".onnx", files=files, backend=backend or "onnxruntime",
+        precision=precision, num_layers=1, num_heads=sh["heads"], num_kv_heads=sh["kv_heads"],
+        head_dim=sh["head_dim"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
+        max_context=facts["max_context"],
         eagle={**info, "head_file": head_path.name, "head_sha256": file_sha256(head_path),
                "target_source_sha256": facts["source"]["sha256"], "pass_seconds_by_width": cost,
                "training": {k: v for k, v in training.items() if k != "shape"}})

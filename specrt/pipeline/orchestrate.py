@@ -42,7 +42,7 @@ class EngineSetRequest:
     medusa_heads: Path | None = None  # a heads file from `specrt train-medusa`: entry medusa-fp32
     medusa_tree_nodes: int = 0        # 0 = the size that maximises expected tokens per measured pass second
     eagle_head: Path | None = None    # an EAGLE head file from `specrt train-eagle`: entry eagle-int8
-                                      # (eagle-fp32 where a TensorRT compiler compiles the set)
+                                      # (eagle-fp32 where the head runs on the GPU: pipeline/eagle.py on_gpu)
     backend: str = "onnxruntime"      # or onnxruntime-portable | onnxruntime-cuda | tensorrt | tensorrt-rtx
     calibration_texts: int = 32       # fp8/int8 portable engines: packaged texts their activations are calibrated on
     quality_floor: float | None = None  # Q/DQ: the least top-1 agreement with fp32 on held-out text a build keeps
@@ -120,11 +120,11 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
 
         recipes = [req.backend, FORMAT, QDQ_FORMAT, req.calibration_texts, req.quality_floor, DRAFTING_FORMAT,
                    req.float_layers, sorted(req.float_gemms), req.outlier_channels]
-        if req.gpu_archs:  # compiled ahead of time: by this compiler and recipe, for these architectures
-            from ..build.tensorrt import COMPILE_FORMAT, COMPILERS
+        if BACKENDS[req.backend].compiler is not None:  # by this compiler and recipe, for these architectures
+            from ..build.tensorrt import COMPILE_FORMAT, COMPILERS, local_gpu_arch
 
-            recipes += [list(req.gpu_archs), COMPILERS[BACKENDS[req.backend].compiler].require().__version__,
-                        COMPILE_FORMAT]
+            recipes += [list(req.gpu_archs or (local_gpu_arch(),)),
+                        COMPILERS[BACKENDS[req.backend].compiler].require().__version__, COMPILE_FORMAT]
     else:
         recipes = sorted(build_key(precision(p)) for p in built)  # a changed recipe (or ORT version) rebuilds
     tools = _export_tools()
@@ -192,10 +192,10 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
                                                                    engines["target-fp32"], cache, facts, tmp, log,
                                                                    req.calibration_texts)
         if req.eagle_head is not None:
-            from .eagle import build_eagle
+            from .eagle import build_eagle, on_gpu
 
             entry = build_eagle(Path(req.eagle_head), cache, facts, tmp, log, engines,
-                                compiled=BACKENDS[req.backend].compiler is not None)
+                                backend=backend if on_gpu(req.backend) else None)
             engines[entry.name] = entry
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(cache / f, tmp / f)
@@ -207,7 +207,7 @@ def _make(req: EngineSetRequest, final: Path, inputs_key: str, fp: str, dfp: str
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if req.backend in PORTABLE_BACKENDS and "target-fp32" in engines:
             _measure_drafts(tmp, manifest, log)
-        if backend != req.backend:
+        if BACKENDS[req.backend].compiler is not None:  # what is still ONNX (regular TensorRT: the heads)
             compile_set(tmp, req.backend, req.gpu_archs, req.out_root / ".cache" / "compiled", log)
         swap_into_place(tmp, final)
     except BaseException:

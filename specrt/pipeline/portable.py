@@ -3,7 +3,9 @@ tensorrt-rtx`): the portable graph written from the export's own graph (export/p
 export, then, for TensorRT, compiled into a serialized engine; linked into the set, checked against PyTorch through
 the runtime backend that will run it, and described by its manifest entry (memory included). TensorRT for RTX
 compiles ahead of time on a machine that cannot run its engines: its set is built and checked as the portable set
-(every check on the very graph compiled, on the CPU), then compile_set turns each target and draft into an engine.
+(every check on the very graph compiled, on the CPU), then compile_set turns each target, draft and head into an
+engine. Regular TensorRT builds each target and draft on the GPU that runs it before its check, and compile_set
+turns the set's heads into engines on that GPU, with the same build.
 """
 
 from __future__ import annotations
@@ -170,12 +172,10 @@ def _portable_graph(role: str, p: str, cache: Path, facts: dict, log, bdir: Path
 def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
     """The serialized TensorRT engine of a portable graph and its build facts, cached per TensorRT version and GPU
     architecture (an engine runs only where both match)."""
-    from ..build.tensorrt import MAX_BATCH, build_engine, compute_capability, require_tensorrt
+    from ..build.tensorrt import MAX_BATCH, build_engine, local_gpu_arch, require_tensorrt
 
-    trt, cc = require_tensorrt(), compute_capability()
-    if cc is None:
-        raise SpecrtError("--backend tensorrt found no CUDA device; build TensorRT engines on the GPU that runs them")
-    key = f"trt{trt.__version__}-sm{cc.replace('.', '')}-b{MAX_BATCH}"
+    trt, arch = require_tensorrt(), local_gpu_arch()
+    key = f"trt{trt.__version__}-{arch}-b{MAX_BATCH}"
     out = graph.parent / f"tensorrt-{key}" / (graph.stem + ".engine")
     facts_file = out.with_suffix(".json")
     if not out.is_file():
@@ -188,32 +188,36 @@ def _tensorrt_engine(graph: Path, facts: dict, log) -> tuple[Path, dict]:
     return out, json.loads(facts_file.read_text())
 
 
-def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...], cache_root: Path, log) -> None:
-    """The portable set in tmp (built, checked and measured on the CPU) -> the `backend` set: every target, draft,
-    Medusa heads and EAGLE head graph compiled ahead of time for gpu_archs (engines cached under cache_root by the
-    graph's sha256, the compiler recipe and its targets), its ONNX files replaced by the engine, its entry recording
-    what was compiled. A parser or builder failure is one line naming the engine, and nothing of the set is
-    kept."""
-    from ..build.tensorrt import COMPILE_FORMAT, COMPILERS, MAX_BATCH, build_engine, onnx_sha256
+def compile_set(tmp: Path, backend: str, gpu_archs: tuple[str, ...] | None, cache_root: Path, log) -> None:
+    """The set in tmp -> the `backend` set: every target, draft, Medusa heads and EAGLE head graph still in ONNX
+    compiled by the backend's compiler through one build (build_engine), ahead of time for gpu_archs (TensorRT for
+    RTX: the whole set, built, checked and measured on the CPU as the portable set) or on this GPU for its
+    architecture (regular TensorRT: the heads; its targets and drafts are engines already, built on it before their
+    checks). Engines are cached under cache_root by the graph's sha256, the compiler, its version, the recipe and
+    the architectures; each entry's ONNX files are replaced by its engine, the entry recording what was compiled.
+    A parser or builder failure is one line naming the engine, and nothing of the set is kept."""
+    from ..build.tensorrt import COMPILE_FORMAT, COMPILERS, MAX_BATCH, build_engine, local_gpu_arch, onnx_sha256
 
     compiler = COMPILERS[BACKENDS[backend].compiler]
     trt = compiler.require()
+    aot = compiler.ahead_of_time
+    archs = tuple(gpu_archs or ()) if aot else (local_gpu_arch(),)  # an engine runs only on what it was built for
+    folder = cache_root / f"{compiler.backend}-{trt.__version__}-c{COMPILE_FORMAT}-{'-'.join(archs)}-b{MAX_BATCH}"
+    where = f"for {', '.join(archs)}" if aot else f"on this GPU ({archs[0]})"
     path = tmp / "manifest.json"
     manifest = json.loads(path.read_text())
-    targets = f"c{COMPILE_FORMAT}-{'-'.join(gpu_archs)}-b{MAX_BATCH}"
     for name, e in manifest["engines"].items():
-        heads = e["role"] == "medusa"
-        if e["role"] not in ("target", "draft", "medusa", "eagle"):
+        if e["role"] not in ("target", "draft", "medusa", "eagle") or e["file"].endswith(".engine"):
             continue
         graph = tmp / e["file"]
-        sha = onnx_sha256(graph)
-        out = cache_root / f"{compiler.backend}-{trt.__version__}-{targets}" / f"{name}-{sha[:16]}.engine"
+        out = folder / f"{name}-{onnx_sha256(graph)[:16]}.engine"
         facts_file = out.with_suffix(".json")
         if not (out.is_file() and facts_file.is_file()):
-            log(f"compiling {name} with {compiler.label} {trt.__version__} for {', '.join(gpu_archs)}")
+            log(f"compiling {name} with {compiler.label} {trt.__version__} {where}")
             built = build_engine(graph, out, max_prompt=min(e["max_context"], 2048), max_width=64,
-                                 max_capacity=e["max_context"] + 64, compiler=compiler, gpu_archs=gpu_archs,
-                                 name=name, heads=heads)
+                                 max_capacity=e["max_context"] + 64, compiler=compiler, gpu_archs=archs if aot else (),
+                                 name=name, heads=e["role"] == "medusa",
+                                 timing_cache=None if aot else folder / "tensorrt.cache")
             part = facts_file.with_name(facts_file.name + ".part")
             part.write_text(json.dumps(built))
             os.replace(part, facts_file)
