@@ -90,6 +90,7 @@ class Ours:
         self.name, self.manifest, self.threads, self.ignore_eos = name, manifest, threads, ignore_eos
         self.strategy, self.precision = our_modes(manifest)[name]
         self.plain = self.strategy in ("plain", FULL_HEAD)  # target-only decoding (FULL_HEAD: the screen off)
+        self._runs: dict[tuple, int] = {}  # prompt -> runs so far
 
     def load(self, log=print) -> None:
         from ..runtime.engine import EngineOptions
@@ -112,8 +113,8 @@ class Ours:
 
         clock, inner = Clock(), self.decode
 
-        def timed(engine, prompt, sampling, rng, stats):  # stamps each round's tokens as they leave the loop
-            rounds = inner(engine, prompt, sampling, rng, stats)
+        def timed(engine, prompt, sampling, rng, stats, **scope):  # stamps each round's tokens as they leave the loop
+            rounds = inner(engine, prompt, sampling, rng, stats, **scope)
             try:
                 for tokens in rounds:
                     clock.add(tokens)
@@ -121,8 +122,12 @@ class Ours:
             finally:
                 rounds.close()
 
+        # the n-th run of a prompt writes to the n-th store of earlier answers: a rep never drafts from its own
+        # answer to the same prompt in an earlier rep (suffix decoding would copy it whole), so every rep sees the
+        # set's other answers only, as one pass over it does
+        key = self._runs[tuple(prompt_ids)] = self._runs.get(tuple(prompt_ids), -1) + 1
         s = self.gen.stream([Message(r, c) for r, c in messages], max_new_tokens=max_new_tokens, decode=timed,
-                           ignore_eos=self.ignore_eos)
+                           ignore_eos=self.ignore_eos, store_key=f"rep-{key}")
         for _ in s:
             pass
         r, total = s.result, clock.trace().total_s

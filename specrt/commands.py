@@ -62,6 +62,9 @@ class _Flags:
         for p in self.params:
             if getattr(p, "is_flag", False) and p.metavar is None:
                 p.metavar = ""
+            elif p.metavar is None and (getattr(p, "min", None), getattr(p, "max", None)) != (None, None):
+                kind = getattr(getattr(p, "type_descriptor", None), "annotation", None)  # `<int range>` reads oddly
+                p.metavar = f"<{getattr(kind, '__name__', 'value')}>"  # and the range is printed beside it
 
     def get_help_option(self, ctx):
         opt = super().get_help_option(ctx)

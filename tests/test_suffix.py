@@ -262,3 +262,20 @@ def test_an_unknown_scope_is_one_line_and_exit_2(tiny_engines):
         r = CliRunner().invoke(app, [*args, "--engines", str(tiny_engines)])
         assert r.exit_code == 2 and "--suffix-scope must be one of server, api-key, conversation" in r.output
         assert "Traceback" not in r.output
+
+
+def test_the_bench_gives_each_rep_its_own_store(tiny_engines):
+    """`specrt bench --reps N`: the n-th run of a prompt writes to the n-th store, so suffix decoding never drafts a
+    rep's answer from its own answer to the same prompt in an earlier rep (which it would copy whole)."""
+    from specrt.bench.contenders import Ours
+    from specrt.manifest import load_manifest
+
+    ours = Ours("suffix-fp32", load_manifest(tiny_engines), threads=1)
+    ours.load()
+    gen = ours.gen
+    messages = [("user", PROMPTS[0])]
+    ids = gen.prompt_ids([Message(r, c) for r, c in messages])
+    first, again = (ours.run(ids, messages, 30) for _ in range(2))
+    ours.run(gen.prompt_ids([Message("user", PROMPTS[1])]), [("user", PROMPTS[1])], 30)
+    assert first.token_ids == again.token_ids
+    assert sorted(ours.session.decoder.proposer.stores.stores) == ["rep-0", "rep-1"]
