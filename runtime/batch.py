@@ -9,8 +9,12 @@ acceptance, and the output of each is the output it has alone: nothing in the lo
 
     batch = backend.open_batch(root, entry, options, slots)     # e.g. onnxruntime_batch.OrtBatchEngine
     scheduler = Scheduler()
-    engine = SlotEngine(batch, slot, scheduler)                 # one per stream slot
+    engine = slot_engine(batch, slot, scheduler)                # one per stream slot
     scheduler.join(slot); ... Generator(..., engine=engine) ...; scheduler.leave(slot)
+
+Over a batch engine on a GPU (backends/cuda_batch.py) a slot's engine is a `DeviceSlotEngine`: heads on that GPU
+read the slot's hidden rows of its last pass by device address, as beside a single-stream DeviceEngine, from the
+copy the batch engine keeps of each slot's rows, so with every reader there no hidden state crosses to the host.
 
 runtime/load_k.py's `LoadK` chooses each stream's draft length per round from the batch's measured pass costs and
 every stream's observed acceptance.
@@ -39,6 +43,7 @@ class PassRow:
     num_logits: int
     greedy: bool                  # out = the greedy tokens [num_logits] int64, else the logits [num_logits, V]
     chunk: int = 0                # > 0: a chunk of a prefill, the prefill's ticket (the scheduler runs one a round)
+    hidden_at: int = 0            # rows of its prefill that earlier chunks ran: where its own go in the slot's copy
     out: np.ndarray | None = None
     hidden: np.ndarray | None = None
     error: BaseException | None = None
@@ -193,7 +198,8 @@ class SlotEngine:
         self.description = f"{batch.description}, slot {slot}"
         self.screen = batch.screen
         self.hidden = np.zeros((0, 0), np.float32)
-        self._hidden = False
+        self.hidden_rows = 0  # rows of the last pass (whose hidden states a DeviceSlotEngine gives by address)
+        self._hidden = False  # the hidden states come to the host (`hidden`)
 
     @property
     def length(self) -> int:
@@ -211,17 +217,20 @@ class SlotEngine:
         if chunk and n > chunk >= num_logits and positions is None and tree_mask is None and self._others():
             return self._chunked(tokens, chunk, num_logits, greedy)
         mask = None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n)
+        self.hidden_rows = 0  # none valid while the pass runs (a failed one leaves none)
         row = self._submit(tokens, positions, mask, num_logits, greedy)
         if self._hidden:
             self.hidden = row.hidden
+        self.hidden_rows = n
         return row.out
 
-    def _submit(self, tokens, positions, mask, num_logits: int, greedy: bool, chunk: int = 0) -> PassRow:
+    def _submit(self, tokens, positions, mask, num_logits: int, greedy: bool, chunk: int = 0,
+                hidden_at: int = 0) -> PassRow:
         """One pass of this slot through the scheduler (positions None: the next ones after the cache's)."""
         pos = (np.arange(self.length, self.length + len(tokens), dtype=np.int64) if positions is None
                else np.asarray(positions, np.int64))
-        return self.scheduler.submit(self.slot, self.batch,
-                                     PassRow(self.slot, tokens, pos, mask, num_logits, greedy, chunk=chunk))
+        return self.scheduler.submit(self.slot, self.batch, PassRow(self.slot, tokens, pos, mask, num_logits, greedy,
+                                                                    chunk=chunk, hidden_at=hidden_at))
 
     def _others(self) -> bool:
         """Another stream is in the batch (a chunk of a prefill then lets its passes run between chunks)."""
@@ -234,18 +243,20 @@ class SlotEngine:
         pass; the caller commits all of them as usual."""
         start, n, done, hidden = self.length, len(tokens), 0, []
         ticket = self.scheduler.ticket()
+        self.hidden_rows = 0
         try:
             while n - done > chunk and self._others():
-                row = self._submit(tokens[done:done + chunk], None, None, 1, True, ticket)
+                row = self._submit(tokens[done:done + chunk], None, None, 1, True, ticket, done)
                 if self._hidden:
                     hidden.append(row.hidden)
                 done += chunk
                 self.length += chunk  # the next chunk attends to this one
-            row = self._submit(tokens[done:], None, None, num_logits, greedy, ticket)
+            row = self._submit(tokens[done:], None, None, num_logits, greedy, ticket, done)
         finally:
             self.length = start
         if self._hidden:
             self.hidden = np.concatenate(hidden + [row.hidden]) if hidden else row.hidden
+        self.hidden_rows = n
         return row.out
 
     def forward(self, tokens, positions=None, tree_mask=None, num_logits: int = 1) -> np.ndarray:
@@ -276,6 +287,31 @@ class SlotEngine:
     def load_prefix(self, snapshot: KVSnapshot) -> None:
         self.batch.restore(self.slot, snapshot)
         self.length = snapshot.length
+
+
+class DeviceSlotEngine(SlotEngine):
+    """A SlotEngine over a batch engine on a GPU (backends/cuda_batch.py) that offers heads on that GPU what a
+    DeviceEngine does: enable_hidden(device_only=True), then hidden_address(row) / hidden_addresses(rows) of the
+    slot's rows of its last pass (a chunked prefill's: all of it), valid until its next pass, and hidden_rows."""
+
+    def enable_hidden(self, device_only: bool = False) -> None:
+        self.batch.enable_hidden(self.slot, device_only)
+        self._hidden = self._hidden or not device_only
+
+    def hidden_address(self, row: int) -> int:
+        return int(self.hidden_addresses(np.array([row]))[0])
+
+    def hidden_addresses(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        if rows.size and not (0 <= rows.min() and rows.max() < self.hidden_rows):  # an earlier pass's, or none
+            raise ValueError(f"slot {self.slot}: hidden rows {rows.min()}..{rows.max()} are not of its last pass "
+                             f"({self.hidden_rows} rows)")
+        return self.batch.hidden_address(self.slot, rows)
+
+
+def slot_engine(batch, slot: int, scheduler: Scheduler) -> SlotEngine:
+    """The engine of `slot` of batch: a DeviceSlotEngine where the batch keeps slots' hidden rows on a GPU."""
+    return (DeviceSlotEngine if hasattr(batch, "hidden_address") else SlotEngine)(batch, slot, scheduler)
 
 
 @dataclass

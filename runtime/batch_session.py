@@ -20,7 +20,7 @@ from ..backends import BACKENDS
 from ..errors import SpecrtError
 from ..manifest import Manifest
 from .backends import backend
-from .batch import Scheduler, SlotEngine, SlotPool
+from .batch import Scheduler, SlotPool, slot_engine
 from .load_k import LoadK, LoadPlanner
 from .engine import EngineOptions
 from .generate import Generator, Result, Stats, Stream
@@ -41,6 +41,7 @@ class _Shared:
     def __init__(self, heads):
         self._heads, self._lock = heads, threading.Lock()
         self.heads, self.topk = heads.heads, heads.topk
+        self.on_device = getattr(heads, "on_device", False)  # heads on the GPU read each slot's rows by address
 
     def __call__(self, hidden, token):
         with self._lock:
@@ -52,7 +53,7 @@ class _SlotOpener(Opener):
         self.session, self.slot = session, slot
 
     def engine(self, root, entry, options):
-        return SlotEngine(self.session.batch_of(entry, options), self.slot, self.session.scheduler)
+        return slot_engine(self.session.batch_of(entry, options), self.slot, self.session.scheduler)
 
     def heads(self, root, entry, options):
         s = self.session
@@ -96,7 +97,7 @@ class BatchSession:
         self.planner = LoadPlanner(self.scheduler, self.batch, 1 + MAX_DRAFT_TOKENS)
         self.slots: list[_Slot] = []
         for s in range(parallel):
-            gen = Generator(manifest, precision, options, engine=SlotEngine(self.batch, s, self.scheduler),
+            gen = Generator(manifest, precision, options, engine=slot_engine(self.batch, s, self.scheduler),
                             codec=codec)
             control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, p.buckets))
             decoder = make_decoder(mode, manifest, precision, options=options, config=config,

@@ -97,7 +97,9 @@ class BatchEngine(Protocol):
     screen: bool
 
     def enable_hidden(self) -> None:
-        """Opt in to each row's hidden states (PassRow.hidden) on every pass."""
+        """Opt in to each row's hidden states on every pass (PassRow.hidden). A GPU batch engine (cuda_batch.py)
+        also takes slot= and device_only=True: that slot's rows then stay in a device copy of its own, which heads
+        on its GPU read by address (batch.DeviceSlotEngine)."""
 
     def run(self, rows) -> list[tuple[float, int, int]]:
         """Every PassRow's pass, fills row.out (and row.hidden), advances nothing: (seconds, rows, width) per call."""

@@ -363,14 +363,21 @@ def _gpu_eagle(root, tree: bool, on_device: bool = True, backend: str = "tensorr
     TrtEngine and TrtEagleHead (TensorRT faked), or OrtCudaEngine and OrtCudaEagleHead (a CPU session bound by
     address, 16 rows a call as the fake compiled head's prefill profile), the head reading the target's rows on the
     device, or with on_device False the same head class on the host path."""
+    from test_gpu_backends import fake_target
+
+    head, proposer = _eagle_on(root, tree, on_device, backend)
+    return fake_target(root / "target-fp32.onnx", backend), head, proposer
+
+
+def _eagle_on(root, tree: bool, on_device: bool, backend: str):
+    """_gpu_eagle's (head, proposer), without the target."""
     import onnxruntime as ort
-    from test_gpu_backends import CountingMemory, HostEagleEngine, fake_target
+    from test_gpu_backends import CountingMemory, HostEagleEngine
 
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
     from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
     from specrt.runtime.proposers.eagle import Eagle
 
-    target = fake_target(root / "target-fp32.onnx", backend)
     dims = dict(name="eagle-fp32", hidden=32, kv_heads=2, head_dim=8, topk=8)
     if backend == "tensorrt":
         head = TrtEagleHead(HostEagleEngine(root / "eagle-fixed.onnx", max_rows=16, max_width=4), CountingMemory(),
@@ -380,7 +387,7 @@ def _gpu_eagle(root, tree: bool, on_device: bool = True, backend: str = "tensorr
         head = OrtCudaEagleHead(session, CountingMemory(), capacity=320, max_rows=16, device="cpu", **dims)
     if not on_device:
         head.on_device = False
-    return target, head, Eagle(head, max_tokens=4, tree=tree, beam=3, nodes=8)
+    return head, Eagle(head, max_tokens=4, tree=tree, beam=3, nodes=8)
 
 
 PROMPT = np.random.default_rng(5).integers(0, 96, 37)  # wider than the fake head's 16 prefill rows: chunks
@@ -450,6 +457,61 @@ def test_greedy_eagle_on_the_device_keeps_the_targets_output(fake_gpu_eagle, tre
     got, drafts = speculate(target, proposer, PROMPT, 50, 4)
     assert proposer._device and sum(len(t) for t, _ in drafts) > 0 and hidden_fetched(target) == 0
     assert got == plain(fake_target(fake_gpu_eagle / "target-fp32.onnx", backend), PROMPT, 50)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("tree, chunk", [(True, 0), (True, 16), (False, 16)])
+def test_eagle_streams_in_a_batch_keep_their_features_on_the_device(fake_gpu_eagle, backend, tree, chunk):
+    """Three EAGLE streams at once over a GPU backend's batch engine (fakes; a head each, as --parallel opens them),
+    one prompt run alone beside the batched ones or, with chunk, read in chunks while the others decode (its
+    features span the chunks' passes): with the heads on the device, each stream's drafts and tokens are those of
+    the host path in the same batch and of the stream alone beside a single-stream target, through long forced
+    accepts, and no hidden or feature row is downloaded; greedy output equals plain decoding's. A stream that
+    reads another slot's rows, a stale pass's, or a chunk's rows copied to the wrong offset drafts otherwise."""
+    from dataclasses import replace
+
+    from specrt.interface import HIDDEN_STATES
+    from test_gpu_backends import batch_hidden_fetched, fake_batch, fake_target, plain, speculate, speculate_batch
+
+    rng = np.random.default_rng(5)
+    prompts = [PROMPT, rng.integers(0, 96, 100), rng.integers(0, 96, 9)]
+
+    def batched(on_device: bool = True, forced: bool = True, sabotage=None):
+        batch = fake_batch(fake_gpu_eagle / "target-fp32.onnx", backend)
+        if sabotage:
+            sabotage(batch)
+        stacks = [_eagle_on(fake_gpu_eagle, tree, on_device, backend) for _ in prompts]
+        out, _ = speculate_batch(batch, [p for _, p in stacks], prompts, 40, 4, forced, chunk)
+        assert all(p._device == on_device for _, p in stacks)
+        return [o[0] for o in out], [o[1] for o in out], batch, [h for h, _ in stacks]
+
+    want, host_drafts, host_batch, _ = batched(on_device=False)
+    assert batch_hidden_fetched(host_batch) > 0 and all(max(len(t) for t, _ in d) > 1 for d in host_drafts)
+    got, drafts, batch, heads = batched()
+    assert drafts == host_drafts and got == want and batch_hidden_fetched(batch) == 0
+    for h in heads:  # nor any of the heads' features
+        assert h.memory.fetched(h._device[HIDDEN_STATES], h.max_rows * 128) == 0
+        assert h.memory.fetched(h._store, h.capacity * 128) == 0
+    for s, p in enumerate(prompts):  # each stream alone beside a single-stream target, on the device
+        target, _, proposer = _gpu_eagle(fake_gpu_eagle, tree, backend=backend)
+        assert speculate(target, proposer, p, 40, 4, forced=True) == (want[s], host_drafts[s])
+
+    def other_slot(batch):  # each slot reads the next slot's rows
+        at = batch.hidden_address
+        batch.hidden_address = lambda slot, row: at((slot + 1) % batch.slots, row)
+
+    def stale(batch):  # each slot's rows stay those of its first pass
+        keep, done = batch._keep_hidden, set()
+        batch._keep_hidden = lambda r, src: None if r.slot in done else (done.add(r.slot), keep(r, src))
+
+    def no_offset(batch):  # a chunk's rows copied over the slot's first ones
+        keep = batch._keep_hidden
+        batch._keep_hidden = lambda r, src: keep(replace(r, hidden_at=0), src)
+
+    for sabotage in (other_slot, stale) + ((no_offset,) if chunk else ()):
+        assert batched(sabotage=sabotage)[1] != host_drafts, sabotage.__name__
+    greedy = batched(forced=False)[0]
+    assert greedy == [plain(fake_target(fake_gpu_eagle / "target-fp32.onnx", backend), p, 40) for p in prompts]
 
 
 def test_device_feature_rows_are_gathered_and_refused_when_overwritten():

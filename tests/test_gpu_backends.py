@@ -982,3 +982,133 @@ def test_ort_cuda_heads_read_the_hidden_row_by_address_as_the_cpu_heads_read_it(
             np.testing.assert_array_equal(gpu(h, t), cpu(h, t))
             memory.upload(row, h)
             np.testing.assert_array_equal(gpu(row, t), cpu(h, t))
+
+
+# --- several streams over a batch engine on the device (batch.DeviceSlotEngine), on the fakes ------------------
+
+def fake_batch(path: Path, backend: str, slots: int = 3):
+    """A device batch engine of backend's class (OrtCudaBatchEngine, TrtBatchEngine) over the random portable
+    graph at path, in CountingMemory."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
+    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")
+    buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
+    if backend == "onnxruntime-cuda":
+        return OrtCudaBatchEngine(session, CountingMemory(), geometry, buckets, slots=slots, name="t", device="cpu")
+    return TrtBatchEngine(FakeTrtEngine(session), CountingMemory(), geometry, buckets, slots=slots, max_prompt=600,
+                          name="t", width_exact=True, graphs=False, graphs_note="test")
+
+
+def batch_hidden_fetched(batch) -> int:
+    """Bytes of the batch's hidden states (its shared output, or the slots' device copies) that came to the host."""
+    row, m = batch.geometry.hidden_size * 4, batch.memory
+    shared = max(batch.slots * batch.max_pass_tokens, batch.max_prompt) * row
+    return m.fetched(batch.out_hidden, shared) + m.fetched(batch.slot_hidden, batch.slots * batch._slot_rows * row)
+
+
+def speculate_batch(batch, proposers, prompts, new_tokens: int, k: int, forced: bool = False,
+                    prefill_chunk: int = 0):
+    """speculate's (tokens, drafts) of each stream, the streams run at once over slots 0.. of batch (a thread each,
+    every pass batched by one Scheduler; prompts longer than prefill_chunk read in chunks while the others
+    decode), and the slot engines."""
+    import threading
+
+    from specrt.runtime.batch import Scheduler, slot_engine
+
+    scheduler = Scheduler()
+    scheduler.prefill_chunk = prefill_chunk
+    engines = [slot_engine(batch, s, scheduler) for s in range(len(proposers))]
+    for s in range(len(engines)):  # all in before the first pass: it batches every prompt
+        scheduler.join(s)
+    out, errors = [None] * len(engines), []
+
+    def one(s):
+        try:
+            out[s] = speculate(engines[s], proposers[s], prompts[s], new_tokens, k, forced)
+        except BaseException as e:  # noqa: BLE001 -- raised in the test's thread
+            errors.append(e)
+        finally:
+            scheduler.leave(s)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert scheduler.rows > scheduler.passes  # rows of several streams shared calls
+    return out, engines
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt"])
+def test_a_gpu_batch_engine_keeps_each_device_slots_hidden_rows_on_the_device(tmp_path, backend):
+    """Slots whose readers are on the device (enable_hidden(slot, device_only=True)) against the same passes with
+    every slot's rows downloaded: each device slot's copy holds exactly its own rows of its last pass (a batched
+    pass with an idle slot in range, a prefill run alone after it in the same call, a chunk at its offset), none of
+    them downloaded; a host slot beside them still gets PassRow.hidden; a slot engine refuses rows past its last
+    pass."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from specrt.runtime.batch import DeviceSlotEngine, PassRow, Scheduler, slot_engine
+
+    path = tmp_path / "target-fp32.onnx"
+    _random_portable(path)
+    host, dev = fake_batch(path, backend), fake_batch(path, backend)
+    host.enable_hidden()
+    dev.enable_hidden(0, device_only=True)
+    dev.enable_hidden(2, device_only=True)
+    dev.enable_hidden(1)  # a host reader beside them
+    rng = np.random.default_rng(4)
+
+    def copy_of(slot, n):  # the device copy, read without a download
+        out = np.empty((n, 32), np.float32)
+        ctypes.memmove(out.ctypes.data, dev.hidden_address(slot, 0), out.nbytes)
+        return out
+
+    def round_(*asks):
+        """asks: (slot, tokens, hidden_at); rows of both engines, committed."""
+        got = []
+        for e in (host, dev):
+            rows = [PassRow(s, np.asarray(t, np.int64), e.lengths[s] + np.arange(len(t)), None, 1, True,
+                            hidden_at=at) for s, t, at in asks]
+            e.run(rows)
+            got.append(rows)
+            for s, t, _ in asks:
+                e.lengths[s] += len(t)
+        for (s, t, at), a, b in zip(asks, *got):
+            np.testing.assert_array_equal(b.out, a.out)
+            if s == 1:
+                np.testing.assert_array_equal(b.hidden, a.hidden)
+            else:
+                assert b.hidden is None
+                np.testing.assert_array_equal(copy_of(s, at + len(t))[at:], a.hidden)
+        return got[0]
+
+    round_((0, rng.integers(0, 96, 37), 0), (2, rng.integers(0, 96, 9), 0), (1, rng.integers(0, 96, 100), 0))
+    round_((2, rng.integers(0, 96, 5), 0), (0, [3], 0))                     # slot 1 idle in range
+    first = round_((0, rng.integers(0, 96, 16), 0), (2, [4], 0))[0].hidden  # a prefill's first chunk ...
+    round_((0, rng.integers(0, 96, 16), 16), (1, [5], 0), (2, [6], 0))     # ... and its next, at its offset
+    np.testing.assert_array_equal(copy_of(0, 32)[:16], first)               # the first chunk's rows kept beside it
+    round_((2, rng.integers(0, 96, 120), 0), (0, [1, 2], 0))               # a pass alone after a batched one
+    assert batch_hidden_fetched(dev) > 0 and dev.memory.fetched(dev.slot_hidden, 3 * dev._slot_rows * 128) == 0
+    only = fake_batch(path, backend)
+    for s in range(3):
+        only.enable_hidden(s, device_only=True)
+    only.run([PassRow(s, np.arange(1, 6 + s), np.arange(5 + s), None, 1, True) for s in range(3)])
+    assert batch_hidden_fetched(only) == 0
+    cpu = SimpleNamespace(max_context=600, vocab_size=96, max_pass_tokens=64, width_exact=True, description="cpu",
+                          screen=False)  # a batch engine without device rows (ONNX Runtime's CPU ones)
+    engine = slot_engine(only, 1, Scheduler())
+    assert isinstance(engine, DeviceSlotEngine) and not hasattr(slot_engine(cpu, 0, Scheduler()), "hidden_address")
+    engine.enable_hidden(device_only=True)
+    engine.argmax(np.arange(4))
+    assert engine.hidden_rows == 4 and list(engine.hidden_addresses([0, 3])) == [only.hidden_address(1, 0),
+                                                                                 only.hidden_address(1, 3)]
+    with pytest.raises(ValueError, match="not of its last pass"):
+        engine.hidden_address(4)

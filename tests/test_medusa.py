@@ -565,3 +565,76 @@ def test_heads_beside_either_gpu_backends_target_keep_its_hidden_states_on_the_d
     target, medusa = stack()
     assert speculate(target, medusa, prompt, 50, 3)[0] == plain(fake_target(tmp_path / "target-fp32.onnx", backend),
                                                                  prompt, 50)
+
+
+@pytest.mark.parametrize("backend", ["tensorrt", "onnxruntime-cuda"])
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_heads_on_the_device_read_each_batched_streams_own_rows(tmp_path, backend, chunk):
+    """Three Medusa streams at once over a GPU backend's batch engine (fakes; the heads shared by the slots as
+    --parallel shares them), one prompt run alone beside the batched ones or, with chunk, read in chunks while the
+    others decode: with the heads on the device, each stream's trees and tokens are those of the host path in the
+    same batch and of the stream alone beside a single-stream target, through long forced accepts, and no hidden
+    row is downloaded; greedy output equals plain decoding's. A stream that reads another slot's rows, or a stale
+    pass's, or a chunk's rows copied to the wrong offset, drafts otherwise."""
+    from dataclasses import replace
+
+    import onnxruntime as ort
+    from test_gpu_backends import (HostEngine, _random_portable, batch_hidden_fetched, fake_batch, fake_target,
+                                   plain, random_heads, speculate, speculate_batch)
+
+    from specrt.export.medusa import export_heads_onnx
+    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaHeads
+    from specrt.runtime.backends.tensorrt_heads import TrtHeads
+    from specrt.runtime.batch_session import _Shared
+    from specrt.runtime.proposers.medusa import Medusa
+
+    target_graph = tmp_path / "target-fp32.onnx"
+    _random_portable(target_graph)
+    graph = tmp_path / "medusa-fp32.onnx"
+    export_heads_onnx(random_heads(32, 96), np.random.default_rng(2).standard_normal((96, 32)).astype(np.float32),
+                      graph, topk=4)
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 96, n) for n in (37, 100, 9)]
+
+    def heads(on_device: bool = True):
+        if backend == "tensorrt":
+            h = TrtHeads(HostEngine(graph), HostMemory(), "medusa-fp32")
+        else:
+            h = OrtCudaHeads(ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]), device="cpu")
+        h.on_device = on_device
+        return _Shared(h)
+
+    def batched(on_device: bool = True, forced: bool = True, sabotage=None):
+        batch, shared = fake_batch(target_graph, backend), heads(on_device)
+        if sabotage:
+            sabotage(batch)
+        out, engines = speculate_batch(batch, [Medusa(shared, paths) for _ in prompts], prompts, 40, 3, forced,
+                                       chunk)
+        return [o[0] for o in out], [o[1] for o in out], batch
+
+    want, host_trees, host_batch = batched(on_device=False)
+    assert batch_hidden_fetched(host_batch) > 0 and max(len(t) for d in host_trees for t, _ in d) == len(paths)
+    got, trees, batch = batched()
+    assert trees == host_trees and got == want and batch_hidden_fetched(batch) == 0
+    for s, p in enumerate(prompts):  # each stream alone beside a single-stream target, on the device
+        alone = speculate(fake_target(target_graph, backend), Medusa(heads(), paths), p, 40, 3, forced=True)
+        assert alone == (want[s], host_trees[s])
+
+    def other_slot(batch):  # each slot reads the next slot's rows
+        at = batch.hidden_address
+        batch.hidden_address = lambda slot, row: at((slot + 1) % batch.slots, row)
+
+    def stale(batch):  # each slot's rows stay those of its first pass
+        keep, done = batch._keep_hidden, set()
+        batch._keep_hidden = lambda r, src: None if r.slot in done else (done.add(r.slot), keep(r, src))
+
+    def no_offset(batch):  # a chunk's rows copied over the slot's first ones
+        keep = batch._keep_hidden
+        batch._keep_hidden = lambda r, src: keep(replace(r, hidden_at=0), src)
+
+    for sabotage in (other_slot, stale) + ((no_offset,) if chunk else ()):
+        assert batched(sabotage=sabotage)[1] != host_trees, sabotage.__name__
+    greedy = batched(forced=False)[0]
+    assert greedy == [plain(fake_target(target_graph, backend), p, 40) for p in prompts]

@@ -14,6 +14,15 @@ slots); C follows the longest sequence any slot holds plus the widest pad, in th
 relayout moves every slot's rows, so it happens only inside `run` or under the engine's lock, like the snapshot,
 restore and move of one slot. Addresses never change, so a graph captured for (B, W, C) replays for as long as the
 engine lives.
+
+Hidden states go where each slot's reader wants them (`enable_hidden(slot, device_only)`): to the host
+(PassRow.hidden, for heads on the CPU), or, for heads on this GPU, into the slot's own rows of `slot_hidden`
+([slots, rows, H] float32, allocated when the first such reader starts) by a device-to-device copy of each row,
+queued on the engine's stream before the pass's one sync, so none crosses to the host and `hidden_address(slot,
+row)` holds the slot's rows of its last pass until its next one, whatever the shared `out_hidden` holds by then (a
+prefill run alone after the batched pass in the same call, the next round's pass). A copy rather than outputs bound
+per slot: a batched pass writes one [B, W, H] tensor at the address its captured graph fixes, and a chunked
+prefill's rows come from several passes (each chunk's at its PassRow.hidden_at).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import numpy as np
 from ..engine import KVSnapshot
 from ..static_shapes import Buckets, PassInputs, fill_row
 from .cuda_engine import Geometry, check_prompt
-from .cuda_memory import DeviceCache, Memory
+from .cuda_memory import Copy2D, DeviceCache, Memory
 
 
 class DeviceBatchEngine:
@@ -69,6 +78,11 @@ class DeviceBatchEngine:
         self._causal = np.triu(np.full((W, W), -np.inf, np.float32), 1)
         self._single = PassInputs(buckets)
         self.with_hidden = False
+        self._to_host: set[int] = set()    # slots whose reader takes PassRow.hidden
+        self._on_device: set[int] = set()  # slots whose reader takes hidden_address (heads on this GPU)
+        self._row = H * 4  # bytes of one float32 hidden row
+        self._slot_rows = max(self.max_prompt, g.max_context)  # a chunked prefill's rows, all of them
+        self.slot_hidden = 0  # [slots, _slot_rows, H] float32 on the device, from the first device reader on
         self.cache = DeviceCache(memory, g.num_layers, g.num_kv_heads, g.head_dim, g.cache_dtype, C, slots)
         self._lock = threading.Lock()
         self._timed: set[tuple[int, int, int]] = set()  # (rows, width, capacity) passes run (and captured) once
@@ -91,8 +105,31 @@ class DeviceBatchEngine:
         """The width a pass of n tokens runs at (what runtime/batch.py's LoadPlanner measures costs by)."""
         return self.buckets.width(n)
 
-    def enable_hidden(self) -> None:
-        self.with_hidden = True
+    def enable_hidden(self, slot: int | None = None, device_only: bool = False) -> None:
+        """Opt in to the hidden states of `slot`'s passes (None: every slot's): to the host (PassRow.hidden), or
+        with device_only kept on the device for heads there (hidden_address; the module docstring)."""
+        with self._lock:  # the allocation waits for a pass in flight (a graph's capture refuses a cudaMalloc)
+            self.with_hidden = True
+            slots = range(self.slots) if slot is None else (slot,)
+            if not device_only:
+                self._to_host.update(slots)
+                return
+            if not self.slot_hidden:
+                self.slot_hidden = self.memory.alloc(self.slots * self._slot_rows * self._row)
+            self._on_device.update(slots)
+
+    def hidden_address(self, slot: int, row):
+        """Where row `row` (an int, or an int64 array of rows) of `slot`'s last pass's hidden states lies on the
+        device (float32; valid until the slot's next pass)."""
+        return self.slot_hidden + (slot * self._slot_rows + row) * self._row
+
+    def _keep_hidden(self, r, src: int) -> None:
+        """Queue the copy of row r's hidden states (at src) into its slot's own rows (at r.hidden_at on)."""
+        n = len(r.tokens)
+        if r.hidden_at + n > self._slot_rows:
+            raise ValueError(f"hidden rows {r.hidden_at}..{r.hidden_at + n} do not fit a slot's {self._slot_rows}")
+        dst = self.slot_hidden + (r.slot * self._slot_rows + r.hidden_at) * self._row
+        self.memory.copy2d(Copy2D(dst, n * self._row, src, n * self._row, n * self._row, 1))
 
     def _fit(self, need: int) -> None:
         """Lay the cache out for `need` positions in any slot (and every slot's committed ones, plus the widest
@@ -164,8 +201,11 @@ class DeviceBatchEngine:
             m.upload(ptr, host)
         self._launch(B, W, C, W, None, self.graphs)
         m.download(self._greedy[:B * W], self.out_greedy)
-        if self.with_hidden:
+        if any(r.slot in self._to_host for r in rows):
             m.download(self._hidden[:B * W], self.out_hidden)
+        for r in rows:
+            if r.slot in self._on_device:
+                self._keep_hidden(r, self.out_hidden + r.slot * W * self._row)
         m.sync()
         greedy = self._greedy[:B * W].reshape(B, W)
         hidden = self._hidden[:B * W].reshape(B, W, -1)
@@ -178,7 +218,7 @@ class DeviceBatchEngine:
                 m.download(self._logits[:n], self.out_logits + (r.slot * W + start) * row_bytes)
                 m.sync()
                 r.out = self._logits[:n].copy()
-            if self.with_hidden:
+            if r.slot in self._to_host:
                 r.hidden = hidden[r.slot, :len(r.tokens)].copy()
 
     def _solo_pass(self, r) -> None:
@@ -195,11 +235,14 @@ class DeviceBatchEngine:
             m.download(self._greedy[:len(rows)], self.out_greedy)
         else:
             m.download(self._logits[:len(rows)], self.out_logits)
-        if self.with_hidden:
+        host = r.slot in self._to_host
+        if host:
             m.download(self._hidden[:n], self.out_hidden)
+        if r.slot in self._on_device:
+            self._keep_hidden(r, self.out_hidden)
         m.sync()
         r.out = (self._greedy if r.greedy else self._logits)[:len(rows)].copy()
-        if self.with_hidden:
+        if host:
             r.hidden = self._hidden[:n].copy()
 
     def close(self) -> None:
