@@ -468,10 +468,10 @@ def test_eagle_streams_in_a_batch_keep_their_features_on_the_device(fake_gpu_eag
     the host path in the same batch and of the stream alone beside a single-stream target, through long forced
     accepts, and no hidden or feature row is downloaded; greedy output equals plain decoding's. A stream that
     reads another slot's rows, a stale pass's, or a chunk's rows copied to the wrong offset drafts otherwise."""
-    from dataclasses import replace
 
     from specrt.interface import HIDDEN_STATES
-    from test_gpu_backends import batch_hidden_fetched, fake_batch, fake_target, plain, speculate, speculate_batch
+    from test_gpu_backends import (batch_hidden_fetched, batch_sabotages, fake_batch, fake_target, plain, speculate,
+                                   speculate_batch)
 
     rng = np.random.default_rng(5)
     prompts = [PROMPT, rng.integers(0, 96, 100), rng.integers(0, 96, 9)]
@@ -496,19 +496,7 @@ def test_eagle_streams_in_a_batch_keep_their_features_on_the_device(fake_gpu_eag
         target, _, proposer = _gpu_eagle(fake_gpu_eagle, tree, backend=backend)
         assert speculate(target, proposer, p, 40, 4, forced=True) == (want[s], host_drafts[s])
 
-    def other_slot(batch):  # each slot reads the next slot's rows
-        at = batch.hidden_address
-        batch.hidden_address = lambda slot, row: at((slot + 1) % batch.slots, row)
-
-    def stale(batch):  # each slot's rows stay those of its first pass
-        keep, done = batch._keep_hidden, set()
-        batch._keep_hidden = lambda r, src: None if r.slot in done else (done.add(r.slot), keep(r, src))
-
-    def no_offset(batch):  # a chunk's rows copied over the slot's first ones
-        keep = batch._keep_hidden
-        batch._keep_hidden = lambda r, src: keep(replace(r, hidden_at=0), src)
-
-    for sabotage in (other_slot, stale) + ((no_offset,) if chunk else ()):
+    for sabotage in batch_sabotages(chunk):
         assert batched(sabotage=sabotage)[1] != host_drafts, sabotage.__name__
     greedy = batched(forced=False)[0]
     assert greedy == [plain(fake_target(fake_gpu_eagle / "target-fp32.onnx", backend), p, 40) for p in prompts]
@@ -535,10 +523,10 @@ def test_the_cuda_ep_head_drafts_what_the_cpu_head_does(fake_gpu_eagle):
     chunks), chain steps and a tree level, and after its cache is saved and loaded back."""
     import onnxruntime as ort
 
-    from specrt.errors import SpecrtError
     from specrt.runtime.backends.cuda_memory import HostMemory
     from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
+    from test_gpu_backends import eagle_heads_agree
 
     graph = fake_gpu_eagle / "eagle.onnx"
     dims = dict(hidden=32, kv_heads=2, head_dim=8, topk=8)
@@ -551,30 +539,7 @@ def test_the_cuda_ep_head_drafts_what_the_cpu_head_does(fake_gpu_eagle):
     gpu, cpu = cuda_head(), OrtEagleHead(graph, capacity=320, **dims)
     cpu.reserve(320)
     assert gpu.capacity == gpu.max_capacity == cpu.capacity == 320 and gpu.on_device
-    rng = np.random.default_rng(0)
-
-    def step(lo: int, rows: int, heads=(gpu, cpu)):
-        feats = rng.standard_normal((rows, 32)).astype(np.float32)
-        toks = rng.integers(0, 96, rows)
-        mask = np.where(np.arange(320)[None, :] <= lo + np.arange(rows)[:, None], np.float32(0), np.float32(-1e9))
-        outs = [h.run(feats, toks, np.arange(lo, lo + rows), lo, mask) for h in heads]
-        for a, b in zip(*outs):
-            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
-        assert (outs[0][1] == outs[1][1]).all()
-        for h in heads:
-            h.length = lo + rows
-
-    step(0, 37)   # a prompt: 16 rows at a time
-    step(37, 1)   # a chain step
-    step(38, 4)   # a tree level
-    saved = gpu.save_prefix(30)
-    again = cuda_head()
-    again.load_prefix(saved)
-    cpu.length = 30
-    step(30, 3, (again, cpu))  # reads the 30 positions loaded back, as the CPU head reads its own
-    with pytest.raises(SpecrtError, match="do not fit its 320"):
-        gpu.reserve(321)
-    gpu.close()
+    eagle_heads_agree(gpu, cpu, 32, 96, np.random.default_rng(0), cuda_head)  # the prompt 16 rows at a time
 
 
 def test_an_onnxruntime_cuda_sets_eagle_head_opens_on_the_cuda_ep(fake_gpu_eagle, monkeypatch):

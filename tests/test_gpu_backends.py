@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -1112,3 +1113,52 @@ def test_a_gpu_batch_engine_keeps_each_device_slots_hidden_rows_on_the_device(tm
                                                                                  only.hidden_address(1, 3)]
     with pytest.raises(ValueError, match="not of its last pass"):
         engine.hidden_address(4)
+
+
+def batch_sabotages(chunk: bool) -> tuple:
+    """Ways a batch engine could hand a slot the wrong hidden rows, each applied to the engine: a test of the device
+    path must see its drafts change under every one."""
+    def other_slot(batch):  # each slot reads the next slot's rows
+        at = batch.hidden_address
+        batch.hidden_address = lambda slot, row: at((slot + 1) % batch.slots, row)
+
+    def stale(batch):  # each slot's rows stay those of its first pass
+        keep, done = batch._keep_hidden, set()
+        batch._keep_hidden = lambda r, src: None if r.slot in done else (done.add(r.slot), keep(r, src))
+
+    def no_offset(batch):  # a chunk's rows copied over the slot's first ones
+        keep = batch._keep_hidden
+        batch._keep_hidden = lambda r, src: keep(replace(r, hidden_at=0), src)
+
+    return (other_slot, stale) + ((no_offset,) if chunk else ())
+
+
+def eagle_heads_agree(gpu, cpu, hidden: int, vocab: int, rng, reopen) -> None:
+    """A device EAGLE head against the CPU head, capacity 320: a prompt of 37 rows (run in chunks), a chain step and a
+    tree level, the same inputs through both, agree (tokens exactly); then the device head's first 30 positions,
+    saved and loaded into a fresh one (reopen()), are read as the CPU head reads its own; 321 positions are refused."""
+    from specrt.errors import SpecrtError
+
+    def step(lo: int, rows: int, heads=(gpu, cpu)):
+        feats = rng.standard_normal((rows, hidden)).astype(np.float32)
+        toks = rng.integers(0, vocab, rows)
+        mask = np.where(np.arange(320)[None, :] <= lo + np.arange(rows)[:, None], np.float32(0), np.float32(-1e9))
+        outs = [h.run(feats, toks, np.arange(lo, lo + rows), lo, mask) for h in heads]
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+        assert (outs[0][1] == outs[1][1]).all()
+        for h in heads:
+            h.length = lo + rows
+
+    step(0, 37)
+    step(37, 1)
+    step(38, 4)
+    saved = gpu.save_prefix(30)
+    assert saved.length == 30
+    again = reopen()
+    again.load_prefix(saved)
+    cpu.length = 30
+    step(30, 3, (again, cpu))
+    with pytest.raises(SpecrtError, match="do not fit its 320"):
+        gpu.reserve(321)
+    gpu.close()

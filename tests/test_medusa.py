@@ -576,11 +576,10 @@ def test_heads_on_the_device_read_each_batched_streams_own_rows(tmp_path, backen
     same batch and of the stream alone beside a single-stream target, through long forced accepts, and no hidden
     row is downloaded; greedy output equals plain decoding's. A stream that reads another slot's rows, or a stale
     pass's, or a chunk's rows copied to the wrong offset, drafts otherwise."""
-    from dataclasses import replace
 
     import onnxruntime as ort
-    from test_gpu_backends import (HostEngine, _random_portable, batch_hidden_fetched, fake_batch, fake_target,
-                                   plain, random_heads, speculate, speculate_batch)
+    from test_gpu_backends import (HostEngine, _random_portable, batch_hidden_fetched, batch_sabotages, fake_batch,
+                                   fake_target, plain, random_heads, speculate, speculate_batch)
 
     from specrt.export.medusa import export_heads_onnx
     from specrt.runtime.backends.cuda_memory import HostMemory
@@ -622,19 +621,7 @@ def test_heads_on_the_device_read_each_batched_streams_own_rows(tmp_path, backen
         alone = speculate(fake_target(target_graph, backend), Medusa(heads(), paths), p, 40, 3, forced=True)
         assert alone == (want[s], host_trees[s])
 
-    def other_slot(batch):  # each slot reads the next slot's rows
-        at = batch.hidden_address
-        batch.hidden_address = lambda slot, row: at((slot + 1) % batch.slots, row)
-
-    def stale(batch):  # each slot's rows stay those of its first pass
-        keep, done = batch._keep_hidden, set()
-        batch._keep_hidden = lambda r, src: None if r.slot in done else (done.add(r.slot), keep(r, src))
-
-    def no_offset(batch):  # a chunk's rows copied over the slot's first ones
-        keep = batch._keep_hidden
-        batch._keep_hidden = lambda r, src: keep(replace(r, hidden_at=0), src)
-
-    for sabotage in (other_slot, stale) + ((no_offset,) if chunk else ()):
+    for sabotage in batch_sabotages(chunk):
         assert batched(sabotage=sabotage)[1] != host_trees, sabotage.__name__
     greedy = batched(forced=False)[0]
     assert greedy == [plain(fake_target(target_graph, backend), p, 40) for p in prompts]

@@ -20,6 +20,7 @@ import pytest
 
 from specrt.errors import SpecrtError
 from test_gpu_backends import HostEagleEngine as _HostEagleEngine
+from test_gpu_backends import eagle_heads_agree
 from test_gpu_backends import HostEngine as _HostEngine
 from test_gpu_backends import random_heads as _random_heads
 
@@ -419,31 +420,9 @@ def test_the_compiled_eagle_head_on_the_device_drafts_what_the_onnx_head_does(ti
     cpu.reserve(320)
     assert gpu.capacity == cpu.capacity == 320 and len(fake.contexts) == 2
 
-    def step(lo: int, rows: int, heads=(gpu, cpu)):
-        feats = rng.standard_normal((rows, config.hidden_size)).astype(np.float32)
-        toks = rng.integers(0, config.vocab_size, rows)
-        slots = np.arange(320)
-        mask = np.where(slots[None, :] <= lo + np.arange(rows)[:, None], np.float32(0), np.float32(-1e9))
-        outs = [h.run(feats, toks, np.arange(lo, lo + rows), lo, mask) for h in heads]
-        for a, b in zip(*outs):
-            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
-        assert (outs[0][1] == outs[1][1]).all()
-        for h in heads:
-            h.length = lo + rows
-
-    step(0, 37)   # a prompt: the prefill profile's 16 rows at a time
-    step(37, 1)   # a chain step: the decode profile
-    step(38, 4)   # a tree level
-    saved = gpu.save_prefix(30)
-    assert saved.length == 30
-    again = TrtEagleHead(_HostEagleEngine(tmp_path / "eagle-fixed.onnx", 16, 4), HostMemory(), name="eagle-fp32",
-                         **dims)
-    again.load_prefix(saved)
-    cpu.length = 30
-    step(30, 3, (again, cpu))  # reads the 30 positions loaded back, as the CPU head reads its own
-    with pytest.raises(SpecrtError, match="do not fit its 320"):
-        gpu.reserve(321)
-    gpu.close()
+    # the prompt in the prefill profile's 16 rows at a time, a chain step in the decode profile, a tree level
+    eagle_heads_agree(gpu, cpu, config.hidden_size, config.vocab_size, rng, lambda: TrtEagleHead(
+        _HostEagleEngine(tmp_path / "eagle-fixed.onnx", 16, 4), HostMemory(), name="eagle-fp32", **dims))
 
 
 # --- regular TensorRT's heads: the same build, on the GPU that builds (TensorRT for RTX standing in) -----------
