@@ -118,6 +118,21 @@ def test_a_draft_from_an_answer_keeps_it_and_an_unused_one_goes():
     assert first.key in stores.answers and trie.match([1, 2])[0] == 2 and trie.match([21, 22]) == (0, None)
 
 
+def test_earlier_answers_draft_only_where_they_match_more_of_the_context_than_the_request():
+    """A phrase earlier answers often continued (a 2-token match, a 6-node tree) does not out-draft the request's own
+    longer match (3 tokens, 4 nodes); where the store matches more than the request, it drafts."""
+    stores = SuffixStores(2**20, 8)
+    for _ in range(5):
+        _answer(stores, None, [1, 2, 30, 31, 32, 33, 34, 35, 36])
+    p = SuffixDecoding(stores, 8)
+    ctx = Context([5, 1, 2, 40, 5, 1, 2], 64)
+    p.start(ctx)
+    assert p.propose(ctx, 8).tokens.tolist() == [40, 5, 1, 2]
+    ctx = Context([9, 30, 31, 32], 64)
+    p.start(ctx)
+    assert p.propose(ctx, 8).tokens.tolist()[:2] == [33, 34]
+
+
 def test_each_scope_key_drafts_only_from_its_own_answers_and_empty_scopes_go():
     stores = SuffixStores(2**20, 8)
     _answer(stores, "alice", [7, 8, 9, 10, 11])

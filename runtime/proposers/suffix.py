@@ -6,9 +6,12 @@ substrings up to `depth` tokens: one over the current request (prompt and output
 round it finds the longest suffix of the context that either trie holds, and grows a tree from that node, most
 frequent continuation first: a node's probability is its count over its siblings' total, a path's the product of
 its nodes', and nodes whose path falls under `threshold` are not drafted. The tree holds at most
-`factor` x the match length tokens (a 2-token match is a weak guess), `max_nodes` in all; the trie whose tree
-expects more accepted tokens (the sum of its nodes' path probabilities) drafts the round. The draft is verified
-like any other tree, so the output is the target's.
+`factor` x the match length tokens (a 2-token match is a weak guess), `max_nodes` in all; the trie with the longer
+match drafts the round, on a tie the one whose tree expects more accepted tokens (the sum of its nodes' path
+probabilities): earlier answers draft only where they match more of the context than this request does, since
+their trees from common phrases out-scored the request's own and were rejected on prompts unlike earlier ones
+(BENCHMARKS.md, "Does suffix decoding pay on workloads that repeat?"). The draft is verified like any other tree,
+so the output is the target's.
 
 The tries are plain dicts (node = [count, children, last writer]); adding a token updates the `depth` suffixes
 that end at it, O(depth) dict operations, and an evicted answer is replayed to decrement its counts.
@@ -235,7 +238,7 @@ class SuffixDecoding:
         if self._plan[0] != ctx.length:
             self._catch_up(ctx)
             tail = ctx.ids[max(0, ctx.length - self.depth // 2):].tolist()  # half the depth is left to draft
-            best = (0.0, 0, None)
+            best = (0, 0.0, None)
             stored = [(self._answer.store.trie, self.stores)] if self._answer is not None else []
             for trie, stores in [(self.local, None)] + stored:
                 with stores.lock if stores else contextlib.nullcontext():
@@ -244,11 +247,11 @@ class SuffixDecoding:
                         continue
                     cap = min(self.max_nodes, max(1, int(self.factor * m)))
                     tokens, parents, score = trie.grow(node, cap, self.depth - m, self.threshold)
-                    if tokens and score > best[0]:
-                        best = (score, m, (tokens, parents))
+                    if tokens and (m, score) > best[:2]:  # the longer match, then the likelier tree
+                        best = (m, score, (tokens, parents))
                         if stores:
                             stores.used(node)
-            _, m, tree = best
+            m, _, tree = best
             bucket = next((b for b, n in enumerate(MATCH_BUCKETS) if m >= n), len(MATCH_BUCKETS))
             draft = None if tree is None else Draft(np.array(tree[0], np.int64), np.array(tree[1], np.int64))
             self._plan = (ctx.length, bucket, draft)
