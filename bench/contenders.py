@@ -125,7 +125,8 @@ class Ours:
         # the n-th run of a prompt writes to the n-th store of earlier answers: a rep never drafts from its own
         # answer to the same prompt in an earlier rep (suffix decoding would copy it whole), so every rep sees the
         # set's other answers only, as one pass over it does
-        key = self._runs[tuple(prompt_ids)] = self._runs.get(tuple(prompt_ids), -1) + 1
+        prompt = tuple(prompt_ids)
+        key = self._runs[prompt] = self._runs.get(prompt, -1) + 1
         s = self.gen.stream([Message(r, c) for r, c in messages], max_new_tokens=max_new_tokens, decode=timed,
                            ignore_eos=self.ignore_eos, store_key=f"rep-{key}")
         for _ in s:

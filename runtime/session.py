@@ -22,7 +22,7 @@ from .engine import Engine, EngineOptions
 from .generate import Generator, Result, Stream
 from .methods import METHODS
 from .prefix_cache import PrefixStore
-from .speculative import SpeculativeConfig, make_decoder, resolved
+from .speculative import SpeculativeConfig, make_decoder, resolve_mode
 from .tokenizer import Message
 
 
@@ -81,7 +81,7 @@ def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str
     thread, their passes batched; prefill_chunk: a prompt longer than this is read in passes of that many tokens while
     other streams decode (None: batch_session.PREFILL_CHUNK, 0: in one pass)."""
     manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
-    mode = resolved(speculate, manifest, precision)
+    mode = resolve_mode(speculate, manifest, precision)
     if options.taking_turns is None:
         # a draft model or an EAGLE head runs its own passes between the target's, on the same cores
         options = replace(options, taking_turns=mode in METHODS and METHODS[mode].needs in ("draft", "eagle"))

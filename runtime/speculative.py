@@ -288,12 +288,6 @@ def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
     return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
 
 
-def resolved(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
-    """resolve_mode, called only for a name still to resolve ('auto', or one to refuse): a caller that resolved it
-    already (`specrt serve` before it listens, session.load for its decoders) passes the name on."""
-    return mode if mode == "off" or mode in METHODS else resolve_mode(mode, manifest, precision)
-
-
 class SpeculativeDecoder:
     """A decode strategy for Generator.stream(decode=...): the speculative loop with one proposer and one
     controller, kept across requests (the controller's measured pass costs and per-bucket acceptance)."""
@@ -318,7 +312,7 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     config.check()
     k = config.draft_tokens
     target = manifest.engine("target", precision)
-    mode = resolved(mode, manifest, precision)
+    mode = resolve_mode(mode, manifest, precision)
     if mode == "off":
         return PlainDecoder()
     proposer = PROPOSERS[mode](manifest, precision, options, config, opener)
