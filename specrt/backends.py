@@ -29,6 +29,7 @@ class Backend:
     portable: bool = False             # builds the portable graph (export/portable.py)
     compiler: str | None = None        # the portable graph compiled by this TensorRT (build/tensorrt.py COMPILERS)
     batch: bool = False                # its module has open_batch: several streams (runtime/engine.py BatchEngine)
+    gpu: bool = False                  # its engines run on an NVIDIA GPU (heads beside them read hidden rows there)
 
     @property
     def module(self) -> str:
@@ -41,12 +42,12 @@ BACKENDS = {b.name: b for b in (
     Backend("onnxruntime-portable", "the standard-op graph GPUs compile, run on the CPU (their parity reference)",
             "onnxruntime_portable", "-portable", PORTABLE_PRECISIONS, ("fp32", "fp16"), portable=True, batch=True),
     Backend("onnxruntime-cuda", "onnxruntime-gpu's CUDA EP with CUDA graphs", "onnxruntime_cuda", "-cuda",
-            PORTABLE_PRECISIONS, ("fp16",), portable=True, batch=True),
+            PORTABLE_PRECISIONS, ("fp16",), portable=True, batch=True, gpu=True),
     Backend("tensorrt", "serialized TensorRT engines, built on the GPU that runs them", "tensorrt", "-tensorrt",
-            PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt", batch=True),
+            PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt", batch=True, gpu=True),
     Backend("tensorrt-rtx", "TensorRT for RTX engines, compiled ahead of time on any machine for --gpu-arch",
             "tensorrt", "-tensorrt-rtx", PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt-rtx",
-            batch=True),
+            batch=True, gpu=True),
     Backend("reference", "numpy, for tests: the engine contract's executable spec", "reference"),
 )}
 BUILT = tuple(name for name, b in BACKENDS.items() if b.precisions)  # what --backend takes

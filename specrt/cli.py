@@ -179,7 +179,7 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
     from rich.console import Console
     from rich.table import Table
 
-    from .manifest import engine_memory, load_manifest
+    from .manifest import engine_memory, load_manifest, stream_hidden_bytes
     from .runtime.speculative import proposer_entry
 
     m = load_manifest(engines_dir)
@@ -205,8 +205,10 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
         draft = sum(memory[e.name]["total_bytes_at_max_context"] for e in together if e.role == "draft")
         drafts = f" (the draft model: {draft / 2**20:.0f} MiB)" if draft else ""
         kv = sum(memory[e.name]["kv_bytes_per_position"] * e.max_context for e in together)
-        streams = (f"; {parallel} streams at once: {(total + (parallel - 1) * kv) / 2**20:.0f} MiB "
-                   f"({kv / 2**20:.0f} MiB of KV cache a stream)" if parallel > 1 else "")
+        rows = stream_hidden_bytes(together)  # heads on the GPU: each stream's hidden rows on the device
+        streams = (f"; {parallel} streams at once: {(total + (parallel - 1) * kv + parallel * rows) / 2**20:.0f} MiB "
+                   f"({kv / 2**20:.0f} MiB of KV cache a stream" + (f", {rows / 2**20:.0f} MiB of hidden rows the "
+                   "heads read" if rows else "") + ")" if parallel > 1 else "")
         console.print(f"memory at max context, target-{precision} with {', '.join(e.name for e in together[1:])}"
                       f": {total / 2**20:.0f} MiB{drafts}{streams}" if len(together) > 1 else
                       f"memory at max context, target-{precision}: {total / 2**20:.0f} MiB{streams}")

@@ -131,6 +131,17 @@ def engine_memory(entry: EngineEntry, root: Path) -> dict:
             "total_bytes_at_max_context": weights + per_position * entry.max_context}
 
 
+def stream_hidden_bytes(entries) -> int:
+    """With several streams on a GPU backend, what each stream adds beside its KV cache where Medusa or EAGLE heads
+    run with the target: the device copy of its slot's hidden rows the heads read (runtime/backends/cuda_batch.py,
+    max_context rows of float32)."""
+    target = next((e for e in entries if e.role == "target"), None)
+    backend = _BACKENDS.get(target.backend) if target is not None else None
+    if backend is None or not backend.gpu or not any(e.role in ("medusa", "eagle") for e in entries):
+        return 0
+    return target.max_context * target.hidden_size * 4
+
+
 def set_memory(entries) -> dict:
     """The memory of engines that run together (a target, its draft, its heads): the sum of each figure."""
     keys = ("weights_bytes", "kv_bytes_per_position", "kv_bytes_at_max_context", "total_bytes_at_max_context")

@@ -610,6 +610,22 @@ def test_info_sums_the_memory_of_the_proposers_each_target_runs(quantized_engine
     assert bad.exit_code == 2 and "--parallel must be >= 1" in bad.output
 
 
+def test_streams_on_a_gpu_count_the_hidden_rows_their_heads_read():
+    """`specrt info --parallel`: on a GPU backend with Medusa or EAGLE heads each stream adds the device copy of its
+    slot's hidden rows (max_context x hidden x float32); a CPU set, or a GPU set without heads, adds nothing."""
+    from types import SimpleNamespace as E
+
+    from specrt.manifest import stream_hidden_bytes
+
+    target = dict(role="target", max_context=4096, hidden_size=1536)
+    for backend in ("tensorrt", "tensorrt-rtx", "onnxruntime-cuda"):
+        for head in ("medusa", "eagle"):
+            assert stream_hidden_bytes([E(backend=backend, **target), E(role=head, backend=backend)]) == 4096 * 1536 * 4
+        assert stream_hidden_bytes([E(backend=backend, **target), E(role="draft", backend=backend)]) == 0
+    for backend in ("onnxruntime", "onnxruntime-portable"):
+        assert stream_hidden_bytes([E(backend=backend, **target), E(role="medusa", backend=backend)]) == 0
+
+
 def test_outlier_channels_stay_float_and_the_rest_sets_the_int8_scale(tmp_path):
     """insert_qdq(outliers=N) on one GEMM whose input has 3 channels 500x the others: the N largest-amax channels go
     through a float GEMM (their part of the output exact), the rest through int8 Q/DQ at a scale set by the rest
