@@ -26,6 +26,11 @@ def fail(msg: str):
     raise typer.Exit(2)
 
 
+# the fix a range error on these flags adds to its line (typer checks the range; the hint is ours)
+RANGE_HINTS = {"--max-new-tokens": "e.g. --max-new-tokens 256", "--seed": "omit it for a random seed",
+               "--repeat-calls": "0 = off", "--vocab": "0 = the full vocabulary"}
+
+
 def usage_line(e: UsageError) -> str:
     """click's usage error on one line: where typer checked a flag's range or choices, in the words of specrt's own
     checks (--parallel must be >= 1, got 0), else click's message."""
@@ -37,7 +42,8 @@ def usage_line(e: UsageError) -> str:
     lo, hi = getattr(param, "min", None), getattr(param, "max", None)
     if found["type"] in ("greater_than_equal", "less_than_equal"):
         rule = f"in {lo}..{hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        return f"{flag} must be {rule}, got {found['input']}"
+        hint = f"; {RANGE_HINTS[flag]}" if flag in RANGE_HINTS else ""
+        return f"{flag} must be {rule}, got {found['input']}{hint}"
     kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
     if isinstance(kind, type) and issubclass(kind, Enum):
         return f"{flag} must be one of {', '.join(m.value for m in kind)}, got '{found['input']}'"

@@ -111,11 +111,13 @@ def test_specrt_flags_checked_by_typer():
     from specrt.cli import app
 
     for args, says in ((["info", "--parallel", "0"], "--parallel must be >= 1, got 0"),
-                       (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-                       (["generate", "--prompt", "hi", "--seed", "-3"], "--seed must be >= 0, got -3"),
+                       (["generate", "--prompt", "hi", "--max-new-tokens", "0"],
+                        "--max-new-tokens must be >= 1, got 0; e.g. --max-new-tokens 256"),
+                       (["generate", "--prompt", "hi", "--seed", "-3"],
+                        "--seed must be >= 0, got -3; omit it for a random seed"),
                        (["bench", "--per-category", "0"], "--per-category must be >= 1"),
-                       (["bench", "--repeat-calls", "-1"], "--repeat-calls must be >= 0"),
-                       (["train-medusa", "--vocab", "-1"], "--vocab must be >= 0"),
+                       (["bench", "--repeat-calls", "-1"], "--repeat-calls must be >= 0, got -1; 0 = off"),
+                       (["train-medusa", "--vocab", "-1"], "--vocab must be >= 0, got -1; 0 = the full vocabulary"),
                        (["serve", "--suffix-scope", "tenant"],
                         "--suffix-scope must be one of server, api-key, conversation, got 'tenant'"),
                        (["serve-ray", "--suffix-scope", "user"], "--suffix-scope must be one of")):
