@@ -13,8 +13,11 @@ acceptance, and the output of each is the output it has alone: nothing in the lo
     scheduler.join(slot); ... Generator(..., engine=engine) ...; scheduler.leave(slot)
 
 Over a batch engine on a GPU (backends/cuda_batch.py) a slot's engine is a `DeviceSlotEngine`: heads on that GPU
-read the slot's hidden rows of its last pass by device address, as beside a single-stream DeviceEngine, from the
-copy the batch engine keeps of each slot's rows, so with every reader there no hidden state crosses to the host.
+read the slot's hidden rows of its last pass by device address, from the copy the batch engine keeps of each slot's
+rows, so with every reader there no hidden state crosses to the host.
+
+A single stream is a batch of one: each backend's open_engine gives a `SoloEngine` over a batch engine of one slot,
+whose passes run at once in the caller's thread (no scheduler; a `DeviceSoloEngine` on a GPU).
 
 runtime/load_k.py's `LoadK` chooses each stream's draft length per round from the batch's measured pass costs and
 every stream's observed acceptance.
@@ -23,8 +26,7 @@ every stream's observed acceptance.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,6 +46,7 @@ class PassRow:
     greedy: bool                  # out = the greedy tokens [num_logits] int64, else the logits [num_logits, V]
     chunk: int = 0                # > 0: a chunk of a prefill, the prefill's ticket (the scheduler runs one a round)
     hidden_at: int = 0            # rows of its prefill that earlier chunks ran: where its own go in the slot's copy
+    approx: bool = False          # through a CPU fp32 engine's logit screen whatever its rule (the build's checks)
     out: np.ndarray | None = None
     hidden: np.ndarray | None = None
     error: BaseException | None = None
@@ -194,12 +197,19 @@ class SlotEngine:
         self.batch, self.slot, self.scheduler = batch, slot, scheduler
         self.max_context, self.vocab_size = batch.max_context, batch.vocab_size
         self.max_pass_tokens, self.width_exact = batch.max_pass_tokens, batch.width_exact
-        self.capacity = batch.max_context
-        self.description = f"{batch.description}, slot {slot}"
+        self._description = f"{batch.description}, slot {slot}"
         self.screen = batch.screen
         self.hidden = np.zeros((0, 0), np.float32)
         self.hidden_rows = 0  # rows of the last pass (whose hidden states a DeviceSlotEngine gives by address)
         self._hidden = False  # the hidden states come to the host (`hidden`)
+
+    @property
+    def description(self) -> str:
+        return self._description
+
+    @property
+    def capacity(self) -> int:
+        return self.batch.max_context  # one layout per slot of max_context (+ the widest pad) positions
 
     @property
     def length(self) -> int:
@@ -290,9 +300,9 @@ class SlotEngine:
 
 
 class DeviceSlotEngine(SlotEngine):
-    """A SlotEngine over a batch engine on a GPU (backends/cuda_batch.py) that offers heads on that GPU what a
-    DeviceEngine does: enable_hidden(device_only=True), then hidden_address(row) / hidden_addresses(rows) of the
-    slot's rows of its last pass (a chunked prefill's: all of it), valid until its next pass, and hidden_rows."""
+    """A SlotEngine over a batch engine on a GPU (backends/cuda_batch.py) that offers heads on that GPU the slot's
+    hidden rows on the device: enable_hidden(device_only=True), then hidden_address(row) / hidden_addresses(rows) of
+    the slot's rows of its last pass (a chunked prefill's: all of it), valid until its next pass, and hidden_rows."""
 
     def enable_hidden(self, device_only: bool = False) -> None:
         self.batch.enable_hidden(self.slot, device_only)
@@ -309,39 +319,78 @@ class DeviceSlotEngine(SlotEngine):
         return self.batch.hidden_address(self.slot, rows)
 
 
+class SoloEngine(SlotEngine):
+    """The Engine contract over a batch engine of one slot whose passes run at once, in the caller's thread (no
+    scheduler, no hand-off): what a backend's open_engine gives, a single stream being a batch of one. The batch lays
+    its cache out as for a single stream (`reserve`: for the request; grown when a pass needs more), and its outputs
+    are views into its reused buffers, as the contract allows (no other stream shares them)."""
+
+    def __init__(self, batch):
+        super().__init__(batch, 0, None)
+
+    @property
+    def description(self) -> str:
+        return self.batch.description
+
+    @property
+    def capacity(self) -> int:
+        return self.batch.capacity
+
+    @property
+    def with_hidden(self) -> bool:
+        return self.batch.with_hidden
+
+    @property
+    def session(self):
+        """The batch's ONNX Runtime session (the ONNX Runtime backends)."""
+        return self.batch.session
+
+    def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool, approx: bool = False) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, np.int64)
+        n = len(tokens)
+        check_pass(self, n, num_logits)
+        length = self.batch.lengths[0]
+        row = PassRow(0, tokens, np.arange(length, length + n, dtype=np.int64) if positions is None
+                      else np.asarray(positions, np.int64),
+                      None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n),
+                      num_logits, greedy, approx=approx)
+        self.hidden_rows = 0  # none valid while the pass runs (a failed one leaves none)
+        self.batch.run([row])
+        if self._hidden:
+            self.hidden = row.hidden
+        self.hidden_rows = n
+        return row.out
+
+    def reserve(self, positions: int) -> None:
+        self.batch.reserve(positions)
+
+    def load_prefix(self, snapshot: KVSnapshot) -> None:
+        self.length = 0  # nothing to keep across the relayout restore may make
+        self.batch.restore(0, snapshot)
+        self.length = snapshot.length
+
+
+class DeviceSoloEngine(SoloEngine, DeviceSlotEngine):
+    """A SoloEngine over a one-slot batch engine on a GPU: heads there read its hidden rows by address (the pass's
+    own output rows: backends/cuda_batch.py), and close() frees its device memory."""
+
+    def hidden_address(self, row: int) -> int:
+        return int(self.batch.hidden_address(0, row))
+
+    def hidden_addresses(self, rows: np.ndarray) -> np.ndarray:
+        return self.batch.hidden_address(0, np.asarray(rows, np.int64))
+
+    def close(self) -> None:
+        """Free the device memory now (otherwise at exit)."""
+        self.batch.close()
+
+
+def solo(batch) -> SoloEngine:
+    """The single-stream engine over a one-slot batch engine: a DeviceSoloEngine where the batch keeps its hidden rows
+    on a GPU."""
+    return (DeviceSoloEngine if hasattr(batch, "hidden_address") else SoloEngine)(batch)
+
+
 def slot_engine(batch, slot: int, scheduler: Scheduler) -> SlotEngine:
     """The engine of `slot` of batch: a DeviceSlotEngine where the batch keeps slots' hidden rows on a GPU."""
     return (DeviceSlotEngine if hasattr(batch, "hidden_address") else SlotEngine)(batch, slot, scheduler)
-
-
-@dataclass
-class SlotPool:
-    """Free slots; a request takes the one whose last sequence shares the longest prefix with its prompt."""
-
-    slots: int
-    held: Callable[[int], list[int]]               # slot -> the token ids its cache holds
-    _free: list[int] = field(default_factory=list)
-    _cv: threading.Condition = field(default_factory=threading.Condition)
-
-    def __post_init__(self):
-        self._free = list(range(self.slots))
-
-    def acquire(self, ids) -> int:
-        from .prefix_cache import common_prefix
-
-        with self._cv:
-            while not self._free:
-                self._cv.wait()
-            best = max(self._free, key=lambda s: (common_prefix(self.held(s), ids, len(ids)), -self._free.index(s)))
-            self._free.remove(best)
-            return best
-
-    def release(self, slot: int) -> None:
-        with self._cv:
-            self._free.append(slot)  # least recently used first
-            self._cv.notify()
-
-    @property
-    def busy(self) -> int:
-        with self._cv:
-            return self.slots - len(self._free)

@@ -12,15 +12,15 @@ prefill: a long prompt delays the other streams' next token by one chunk, not by
 
 from __future__ import annotations
 
-
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..backends import BACKENDS
 from ..errors import SpecrtError
 from ..manifest import Manifest
 from .backends import backend
-from .batch import Scheduler, SlotPool, slot_engine
+from .batch import Scheduler, slot_engine
 from .load_k import LoadK, LoadPlanner
 from .engine import EngineOptions
 from .generate import Generator, Result, Stats, Stream
@@ -72,6 +72,39 @@ class _SlotOpener(Opener):
 class _Slot:
     generator: Generator
     decoder: object
+
+
+@dataclass
+class SlotPool:
+    """Free slots; a request takes the one whose last sequence shares the longest prefix with its prompt."""
+
+    slots: int
+    held: Callable[[int], list[int]]               # slot -> the token ids its cache holds
+    _free: list[int] = field(default_factory=list)
+    _cv: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self):
+        self._free = list(range(self.slots))
+
+    def acquire(self, ids) -> int:
+        from .prefix_cache import common_prefix
+
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            best = max(self._free, key=lambda s: (common_prefix(self.held(s), ids, len(ids)), -self._free.index(s)))
+            self._free.remove(best)
+            return best
+
+    def release(self, slot: int) -> None:
+        with self._cv:
+            self._free.append(slot)  # least recently used first
+            self._cv.notify()
+
+    @property
+    def busy(self) -> int:
+        with self._cv:
+            return self.slots - len(self._free)
 
 
 class BatchSession:

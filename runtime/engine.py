@@ -71,7 +71,7 @@ class Engine(Protocol):
         """Lay the cache out for about `positions` positions (a hint; a pass past it grows the layout)."""
 
     def enable_hidden(self) -> None:
-        """Opt in to `hidden` on every pass (Medusa/EAGLE heads read it). A GPU engine (backends/cuda_engine.py)
+        """Opt in to `hidden` on every pass (Medusa/EAGLE heads read it). A GPU engine (batch.DeviceSoloEngine)
         also takes device_only=True and gives hidden_address(row) / hidden_addresses(rows) and hidden_rows, which
         heads on its GPU read instead (the rows then stay on the device)."""
 
@@ -85,16 +85,20 @@ class Engine(Protocol):
 class BatchEngine(Protocol):
     """`slots` sequences' caches behind one engine (runtime/batch.py): each slot is driven through a SlotEngine, the
     Engine contract over that slot, and the scheduler runs every waiting slot's pass as one call of `run`. A
-    backend whose descriptor says `batch` (specrt/backends.py) has `open_batch(root, entry, options, slots)`."""
+    backend whose descriptor says `batch` (specrt/backends.py) has `open_batch(root, entry, options, slots)`. A
+    single stream is a batch engine of one slot (every backend's open_engine: batch.SoloEngine), which lays its cache
+    out per request (`reserve`) and gives views into its reused output buffers."""
 
     slots: int
     lengths: list[int]    # committed positions per slot
+    capacity: int         # positions a slot's cache is laid out for now
     max_context: int
     vocab_size: int
     max_pass_tokens: int
     width_exact: bool
-    description: str
+    description: str      # one slot: the single-stream engine's (no slot count)
     screen: bool
+    with_hidden: bool
 
     def enable_hidden(self) -> None:
         """Opt in to each row's hidden states on every pass (PassRow.hidden). A GPU batch engine (cuda_batch.py)
@@ -112,6 +116,9 @@ class BatchEngine(Protocol):
 
     def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the slot's cache positions src to dst (a tree's accepted path, compacted)."""
+
+    def reserve(self, positions: int) -> None:
+        """One slot: Engine.reserve (several slots keep the layout `run` gives them)."""
 
 
 @dataclass

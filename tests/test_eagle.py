@@ -360,7 +360,7 @@ GPU_BACKENDS = ["tensorrt", "onnxruntime-cuda"]
 
 def _gpu_eagle(root, tree: bool, on_device: bool = True, backend: str = "tensorrt"):
     """(target, head, proposer): the backend's engine and EAGLE head over host-memory fakes (CountingMemory):
-    TrtEngine and TrtEagleHead (TensorRT faked), or OrtCudaEngine and OrtCudaEagleHead (a CPU session bound by
+    a TensorRT target and TrtEagleHead (TensorRT faked), or a CUDA EP one and OrtCudaEagleHead (a CPU session bound by
     address, 16 rows a call as the fake compiled head's prefill profile), the head reading the target's rows on the
     device, or with on_device False the same head class on the host path."""
     from test_gpu_backends import fake_target

@@ -15,7 +15,8 @@ def _engine_for(tmp_path, arch, seed):
     from specrt.build.ort import build_ort_engine, precision
     from specrt.export.exporter import export_checkpoint
     from specrt.export.sources import resolve
-    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
+    from specrt.runtime.backends.onnxruntime_batch import OrtBatchEngine
+    from specrt.runtime.batch import solo
 
     ckpt = make_checkpoint(tmp_path / arch, arch, seed=seed)
     facts = export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", 128, log=lambda m: None)
@@ -27,8 +28,9 @@ def _engine_for(tmp_path, arch, seed):
     # Qwen2's qkv bias
     assert ops.get("Add", 0) == (facts["spec"]["num_layers"] if facts["spec"]["qkv_bias"] else 0), ops
     s = facts["spec"]
-    eng = OrtEngine(tmp_path / "fp32.onnx", num_layers=s["num_layers"], num_kv_heads=s["num_kv_heads"],
-                    head_dim=s["head_dim"], vocab_size=s["vocab_size"], max_context=128)
+    eng = solo(OrtBatchEngine(tmp_path / "fp32.onnx", slots=1, num_layers=s["num_layers"],
+                              num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab_size"],
+                              max_context=128, huge_pages=True))
     return ckpt, facts, eng
 
 
@@ -62,7 +64,7 @@ def test_parity_and_cache_contract(tmp_path, arch, seed):
     again = eng.forward(ids[12:], num_logits=len(ids) - 12).copy()
     assert np.abs(again - full[12:]).max() < 1e-4
     # 5. a cache laid out for fewer positions gives the same logits, and grows past them keeping its contents
-    eng.CAPACITY_STEP = 8
+    eng.batch.CAPACITY_STEP = 8
     eng.rewind(0)
     eng.reserve(9)
     assert eng.capacity == 16

@@ -254,7 +254,7 @@ def _random_portable(out: Path, layers: int = 2, hidden: int = 32, heads: int = 
 
 class FakeTrtContext:
     """A TensorRT execution context that runs the portable graph through an ONNX Runtime CPU session at the
-    addresses and shapes TrtEngine set: what reaches TensorRT is what a pass needs."""
+    addresses and shapes TrtBatchEngine set: what reaches TensorRT is what a pass needs."""
 
     def __init__(self, session, log: list):
         self.session, self.log, self.shapes, self.addresses = session, log, {}, {}
@@ -432,33 +432,42 @@ class CountingMemory(HostMemory):
         return sum(n for src, n in self.downloads if start <= src < start + nbytes)
 
 
+def _portable_solo(path, buckets: Buckets):
+    """The portable CPU backend's single-stream engine over the random graph at path (one slot of its batch engine)."""
+    from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+    from specrt.runtime.batch import solo
+
+    return solo(PortableBatchEngine(path, slots=1, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96,
+                                    hidden_size=32, max_context=600, buckets=buckets))
+
+
 @pytest.mark.parametrize("backend", ["onnxruntime-cuda", "tensorrt", "tensorrt-rtx"])
 def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend):
-    """OrtCudaEngine and TrtEngine (every buffer in HostMemory; ORT bound to it by address, TensorRT faked by a
-    context that runs ORT at the addresses and shapes it was given) against PortableEngine with the same widths
-    and capacities: prefill, decode, partial accepts, token trees, hidden states, a wide uncaptured prefill that
-    moves the committed cache to a larger capacity, and a rewind. Same graph and inputs: equal outputs."""
+    """The single-stream engines of both GPU backends, one slot of OrtCudaBatchEngine and of TrtBatchEngine (every
+    buffer in HostMemory; ORT bound to it by address, TensorRT faked by a context that runs ORT at the addresses and
+    shapes it was given) against the portable CPU backend's engine with the same widths and capacities: prefill,
+    decode, partial accepts, token trees, hidden states, a wide uncaptured prefill that moves the committed cache to
+    a larger capacity, and a rewind. Same graph and inputs: equal outputs."""
     import onnxruntime as ort
 
     from specrt.runtime.backends.cuda_engine import Geometry
-    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEngine
-    from specrt.runtime.backends.onnxruntime_portable import PortableEngine
-    from specrt.runtime.backends.tensorrt import TrtEngine
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
+    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.batch import solo
 
     path = tmp_path / "target-fp32.onnx"
     _random_portable(path)
     buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
-    ref = PortableEngine(path, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96, hidden_size=32, max_context=600,
-                         huge_pages=False, buckets=Buckets(buckets.widths, buckets.capacities))  # its own logits rows
+    ref = _portable_solo(path, Buckets(buckets.widths, buckets.capacities))  # its own logits rows
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")
     if backend == "tensorrt":
         fake = FakeTrtEngine(session)
-        eng = TrtEngine(fake, HostMemory(), geometry, buckets, max_prompt=600, name="t", width_exact=True,
-                        graphs=False, graphs_note="test", strategy="USER_MANAGED")
+        eng = solo(TrtBatchEngine(fake, HostMemory(), geometry, buckets, slots=1, max_prompt=600, name="t",
+                                  width_exact=True, graphs=False, graphs_note="test", strategy="USER_MANAGED"))
         # both contexts draw on one scratch buffer of the size the engine asks, allocated once
         assert [c.strategy for c in fake.contexts] == ["USER_MANAGED"] * 2
-        assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng._trt.scratch, 4096)
+        assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng.batch._trt.scratch, 4096)
     elif backend == "tensorrt-rtx":  # the same engine class, its contexts made from TensorRT for RTX's config
         from specrt.runtime.backends.tensorrt import RuntimeCache
 
@@ -466,12 +475,13 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
         saved = []
         cache = RuntimeCache(None, tmp_path / "runtime.bin")
         cache.save = lambda: saved.append(True)
-        eng = TrtEngine(fake, HostMemory(), geometry, buckets, max_prompt=600, name="t", width_exact=True,
-                        graphs=False, graphs_note="test", keep=(cache,), runtime_config=config)
+        eng = solo(TrtBatchEngine(fake, HostMemory(), geometry, buckets, slots=1, max_prompt=600, name="t",
+                                  width_exact=True, graphs=False, graphs_note="test", keep=(cache,),
+                                  runtime_config=config))
         assert [c.strategy for c in fake.contexts] == [config] * 2
-        assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng._trt.scratch, 4096)
+        assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng.batch._trt.scratch, 4096)
     else:
-        eng = OrtCudaEngine(session, HostMemory(), geometry, buckets, name="t", device="cpu")
+        eng = solo(OrtCudaBatchEngine(session, HostMemory(), geometry, buckets, slots=1, name="t", device="cpu"))
         assert eng.description == "onnxruntime-cuda t, no CUDA graphs (device cpu)"
     assert eng.max_pass_tokens == 64
     rng = np.random.default_rng(1)
@@ -511,7 +521,7 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     both("argmax", rng.integers(0, 96, 3), num_logits=2)
     for r in range(3):  # the rows the device address points at are the rows copied back
         row = np.empty(32, np.float32)
-        eng.memory.download(row, eng.hidden_address(r))
+        eng.batch.memory.download(row, eng.hidden_address(r))
         np.testing.assert_array_equal(row, ref.hidden[r])
     each("commit", 3)
     assert ref.capacity == eng.capacity == 256
@@ -522,7 +532,8 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     each("commit", 2, np.array([0, 1]))
     for i in range(2):
         for k in range(2):
-            np.testing.assert_array_equal(eng.cache.read(i, k)[:, :, :ref.length], ref.cache[i][k][:, :, :ref.length])
+            np.testing.assert_array_equal(eng.batch.cache.read(i, k)[:, :, :ref.length],
+                                          ref.batch.cache[i][k][:, :, :ref.length])
     # KV reuse across sequences: save, overwrite with another sequence, load back: the same next logits
     snaps = [e.save_prefix(e.length) for e in (ref, eng)]
     probe = rng.integers(0, 96, 3)
@@ -574,19 +585,18 @@ def test_onnxruntime_cuda_graph_runs_warm_up_and_stay_on_one_thread(tmp_path, fa
     import onnxruntime as ort
 
     from specrt.runtime.backends.cuda_engine import Geometry
-    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEngine
-    from specrt.runtime.backends.onnxruntime_portable import PortableEngine
+    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
+    from specrt.runtime.batch import solo
 
     path = tmp_path / "target-fp32.onnx"
     _random_portable(path)
     buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
-    ref = PortableEngine(path, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96, hidden_size=32, max_context=600,
-                         huge_pages=False, buckets=Buckets(buckets.widths, buckets.capacities))
+    ref = _portable_solo(path, Buckets(buckets.widths, buckets.capacities))
     session = GraphRecordingSession(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), fail_capture)
-    eng = OrtCudaEngine(session, HostMemory(), Geometry(2, 2, 8, 32, 96, 600, "fp32"), buckets, name="t",
-                        device="cpu")
-    eng.graphs = True  # as on a GPU: device "cpu" turns them off
-    eng._start(session, "cpu")
+    eng = solo(OrtCudaBatchEngine(session, HostMemory(), Geometry(2, 2, 8, 32, 96, 600, "fp32"), buckets, slots=1,
+                                  name="t", device="cpu"))
+    eng.batch.graphs = True  # as on a GPU: device "cpu" turns them off
+    eng.batch._start(session, "cpu")
     rng = np.random.default_rng(3)
     for e in (ref, eng):
         e.reserve(40)
@@ -604,10 +614,10 @@ def test_onnxruntime_cuda_graph_runs_warm_up_and_stay_on_one_thread(tmp_path, fa
     ids, threads = [gid for gid, _ in session.runs], {name for _, name in session.runs}
     assert len(threads) == 1 and threads.pop().startswith("specrt-cuda-t")
     if fail_capture:  # the prompt's captured run failed: rerun uncaptured, and no graphs from then on
-        assert ids == [-1, 1, -1, -1, -1, -1] and not eng.graphs
+        assert ids == [-1, 1, -1, -1, -1, -1] and not eng.batch.graphs
         assert "no CUDA graphs (capture failed at width 32, capacity 256 (operation not permitted" in eng.description
     else:  # the prompt (width 32), then three one-token passes: each new shape uncaptured once, then its id
-        assert ids == [-1, 1, -1, 2, 2, 2] and eng.graphs
+        assert ids == [-1, 1, -1, 2, 2, 2] and eng.batch.graphs
     eng.close()
 
 
@@ -936,25 +946,17 @@ def plain(target, prompt, new_tokens: int) -> list[int]:
 
 
 def fake_target(path: Path, backend: str):
-    """A device engine of backend's class over the random portable graph at path, in CountingMemory."""
-    import onnxruntime as ort
+    """A single-stream device engine of backend's (one slot of its batch engine class) over the random portable graph
+    at path, in CountingMemory."""
+    from specrt.runtime.batch import solo
 
-    from specrt.runtime.backends.cuda_engine import Geometry
-    from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEngine
-    from specrt.runtime.backends.tensorrt import TrtEngine
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")
-    buckets = Buckets.for_engine(600, 64, geometric=True, pad_logits=True)
-    if backend == "onnxruntime-cuda":
-        return OrtCudaEngine(session, CountingMemory(), geometry, buckets, name="t", device="cpu")
-    return TrtEngine(FakeTrtEngine(session), CountingMemory(), geometry, buckets, max_prompt=600, name="t",
-                     width_exact=True, graphs=False, graphs_note="test")
+    return solo(fake_batch(path, backend, slots=1))
 
 
 def hidden_fetched(target) -> int:
-    """Bytes of the target's hidden states that came back to the host."""
-    return target.memory.fetched(target.out_hidden, target.max_prompt * target.geometry.hidden_size * 4)
+    """Bytes of the single-stream target's hidden states that came back to the host."""
+    b = target.batch
+    return b.memory.fetched(b.out_hidden, b.max_prompt * b.geometry.hidden_size * 4)
 
 
 def test_ort_cuda_heads_read_the_hidden_row_by_address_as_the_cpu_heads_read_it(tmp_path):

@@ -476,7 +476,7 @@ def test_fp8_heads_of_a_portable_set_keep_the_targets_output(tiny_dir, tiny_head
 
 
 def test_heads_on_the_targets_gpu_read_the_hidden_row_there():
-    """Heads that take a device address (TrtHeads.on_device) beside a target that gives one (DeviceEngine): the
+    """Heads that take a device address (TrtHeads.on_device) beside a target that gives one (a GPU engine): the
     target keeps its hidden states on the device and the heads get the accepted row's address; host heads (or a
     target without addresses) get the row itself."""
     from specrt.runtime.proposers import Context
@@ -519,11 +519,11 @@ def test_heads_on_the_targets_gpu_read_the_hidden_row_there():
 
 @pytest.mark.parametrize("backend", ["tensorrt", "onnxruntime-cuda"])
 def test_heads_beside_either_gpu_backends_target_keep_its_hidden_states_on_the_device(tmp_path, backend):
-    """Medusa on the host-memory fakes of a GPU backend (TrtEngine with compiled heads, TrtHeads; OrtCudaEngine with
-    heads on the CUDA EP, OrtCudaHeads): the device path (the heads read the accepted row by address) against the
-    host path of the same heads, round by round through long forced accepts: the same trees and tokens, and no
-    hidden row downloaded on the device path (the host path downloads them); greedy output equals plain decoding's.
-    A row of the wrong position drafts otherwise."""
+    """Medusa on the host-memory fakes of a GPU backend (a TensorRT target with compiled heads, TrtHeads; a CUDA EP
+    target with heads on the CUDA EP, OrtCudaHeads): the device path (the heads read the accepted row by address)
+    against the host path of the same heads, round by round through long forced accepts: the same trees and tokens, and
+    no hidden row downloaded on the device path (the host path downloads them); greedy output equals plain decoding's. A
+    row of the wrong position drafts otherwise."""
     import onnxruntime as ort
     from test_gpu_backends import (HostEngine, _random_portable, fake_target, hidden_fetched, plain, random_heads,
                                    speculate)

@@ -24,12 +24,15 @@ def _engine(root: Path, precision: str = "fp32", buckets: Buckets | None = None)
     m = load_manifest(root)
     e = open_engine(m.root, m.engine("target", precision))
     if buckets is not None:  # the same engine under another bucketing
-        from specrt.runtime.backends.onnxruntime_portable import PortableEngine
+        from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+        from specrt.runtime.batch import solo
 
         entry = m.engine("target", precision)
-        e = PortableEngine(m.root / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                           head_dim=entry.head_dim, vocab_size=entry.vocab_size, hidden_size=entry.hidden_size,
-                           max_context=entry.max_context, precision=precision, buckets=buckets)
+        e = solo(PortableBatchEngine(m.root / entry.file, slots=1, num_layers=entry.num_layers,
+                                     num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim,
+                                     vocab_size=entry.vocab_size, hidden_size=entry.hidden_size,
+                                     max_context=entry.max_context, precision=precision, buckets=buckets,
+                                     huge_pages=True))
     return e
 
 

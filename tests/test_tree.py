@@ -88,18 +88,27 @@ def test_choose_tree_takes_the_smallest_tree_within_noise_of_the_best():
     assert len(choose_tree(order, values, lambda w: float(np.interp(w, widths, secs)), tolerance=0.0)[0]) == 11
 
 
+def _solo(root, e, hidden: bool = False):
+    """A single-stream ONNX Runtime CPU engine of manifest entry e (one slot of its batch engine), screen off."""
+    from specrt.runtime.backends.onnxruntime_batch import OrtBatchEngine
+    from specrt.runtime.batch import solo
+
+    eng = solo(OrtBatchEngine(root / e.file, slots=1, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,
+                              head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context, threads=1,
+                              huge_pages=True))
+    if hidden:
+        eng.enable_hidden()
+    return eng
+
+
 def test_tree_pass_equals_branch_by_branch(tiny_engines):
     """One pass over root + tree (explicit mask and positions) gives, for every node, the logits of
     decoding that node's root-to-node branch token by token; commit(path) then leaves the cache
     exactly as decoding the accepted branch would."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
 
     e = load_manifest(tiny_engines).engine("target", "fp32")
-    mk = lambda: OrtEngine(tiny_engines / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,  # noqa: E731
-                           head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context,
-                           threads=1, with_hidden=True)
-    eng, ref = mk(), mk()
+    eng, ref = _solo(tiny_engines, e, hidden=True), _solo(tiny_engines, e, hidden=True)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, e.vocab_size, 9)
     tree = compile_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
@@ -133,14 +142,12 @@ def test_tree_pass_over_an_empty_cache_keeps_siblings_apart(tiny_engines):
     """The first round feeds the whole prompt with the draft (the cache is empty). A node's logits must
     not depend on a sibling before it. Measured: 7.8e-3 max |diff| with an empty cache in one ORT pass,
     7e-7 once anything is cached (1, 2 or 5 pending tokens), so a tree proposer that drafts on round 1
-    could flip a near-tie later; OrtEngine.forward now feeds the first token alone in that case."""
+    could flip a near-tie later; the CPU engine's pass now feeds the first token alone in that case."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
     from specrt.runtime.speculative import tree_inputs
 
     e = load_manifest(tiny_engines).engine("target", "fp32")
-    eng = OrtEngine(tiny_engines / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads, head_dim=e.head_dim,
-                    vocab_size=e.vocab_size, max_context=e.max_context, threads=1)
+    eng = _solo(tiny_engines, e)
     prompt = np.random.default_rng(0).integers(3, e.vocab_size, 40)
     rows = []
     for nodes in ([7], [9, 7]):             # node 7 alone, then after a sibling 9 it must not see
@@ -154,14 +161,10 @@ def test_split_first_pass_returns_every_row_in_place(tiny_engines):
     """The empty-cache split (above) must hand back all rows where one pass would: logits and hidden
     states of every token, the first included, and the same cache contents."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.backends.onnxruntime_cpu import OrtEngine
     from specrt.runtime.speculative import tree_inputs
 
     e = load_manifest(tiny_engines).engine("target", "fp32")
-    mk = lambda: OrtEngine(tiny_engines / e.file, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,  # noqa: E731
-                           head_dim=e.head_dim, vocab_size=e.vocab_size, max_context=e.max_context,
-                           threads=1, with_hidden=True)
-    eng, ref = mk(), mk()
+    eng, ref = _solo(tiny_engines, e, hidden=True), _solo(tiny_engines, e, hidden=True)
     tokens = np.array([11, 12, 13, 9, 7])                  # 3 prompt tokens, then two sibling nodes
     pos, mask = tree_inputs(0, 3, np.array([-1, -1]))
     logits = eng.forward(tokens, pos, mask, num_logits=5).copy()
@@ -174,4 +177,4 @@ def test_split_first_pass_returns_every_row_in_place(tiny_engines):
     ref.commit(4)
     np.testing.assert_allclose(logits, np.concatenate(rows), atol=1e-5)
     np.testing.assert_allclose(hidden, np.concatenate(hid), atol=1e-5)
-    np.testing.assert_allclose(eng.cache[..., :5, :], ref.cache[..., :5, :], atol=1e-6)
+    np.testing.assert_allclose(eng.batch.cache[..., :5, :], ref.batch.cache[..., :5, :], atol=1e-6)

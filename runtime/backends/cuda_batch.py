@@ -23,6 +23,12 @@ row)` holds the slot's rows of its last pass until its next one, whatever the sh
 prefill run alone after the batched pass in the same call, the next round's pass). A copy rather than outputs bound
 per slot: a batched pass writes one [B, W, H] tensor at the address its captured graph fixes, and a chunked
 prefill's rows come from several passes (each chunk's at its PassRow.hidden_at).
+
+A single stream is a batch of one slot (each backend's open_engine: batch.DeviceSoloEngine), which runs as a
+single-stream engine would: its layout is laid out for the request (`reserve`: its size plus the widest pad) and
+grown only when a pass needs more, a pass downloads only the rows its caller reads and syncs once, heads on this GPU
+read its hidden rows where the pass left them (`out_hidden`, no copy: nothing else runs before its next pass), a
+tree's commit is queued without a sync, and outputs are views into the reused host buffers.
 """
 
 from __future__ import annotations
@@ -92,7 +98,8 @@ class DeviceBatchEngine:
     @property
     def description(self) -> str:
         graphs = "CUDA graphs" if self.graphs else f"no CUDA graphs ({self.graphs_note})"
-        return f"{self.backend} {self.name}, {self.slots} slots, {graphs}"
+        slots = f"{self.slots} slots, " if self.slots > 1 else ""  # one: a single stream's engine
+        return f"{self.backend} {self.name}, {slots}{graphs}"
 
     def _launch(self, rows: int, width: int, capacity: int, logits_rows: int, slot: int | None,
                 graph: bool) -> None:
@@ -114,13 +121,15 @@ class DeviceBatchEngine:
             if not device_only:
                 self._to_host.update(slots)
                 return
-            if not self.slot_hidden:
+            if not self.slot_hidden and self.slots > 1:  # one slot: its rows stay where its pass left them
                 self.slot_hidden = self.memory.alloc(self.slots * self._slot_rows * self._row)
             self._on_device.update(slots)
 
     def hidden_address(self, slot: int, row):
         """Where row `row` (an int, or an int64 array of rows) of `slot`'s last pass's hidden states lies on the
         device (float32; valid until the slot's next pass)."""
+        if self.slots == 1:  # the pass's own output (its rows first, whether batched or alone)
+            return self.out_hidden + row * self._row
         return self.slot_hidden + (slot * self._slot_rows + row) * self._row
 
     def _keep_hidden(self, r, src: int) -> None:
@@ -131,14 +140,26 @@ class DeviceBatchEngine:
         dst = self.slot_hidden + (r.slot * self._slot_rows + r.hidden_at) * self._row
         self.memory.copy2d(Copy2D(dst, n * self._row, src, n * self._row, n * self._row, 1))
 
+    def reserve(self, positions: int) -> None:
+        """One slot: lay the cache out for `positions` positions plus the widest pad (never fewer than are committed),
+        so a request's passes keep one layout (and its CUDA graphs). Several slots: their layout follows them (run)."""
+        if self.slots > 1:
+            return
+        with self._lock:
+            need = min(max(positions, self.lengths[0]), self.max_context) + self.max_pass_tokens
+            self._relayout(self.buckets.capacity(min(need, self.buckets.max_capacity)))
+
+    def _relayout(self, capacity: int) -> None:
+        """The cache laid out for `capacity`, every slot keeping its committed positions (one copy on the device)."""
+        if capacity != self.capacity:
+            self.cache.relayout(capacity, min(max(self.lengths), self.capacity))
+            self.capacity = capacity
+
     def _fit(self, need: int) -> None:
         """Lay the cache out for `need` positions in any slot (and every slot's committed ones, plus the widest
         pad): the smallest bucket that holds them. Called with the lock held."""
         top = min(max(self.lengths), self.max_context) + self.max_pass_tokens
-        capacity = self.buckets.capacity(min(max(need, top), self.buckets.max_capacity))
-        if capacity != self.capacity:
-            self.cache.relayout(capacity, min(max(self.lengths), self.capacity))
-            self.capacity = capacity
+        self._relayout(self.buckets.capacity(min(max(need, top), self.buckets.max_capacity)))
 
     def snapshot(self, slot: int, length: int) -> KVSnapshot:
         with self._lock:
@@ -152,7 +173,8 @@ class DeviceBatchEngine:
     def move(self, slot: int, src: np.ndarray, dst: np.ndarray) -> None:
         with self._lock:
             self.cache.move(src, dst, slot)
-            self.memory.sync()
+            if self.slots > 1:  # one slot: queued before its next pass on the same stream
+                self.memory.sync()
 
     def run(self, rows) -> list[tuple[float, int, int]]:
         """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one pass padded to the
@@ -162,11 +184,17 @@ class DeviceBatchEngine:
             if not 1 <= r.num_logits <= min(len(r.tokens), self.max_pass_tokens):
                 raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {r.num_logits} "
                                  f"of {len(r.tokens)}")
+            check_prompt(self, len(r.tokens))
         ran = []
         together = [r for r in rows if len(r.tokens) <= self.batch_width]
         alone = [r for r in rows if len(r.tokens) > self.batch_width]
         with self._lock:
-            self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
+            if self.slots == 1:  # a single stream: the layout reserve set, grown only when its pass needs more
+                need = self.lengths[0] + self.pass_width(len(rows[0].tokens))
+                if need > self.capacity:
+                    self._relayout(self.buckets.capacity(min(need, self.buckets.max_capacity)))
+            else:
+                self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
             if together:
                 W = self.pass_width(max(len(r.tokens) for r in together))
                 key = (max(r.slot for r in together) + 1, W, self.capacity)
@@ -200,6 +228,12 @@ class DeviceBatchEngine:
                           (self.rows, self._all_rows[:W])):
             m.upload(ptr, host)
         self._launch(B, W, C, W, None, self.graphs)
+        if len(rows) == 1:  # a row alone: only what it reads comes back, before the one sync
+            r = rows[0]
+            at = r.slot * W  # its first row in the pass's outputs
+            self._take_one(r, self.out_greedy + at * 8, self.out_logits + at * self.vocab_size * 4,
+                           self.out_hidden + at * self._row, len(r.tokens) - r.num_logits)
+            return
         m.download(self._greedy[:B * W], self.out_greedy)
         if any(r.slot in self._to_host for r in rows):
             m.download(self._hidden[:B * W], self.out_hidden)
@@ -223,27 +257,33 @@ class DeviceBatchEngine:
 
     def _solo_pass(self, r) -> None:
         """A row wider than batch_width over its own slot, uncaptured: the logits rows asked for only."""
-        check_prompt(self, len(r.tokens))
         p = self._single.plan(self.lengths[r.slot], r.tokens, r.positions, r.mask, r.num_logits, self.capacity)
-        rows, m, n = p.logits_rows[:r.num_logits], self.memory, len(r.tokens)
+        rows, m = p.logits_rows[:r.num_logits], self.memory
         self._write[0] = p.write_index
         for ptr, host in ((self.tokens, p.tokens), (self.positions, p.positions), (self.mask, p.mask),
                           (self.write, self._write[:1]), (self.rows, rows)):
             m.upload(ptr, np.ascontiguousarray(host))
         self._launch(1, p.width, p.capacity, len(rows), r.slot, False)
-        if r.greedy:
-            m.download(self._greedy[:len(rows)], self.out_greedy)
-        else:
-            m.download(self._logits[:len(rows)], self.out_logits)
+        self._take_one(r, self.out_greedy, self.out_logits, self.out_hidden, 0)
+
+    def _take_one(self, r, greedy: int, logits: int, hidden: int, start: int) -> None:
+        """A pass's one row's outputs (its tokens' logits rows from `start` at the device addresses given): the greedy
+        tokens or the logits asked for, and its hidden states where its reader wants them, queued before one sync.
+        Several slots: copies (another stream's pass may reuse the buffers before this one reads them); one slot:
+        views into the buffers, valid until its next pass."""
+        m, n = self.memory, len(r.tokens)
+        out = self._greedy[:r.num_logits] if r.greedy else self._logits[:r.num_logits]
+        m.download(out, greedy + start * 8 if r.greedy else logits + start * self.vocab_size * 4)
         host = r.slot in self._to_host
         if host:
-            m.download(self._hidden[:n], self.out_hidden)
-        if r.slot in self._on_device:
-            self._keep_hidden(r, self.out_hidden)
+            m.download(self._hidden[:n], hidden)
+        if r.slot in self._on_device and self.slots > 1:
+            self._keep_hidden(r, hidden)
         m.sync()
-        r.out = (self._greedy if r.greedy else self._logits)[:len(rows)].copy()
+        copy = self.slots > 1
+        r.out = out.copy() if copy else out
         if host:
-            r.hidden = self._hidden[:n].copy()
+            r.hidden = self._hidden[:n].copy() if copy else self._hidden[:n]
 
     def close(self) -> None:
         """Free the device memory now (otherwise at exit)."""

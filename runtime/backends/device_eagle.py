@@ -78,7 +78,7 @@ class DeviceEagleHead:
 
     # --- the target's features, kept on the device by position ------------------------------------------------
     def keep_features(self, position: int, addresses) -> None:
-        """Copy the feature rows at `addresses` (a target's hidden rows on this GPU: DeviceEngine.hidden_addresses)
+        """Copy the feature rows at `addresses` (a target's hidden rows on this GPU: DeviceSlotEngine.hidden_addresses)
         to positions [position, position + n) of the store, and wait for the copy: the target's next pass
         overwrites its rows, and it runs on a stream of its own."""
         if position + len(addresses) > self.capacity:

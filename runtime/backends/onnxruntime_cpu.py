@@ -1,9 +1,10 @@
-"""The ONNX Runtime CPU backend: decoder engines (the export's GroupQueryAttention graph) and Medusa heads.
+"""The ONNX Runtime CPU backend: decoder engines (the export's GroupQueryAttention graph), Medusa and EAGLE heads.
 
-Buffers (cache, logits) are allocated once; every pass binds them by pointer through IOBinding, and past and
-present are the same buffer, so there is one host sync per pass and no per-step copy. Everything CPU-specific
-lives here: huge pages, sessions that take turns on the cores, the fp32 logit screen's safety rule, and the
-GroupQueryAttention empty-cache workaround for trees.
+A decoder engine is a batch engine (onnxruntime_batch.py), a single stream its one slot (open_engine). Buffers
+(cache, logits) are allocated once; every pass binds them by pointer through IOBinding, and past and present are
+the same buffer, so there is one host sync per pass and no per-step copy. What the engines share lives here: the
+session and its options (sessions that take turns on the cores), binding the cache in place, and the fp32 logit
+screen's safety rule.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import SpecrtError, first_line
-from ...interface import (APPROX_INPUT, ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, GREEDY_OUTPUT,
-                          HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_TOKEN, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS,
-                          NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK, WRITE_INDICES,
-                          past_name, present_name)
-from ..engine import EngineOptions, KVSnapshot, check_pass, restore_views, snapshot_views, tree_moves
-from ..hugepages import advise_huge_pages, anonymous_mappings
+from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN,
+                          HEADS_TOKEN, HIDDEN_STATES, INPUT_IDS, KV_KINDS, POSITION_IDS, WRITE_INDICES, past_name,
+                          present_name)
+from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
 
 # The screen saves time on narrow passes and loses it on wide ones (docs/runtime-notes.md, "Logit screen row limit").
 SCREEN_MAX_ROWS = 6
@@ -98,15 +97,12 @@ def entry_config(entry, options: EngineOptions) -> tuple[dict[str, str], str | N
     return config, note
 
 
-def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtEngine":
-    """The decoder engine a manifest entry describes (engine.open_engine's ONNX Runtime half)."""
-    config, note = entry_config(entry, options)
-    engine = OrtEngine(Path(root) / entry.file, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-                       head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context,
-                       threads=options.threads, session_config=config, huge_pages=options.huge_pages,
-                       screen=note is None, width_exact=entry.width_exact, name=entry.name)
-    engine.screen_note = note
-    return engine
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """The decoder engine a manifest entry describes (engine.open_engine's ONNX Runtime half): a single stream, slot 0
+    of a batch engine of one slot whose passes run at once (onnxruntime_batch.open_solo)."""
+    from .onnxruntime_batch import open_solo
+
+    return open_solo(root, entry, options)
 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtHeads":
@@ -137,167 +133,6 @@ class OrtHeads:
     def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray:
         self._h[0], self._t[0] = hidden, token
         return self.session.run([HEADS_CANDIDATES], self._feed)[0][0]
-
-
-class OrtEngine:
-    CAPACITY_STEP = 256  # reserve() rounds cache layouts up to a multiple of this many positions
-
-    def __init__(self, onnx_path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 vocab_size: int, max_context: int, max_pass_tokens: int = 64, threads: int = 0,
-                 with_hidden: bool = False, session_config: dict[str, str] | None = None, huge_pages: bool = True,
-                 screen: bool = False, width_exact: bool = True, name: str | None = None):
-        before = anonymous_mappings() if huge_pages else None
-        so = session_options(threads, session_config)
-        self.session = open_session(onnx_path, so)
-        self.max_context, self.vocab_size, self.max_pass_tokens = max_context, vocab_size, max_pass_tokens
-        self.width_exact = width_exact
-        self.name = name or Path(onnx_path).stem
-        self.length = 0
-        # One allocation of max_context positions, laid out for `capacity` positions per head (see reserve).
-        self._kv = np.zeros(num_layers * 2 * num_kv_heads * max_context * head_dim, np.float32)
-        self._kv_dims = (num_layers, num_kv_heads, head_dim)
-        self.capacity = 0
-        self.cache = self._kv[:0]
-        self._logits = np.empty((max_pass_tokens, vocab_size), np.float32)
-        self.with_hidden = False
-        self._hidden = np.empty((0, 0), np.float32)
-        self.hidden = self._hidden  # [n, hidden] of the last pass (with_hidden only), a view into a reused buffer
-        if with_hidden:
-            self.enable_hidden()
-        # An fp32 engine with a logit screen takes a flag per pass (fp32 or screened lm_head) and returns the
-        # greedy token of each row too; screened, those are the exact fp32 argmax at a quarter of the lm_head's
-        # bytes (build/screen.py). `screen`: use it on greedy passes (open_engine decides where it is safe).
-        inputs = {i.name for i in self.session.get_inputs()}
-        self._has_screen = APPROX_INPUT in inputs
-        self.screen = screen and self._has_screen
-        self.screen_note: str | None = None if self.screen else "not in use"
-        self._flags = (np.array(False), np.array(True))
-        self.greedy = np.empty(max_pass_tokens, np.int64)  # [num_logits] greedy tokens of the last pass (screen graphs)
-        self._io = self.session.io_binding()
-        self.reserve(max_context)
-        # flat: any [1,n,n] view is contiguous
-        self._zero_mask = np.zeros(max_pass_tokens * max_pass_tokens, np.float32)
-        if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (runtime/hugepages.py)
-            advise_huge_pages(since=before)
-
-    @property
-    def description(self) -> str:
-        return f"onnxruntime-cpu {self.name}" + (", logit screen" if self.screen else "")
-
-    def reserve(self, positions: int) -> None:
-        """Lay the cache out for about `positions` positions per head (rounded up to CAPACITY_STEP, at most
-        max_context, never fewer than are committed): a request that knows its size asks for it, so each
-        head's keys sit closer together (docs/runtime-notes.md, "Cache layout per request"). Free while the
-        cache is empty; otherwise the committed entries are copied into the new layout."""
-        step = self.CAPACITY_STEP
-        cap = min(self.max_context, -(-max(positions, self.length, 1) // step) * step)
-        if cap == self.capacity:
-            return
-        layers, kv_heads, head_dim = self._kv_dims
-        cache = self._kv[: layers * 2 * kv_heads * cap * head_dim].reshape(layers, 2, 1, kv_heads, cap, head_dim)
-        if self.length:  # old and new layouts share memory: copy out first
-            cache[..., : self.length, :] = self.cache[..., : self.length, :].copy()
-        self.cache, self.capacity = cache, cap
-        bind_in_place(self._io, cache)
-
-    def enable_hidden(self) -> None:
-        """Opt in to the final-norm hidden state of every token of each pass (Medusa/EAGLE heads read it)."""
-        if not self.with_hidden:
-            outs = {o.name: o.shape for o in self.session.get_outputs()}
-            if HIDDEN_STATES not in outs:
-                raise SpecrtError("this target engine has no hidden_states output; rebuild it with `specrt engines`")
-            self._hidden = np.empty((self.max_pass_tokens, int(outs[HIDDEN_STATES][-1])), np.float32)
-            self.with_hidden = True
-
-    def argmax(self, tokens: np.ndarray, positions: np.ndarray | None = None,
-               tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
-        """forward(), for the greedy token of each of the last num_logits rows only: [num_logits] int64, a
-        view into a reused buffer. Through the logit screen where the engine has one and may use it."""
-        if not self._has_screen:
-            return self.forward(tokens, positions, tree_mask, num_logits).argmax(axis=1)
-        self.forward(tokens, positions, tree_mask, num_logits, approx=self.screen and num_logits <= SCREEN_MAX_ROWS)
-        return self.greedy[:num_logits]
-
-    def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
-                tree_mask: np.ndarray | None = None, num_logits: int = 1, approx: bool = False) -> np.ndarray:
-        """tokens [n] int64 -> logits [num_logits, vocab] for the last num_logits tokens.
-
-        positions [n] default to length + arange(n); tree_mask [n, n] additive, default causal.
-        The returned array is a view into a reused buffer: copy it to keep it past the next pass.
-        approx (screen engines): the logits of the 8-bit lm_head, not fp32; only self.greedy is exact then.
-        """
-        n = len(tokens)
-        check_pass(self, n, num_logits)
-        if self.length + n > self.capacity:  # past what the request reserved: grow (copies the cache once)
-            self.reserve(max(self.length + n, 2 * self.capacity))
-        if positions is None:
-            positions = np.arange(self.length, self.length + n, dtype=np.int64)
-        if tree_mask is not None:
-            mask = tree_mask.reshape(1, n, n)
-        elif n <= self.max_pass_tokens:
-            mask = self._zero_mask[: n * n].reshape(1, n, n)
-        else:  # a long prefill: once per request, so this allocation is fine
-            mask = np.zeros((1, n, n), np.float32)
-        buf = None
-        if self.with_hidden:  # a long prefill (once per request) gets its own buffer
-            buf = self._hidden if n <= self.max_pass_tokens else np.empty((n, self._hidden.shape[1]), np.float32)
-            self.hidden = buf[:n]
-        if tree_mask is not None and self.length == 0 and n > 1:
-            # GroupQueryAttention does not keep tree siblings apart when the cache is empty, so the first token
-            # goes alone: same cache contents and outputs, one extra pass, only for a tree drafted in the very
-            # first round (docs/runtime-notes.md, "Trees over an empty cache").
-            self._run(tokens[:1], positions[:1], mask[:, :1, :1], 1, 0, buf, approx)
-            self.length = 1
-            try:
-                keep = min(num_logits, n - 1)
-                self._run(tokens[1:], positions[1:], np.ascontiguousarray(mask[:, 1:, 1:]), keep,
-                          num_logits - keep, None if buf is None else buf[1:], approx)
-            finally:
-                self.length = 0
-        else:
-            self._run(tokens, positions, mask, num_logits, 0, buf, approx)
-        return self._logits[:num_logits]
-
-    def _run(self, tokens, positions, mask, num_logits: int, row: int, hidden, approx: bool = False) -> None:
-        """One session run: logits into self._logits[row:row + num_logits], hidden states into `hidden`; approx:
-        through the logit screen (engines that have one; others ignore it)."""
-        n, io = len(tokens), self._io
-        io.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(tokens, np.int64).reshape(1, n))
-        io.bind_cpu_input(POSITION_IDS, np.ascontiguousarray(positions, np.int64).reshape(1, n))
-        io.bind_cpu_input(TREE_MASK, np.ascontiguousarray(mask, np.float32))
-        io.bind_cpu_input(SEQLENS_K, np.array([self.length + n - 1], np.int32))
-        io.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array(self.length + n, np.int32))
-        io.bind_cpu_input(NUM_LOGITS_TO_KEEP, np.array(num_logits, np.int64))
-        io.bind_output(LOGITS, "cpu", 0, np.float32, [1, num_logits, self.vocab_size], self._logits[row:].ctypes.data)
-        if self._has_screen:
-            io.bind_cpu_input(APPROX_INPUT, self._flags[approx])
-            io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [1, num_logits], self.greedy[row:].ctypes.data)
-        if hidden is not None:
-            io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [1, n, hidden.shape[1]], hidden.ctypes.data)
-        self.session.run_with_iobinding(io)
-
-    def commit(self, n: int, path: np.ndarray | None = None) -> None:
-        """Accept n of the tokens of the last pass. path [n]: their indices in that pass (trees)."""
-        moves = None if path is None else tree_moves(self.length, n, path)
-        if moves is not None:
-            src, dst = moves
-            self.cache[:, :, :, :, dst] = self.cache[:, :, :, :, src]
-        self.length += n
-
-    def rewind(self, length: int = 0) -> None:
-        self.length = length
-
-    def _views(self) -> list[np.ndarray]:
-        return [self.cache[i, j] for i in range(self.cache.shape[0]) for j in range(len(KV_KINDS))]
-
-    def save_prefix(self, length: int) -> KVSnapshot:
-        return snapshot_views(self._views(), min(length, self.length))
-
-    def load_prefix(self, snapshot: KVSnapshot) -> None:
-        self.length = 0  # nothing to keep across the relayout
-        self.reserve(snapshot.length)
-        restore_views(self._views(), snapshot)
-        self.length = snapshot.length
 
 
 def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtEagleHead":

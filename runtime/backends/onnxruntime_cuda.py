@@ -3,15 +3,15 @@ provider, with one CUDA graph per (pass width, cache capacity).
 
 ORT replays a captured graph only if every input and output sits at the address it was captured with, so nothing
 here is bound from host arrays: all inputs, outputs and the cache live in device buffers allocated once
-(cuda_engine.DeviceEngine), the host-built pass is uploaded into them on our stream, and one IOBinding per
-(width, capacity) binds them by address with that pair's shapes, next to its RunOptions carrying a gpu_graph_id
-of its own (ids from 1; ORT reserves 0, and -1 runs uncaptured: the wide prefill). ORT gets our stream as its
-compute stream (`user_compute_stream`) and is told not to sync after a run, so upload, pass, cache copies and
-download are ordered on one stream and a pass ends in one sync. Each cache buffer is bound as both past input
-and present output: TensorScatter writes in place. Medusa heads run on the CUDA EP beside it (OrtCudaHeads), reading
-the target's hidden row where it lies, and so does the EAGLE head (OrtCudaEagleHead: eagle-fp32, the standard-op
-graph), its cache and features kept on the device; sets built before (eagle-int8, backend onnxruntime) run theirs
-on ONNX Runtime's CPU provider, its features through the host.
+(cuda_batch.DeviceBatchEngine; a single stream is its one slot), the host-built pass is uploaded into them on our
+stream, and one IOBinding per (rows, width, capacity) binds them by address with that shape, next to its RunOptions
+carrying a gpu_graph_id of its own (ids from 1; ORT reserves 0, and -1 runs uncaptured: the wide prefill). ORT gets
+our stream as its compute stream (`user_compute_stream`) and is told not to sync after a run, so upload, pass, cache
+copies and download are ordered on one stream and a pass ends in one sync. Each cache buffer is bound as both past
+input and present output: TensorScatter writes in place. Medusa heads run on the CUDA EP beside it (OrtCudaHeads),
+reading the target's hidden row where it lies, and so does the EAGLE head (OrtCudaEagleHead: eagle-fp32, the
+standard-op graph), its cache and features kept on the device; sets built before (eagle-int8, backend onnxruntime)
+run theirs on ONNX Runtime's CPU provider, its features through the host.
 
 Two rules of ORT's CUDA graphs shape the runs (the CUDA EP keeps its graphs per host thread, and after its first
 two runs it captures a new gpu_graph_id on that id's first run): with graphs on, every run goes through one worker
@@ -39,7 +39,7 @@ from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, GREEDY_TOKENS, HEADS_C
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
 from .cuda_batch import DeviceBatchEngine
-from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
+from .cuda_engine import Geometry, graphs_wanted
 from .cuda_memory import CudaMemory, Memory, require_device
 from .device_eagle import OUTPUTS, DeviceEagleHead
 
@@ -99,9 +99,12 @@ def open_session(onnx_path: Path, stream: int, threads: int = 0, graphs: bool = 
     return s, note
 
 
-def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtCudaEngine":
-    """The portable decoder engine of a manifest entry on the CUDA EP (engine.open_engine's CUDA half)."""
-    return _open(root, entry, options, OrtCudaEngine)
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """The portable decoder engine of a manifest entry on the CUDA EP (engine.open_engine's CUDA half): a single
+    stream, slot 0 of a batch engine of one slot whose passes run at once (batch.DeviceSoloEngine)."""
+    from ..batch import solo
+
+    return solo(open_batch(root, entry, options, 1))
 
 
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtCudaBatchEngine":
@@ -149,10 +152,10 @@ def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> "
 
 
 class OrtCudaHeads:
-    """runtime/engine.py's Heads over a heads graph on the CUDA EP, through one IOBinding: the hidden row bound by
-    its device address (a target's row on this GPU, DeviceEngine.hidden_address, read in place: ORT's IOBinding
-    takes a raw buffer pointer, onnxruntime.ai/docs/api/python/api_summary.html "IOBinding") or from the host
-    array given, the token from the host, and the candidates bound to a host buffer, which ORT fills as a run's
+    """runtime/engine.py's Heads over a heads graph on the CUDA EP, through one IOBinding: the hidden row bound by its
+    device address (a target's row on this GPU, batch.DeviceSlotEngine.hidden_address, read in place: ORT's
+    IOBinding takes a raw buffer pointer, onnxruntime.ai/docs/api/python/api_summary.html "IOBinding") or from the
+    host array given, the token from the host, and the candidates bound to a host buffer, which ORT fills as a run's
     last step. The target's pass ended in a sync and ORT's run syncs its own stream, so the row is read before the
     next pass writes it. device: "cuda", or "cpu" with a CPU session (the tests)."""
 
@@ -256,9 +259,9 @@ class OrtCudaEagleHead(DeviceEagleHead):
 
 
 class _Bindings:
-    """One IOBinding and RunOptions per pass shape over a device engine's buffers (cuda_engine.DeviceEngine's or
-    cuda_batch.DeviceBatchEngine's), every one bound by address, a gpu_graph_id per (rows, width, capacity); the
-    runs on one worker thread while graphs are on (the module docstring)."""
+    """One IOBinding and RunOptions per pass shape over a device batch engine's buffers (cuda_batch's
+    DeviceBatchEngine), every one bound by address, a gpu_graph_id per (rows, width, capacity); the runs on one worker
+    thread while graphs are on (the module docstring)."""
 
     def _start(self, session, device: str) -> None:
         self.session, self.device = session, device
@@ -341,29 +344,11 @@ class _Bindings:
         super().close()
 
 
-class OrtCudaEngine(_Bindings, DeviceEngine):
-    """runtime/engine.py's Engine over an ORT session of the portable graph. device: where `memory`'s addresses
-    live as ORT names it ("cuda"; "cpu" with cuda_memory.HostMemory and a CPU session, which is how the tests
-    run this class without a GPU). max_prompt: the widest pass (default max_context)."""
-
-    backend = "onnxruntime-cuda"
-
-    def __init__(self, session, memory: Memory, geometry: Geometry, buckets: Buckets, *, name: str,
-                 width_exact: bool = True, graphs: bool = True, graphs_note: str | None = None,
-                 device: str = "cuda", max_prompt: int | None = None):
-        super().__init__(memory, geometry, buckets, max_prompt=max_prompt or geometry.max_context, name=name,
-                         width_exact=width_exact, graphs=graphs and device == "cuda",
-                         graphs_note=graphs_note or (None if device == "cuda" else f"device {device}"))
-        self._start(session, device)
-
-    def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
-        self._run_pass(1, width, capacity, rows, None, graph)
-
-
 class OrtCudaBatchEngine(_Bindings, DeviceBatchEngine):
     """cuda_batch.DeviceBatchEngine over an ORT session of the portable graph: one IOBinding and RunOptions per
-    pass shape, every buffer bound by address, a gpu_graph_id per (rows, width, capacity). device: as
-    OrtCudaEngine's ("cpu" with HostMemory and a CPU session: the tests)."""
+    pass shape, every buffer bound by address, a gpu_graph_id per (rows, width, capacity). device: where `memory`'s
+    addresses live as ORT names it ("cuda"; "cpu" with cuda_memory.HostMemory and a CPU session, which is how the
+    tests run this class without a GPU). max_prompt: the widest pass (default max_context)."""
 
     backend = "onnxruntime-cuda"
 

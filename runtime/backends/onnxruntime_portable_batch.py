@@ -13,6 +13,10 @@ contiguous [slots, kv_heads, C, head_dim] tensor; C follows the longest sequence
 CPU Attention reads every position of the layout, runtime/backends/onnxruntime_portable.py), changing in steps
 of the engine's capacity buckets. Slots in the bound range [0, B) that have no row this round get a row of pads,
 written past their committed length (garbage by the engine contract) and attending only to themselves.
+
+A single stream is a batch of one slot (onnxruntime_portable.open_engine): its layout is the committed positions plus
+the widest pad when a request starts (`reserve`), grown only when a pass needs more, its outputs are views into the
+reused buffers, and huge pages are asked for.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ...errors import SpecrtError
 from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
                           PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES)
 from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
+from ..hugepages import advise_huge_pages, anonymous_mappings
 from ..static_shapes import Buckets, PassInputs, fill_row, relayout
 from .onnxruntime_batch import grown
 from .onnxruntime_cpu import TAKING_TURNS, bind_in_place, open_session, session_options
@@ -35,36 +40,37 @@ from .onnxruntime_cpu import TAKING_TURNS, bind_in_place, open_session, session_
 BATCH_WIDTH = 33
 
 
-def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "PortableBatchEngine":
+def open_batch(root: Path, entry, options: EngineOptions, slots: int,
+               huge_pages: bool = False) -> "PortableBatchEngine":
     config = {**(entry.session_config or {}), **(TAKING_TURNS if options.taking_turns else {})}
     return PortableBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
                                num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
                                hidden_size=entry.hidden_size, max_context=entry.max_context,
                                precision=entry.precision, threads=options.threads, session_config=config,
-                               width_exact=entry.width_exact, name=entry.name)
+                               width_exact=entry.width_exact, name=entry.name, huge_pages=huge_pages)
 
 
 class PortableBatchEngine:
-    """`slots` sequences' caches and one portable session. buckets: as PortableEngine's (widths 1, 2, 4 ... 64,
-    a capacity every 256 positions)."""
+    """`slots` sequences' caches and one portable session. buckets: the widths and capacities passes run at (default:
+    widths 1, 2, 4 ... 64, a capacity every 256 positions)."""
 
     wide_rows_alone = False  # every row up to batch_width shares the call (the module docstring)
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, hidden_size: int, max_context: int, precision: str = "fp32", threads: int = 0,
                  session_config: dict[str, str] | None = None, width_exact: bool = True, name: str | None = None,
-                 buckets: Buckets | None = None, batch_width: int = BATCH_WIDTH):
+                 buckets: Buckets | None = None, batch_width: int = BATCH_WIDTH, huge_pages: bool = False):
         if precision not in PORTABLE_DTYPES:
             raise SpecrtError(f"portable engine '{onnx_path}' has precision '{precision}'; this specrt runs "
                               f"{', '.join(PORTABLE_DTYPES)} portable engines; rebuild the set with `specrt engines`")
         from .onnxruntime_portable import MAX_PASS_TOKENS
 
+        before = anonymous_mappings() if huge_pages else None
         self.session = open_session(Path(onnx_path), session_options(threads, session_config))
         self.slots, self.max_context, self.vocab_size = slots, max_context, vocab_size
         self.max_pass_tokens, self.batch_width = MAX_PASS_TOKENS, batch_width
         self.width_exact, self.screen = width_exact, False
         self.name = name or Path(onnx_path).stem
-        self.description = f"onnxruntime-portable {self.name}, {slots} slots"
         self.buckets = buckets or Buckets.for_engine(max_context, MAX_PASS_TOKENS)
         self.lengths = [0] * slots
         self._heads, self._head_dim, self._hidden_size = num_kv_heads, head_dim, hidden_size
@@ -85,6 +91,14 @@ class PortableBatchEngine:
         self._greedy = np.empty(0, np.int64)
         self._hidden = np.empty(0, np.float32)
         self._layout(self.buckets.capacities[0])
+        if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (runtime/hugepages.py)
+            advise_huge_pages(since=before)
+
+    @property
+    def description(self) -> str:
+        if self.slots == 1:  # a single stream's engine
+            return f"onnxruntime-portable {self.name}"
+        return f"onnxruntime-portable {self.name}, {self.slots} slots"
 
     def _layout(self, capacity: int) -> None:
         """Every cache buffer viewed for `capacity` positions (each slot keeps the positions any slot holds), and
@@ -94,7 +108,7 @@ class PortableBatchEngine:
                        for buf in layer] for layer in self._buffers]
         self.capacity = capacity
         self._ranges = [self._bind(slice(0, b)) for b in range(1, self.slots + 1)]
-        self._solo = [self._bind(slice(s, s + 1)) for s in range(self.slots)]
+        self._solo = [self._bind(slice(s, s + 1)) for s in range(self.slots)] if self.slots > 1 else self._ranges
 
     def _bind(self, rows: slice):
         io = self.session.io_binding()
@@ -108,6 +122,13 @@ class PortableBatchEngine:
                                              + self.buckets.widths[-1]))
         if capacity != self.capacity:
             self._layout(capacity)
+
+    def reserve(self, positions: int) -> None:
+        """Lay the cache out for the committed positions plus the widest pad, whatever `positions` asks: the CPU
+        provider's Attention reads every slot of the layout, so the layout follows the context as it grows
+        (docs/design-notes.md, "Capacity on the CPU"). Free while the cache is empty."""
+        with self._lock:
+            self._fit(0)
 
     def pass_width(self, n: int) -> int:
         """The width a pass of n tokens runs at (what its cost is measured by: runtime/batch.py's LoadPlanner)."""
@@ -138,6 +159,15 @@ class PortableBatchEngine:
     def run(self, rows) -> list[tuple[float, int, int]]:
         """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one call padded to the
         widest of them, wider rows alone. Returns (seconds, rows, width) of each call."""
+        if self.slots == 1:  # a single stream: the layout reserve set, grown only when a pass needs more
+            r = rows[0]
+            W = self.pass_width(len(r.tokens))
+            with self._lock:
+                if self.lengths[0] + W > self.capacity:  # the next layout up (copies the committed positions once)
+                    self._layout(self.buckets.capacity(self.lengths[0] + W))
+                t = time.perf_counter()
+                self._solo_pass(r)
+                return [(time.perf_counter() - t, 1, W)]
         ran = []
         together = [r for r in rows if len(r.tokens) <= self.batch_width]
         alone = [r for r in rows if len(r.tokens) > self.batch_width]
@@ -205,13 +235,15 @@ class PortableBatchEngine:
 
     def _take(self, r, b: int, start: int) -> None:
         """Batch row b's results into r: its num_logits logits (or greedy tokens) rows from `start` of the rows the
-        call kept, and its hidden states."""
+        call kept, and its hidden states. Several slots: copies (another stream's call may reuse the buffers before
+        this one reads them); one slot: views into the buffers, valid until its next pass."""
         B, W, N = self._shape
-        rows = slice(start, start + r.num_logits)
+        rows, copy = slice(start, start + r.num_logits), self.slots > 1
         if r.greedy:
-            r.out = self._greedy[:B * N].reshape(B, N)[b, rows].copy()
+            out = self._greedy[:B * N].reshape(B, N)[b, rows]
         else:
-            r.out = self._logits[:B * N * self.vocab_size].reshape(B, N, self.vocab_size)[b, rows].copy()
+            out = self._logits[:B * N * self.vocab_size].reshape(B, N, self.vocab_size)[b, rows]
+        r.out = out.copy() if copy else out
         if self.with_hidden:
-            hidden = self._hidden[:B * W * self._hidden_size].reshape(B, W, self._hidden_size)
-            r.hidden = hidden[b, :len(r.tokens)].copy()
+            hidden = self._hidden[:B * W * self._hidden_size].reshape(B, W, self._hidden_size)[b, :len(r.tokens)]
+            r.hidden = hidden.copy() if copy else hidden

@@ -1,14 +1,15 @@
 """The TensorRT backends (tensorrt and tensorrt-rtx, one code): a serialized engine of the portable graph
 (build/tensorrt.py) with one CUDA graph per (pass width, cache capacity).
 
-The engine has two optimization profiles (prefill: widths up to max_prompt; decode/verify: up to max_width),
-and this backend one execution context for each, so neither ever switches profile. Every tensor address is set
-once at open (cuda_engine.DeviceEngine's buffers; each cache buffer as both past input and present output,
-which TensorRT's KV-cache update requires: it writes in place). A decode pass at a (width, capacity) it has not
-seen runs once with execute_async_v3 (TensorRT finishes its shape-dependent setup there) and is then captured as
-a CUDA graph; later passes at that pair only upload their inputs and launch the graph. A capacity bucket change
-copies the committed cache rows on the device (cuda_memory.relayout_plan); the graphs of the new capacity are
-captured as they come. Where capture fails, the engine carries on without graphs and says why.
+The engine has two optimization profiles (prefill: widths up to max_prompt; decode/verify: up to max_width), and
+this backend one execution context for each, so neither ever switches profile. Every tensor address is set once at
+open (the batch engine's buffers, tensorrt_batch.py; each cache buffer as both past input and present output, which
+TensorRT's KV-cache update requires: it writes in place). A single stream is that batch engine's one slot. A decode
+pass at a (width, capacity) it has not seen runs once with execute_async_v3 (TensorRT finishes its shape-dependent
+setup there) and is then captured as a CUDA graph; later passes at that pair only upload their inputs and launch the
+graph. A capacity bucket change copies the committed cache rows on the device (cuda_memory.relayout_plan); the
+graphs of the new capacity are captured as they come. Where capture fails, the engine carries on without graphs and
+says why.
 
 A serialized engine runs only under the TensorRT version and on the GPU architecture it was built with: opening
 one recorded otherwise (entry.build's "tensorrt" and "compute_capability") is a one-line SpecrtError, as is a
@@ -31,7 +32,7 @@ from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_ID
                           POSITION_IDS, WRITE_INDICES, past_name, present_name)
 from ..engine import EngineOptions
 from ..static_shapes import Buckets
-from .cuda_engine import DeviceEngine, Geometry, graphs_wanted
+from .cuda_engine import Geometry
 from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
 from .tensorrt_rtx import (REBUILD, RuntimeCache, _rebuild, check_targets, check_validity,  # noqa: F401
                            rtx_runtime_config, runtime_cache_path)
@@ -119,16 +120,13 @@ def on_own_memory(make):
         raise
 
 
-def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "TrtEngine":
-    """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half)."""
-    engine, buckets, max_prompt, keep, strategy, config = _deserialize(root, entry)
-    graphs, note = graphs_wanted()
-    opened = on_own_memory(lambda memory: TrtEngine(
-        engine, memory, Geometry.of(entry), buckets, max_prompt=max_prompt, name=entry.name,
-        width_exact=entry.width_exact, graphs=graphs, graphs_note=note, keep=keep, strategy=strategy,
-        runtime_config=config))
-    opened.backend = entry.backend  # tensorrt or tensorrt-rtx, as descriptions say
-    return opened
+def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()):
+    """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half): a single stream, slot 0 of a
+    batch engine of one slot (tensorrt_batch.py) whose passes run at once (batch.DeviceSoloEngine)."""
+    from ..batch import solo
+    from .tensorrt_batch import open_batch as open_
+
+    return solo(open_(root, entry, options, 1))
 
 
 def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:
@@ -270,32 +268,6 @@ def _addresses(e) -> dict[str, int]:
         for kind, ptr in zip(KV_KINDS, layer):
             out[past_name(i, kind)] = out[present_name(i, kind)] = ptr
     return out
-
-
-class TrtEngine(DeviceEngine):
-    """runtime/engine.py's Engine over a deserialized TensorRT engine. keep: objects the engine must outlive
-    (its logger and runtime); strategy: shared_scratch's."""
-
-    backend = "tensorrt"
-
-    def __init__(self, engine, memory: CudaMemory, geometry: Geometry, buckets: Buckets, *, max_prompt: int,
-                 name: str, width_exact: bool, graphs: bool, graphs_note: str | None, keep: tuple = (),
-                 strategy=None, runtime_config=None):
-        super().__init__(memory, geometry, buckets, max_prompt=max_prompt, name=name, width_exact=width_exact,
-                         graphs=graphs, graphs_note=graphs_note)
-        self._keep, self.engine = keep, engine
-        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy,
-                                runtime_config, keep)
-
-    def _launch(self, width: int, capacity: int, rows: int, graph: bool) -> None:
-        profile = DECODE if width <= self.max_pass_tokens else PREFILL
-        self._trt.run(profile, pass_shapes(self.geometry, 1, width, capacity, rows), (width, capacity), graph)
-        if self._trt.note:
-            self.graphs, self.graphs_note = False, self._trt.note
-
-    def close(self) -> None:
-        self._trt.close()
-        super().close()
 
 
 # the rest of the backend module's API (runtime/backends/__init__.py), in modules of their own that import this one

@@ -92,7 +92,7 @@ class TrtHeads:
 
     def __call__(self, hidden: np.ndarray | int, token: int) -> np.ndarray:
         h = self._host[HEADS_HIDDEN]
-        if isinstance(hidden, (int, np.integer)):  # the target's row on this GPU (DeviceEngine.hidden_address)
+        if isinstance(hidden, (int, np.integer)):  # the target's row on this GPU (DeviceSlotEngine.hidden_address)
             self.memory.copy2d(Copy2D(self._device[HEADS_HIDDEN], h.nbytes, int(hidden), h.nbytes, h.nbytes, 1))
         else:
             h[0] = hidden

@@ -19,7 +19,7 @@ Drafts are deterministic (q = None), so `verify` keeps the output exactly the ta
 first round (the prompt is pending, no features yet) drafts nothing: the first token waits for the target alone.
 
 A head on the target's GPU (backends/device_eagle.py, compiled or on the CUDA EP: on_device) beside a target that
-gives its rows' device addresses (DeviceEngine.hidden_addresses) keeps the features there: `observe` has the head
+gives its rows' device addresses (DeviceSlotEngine.hidden_addresses) keeps the features there: `observe` has the head
 copy the committed rows on the device, and the head's calls take and give feature rows by address (DeviceRows), so
 only tokens and their log-probabilities come to the host. Otherwise the features are host arrays (`_feat`).
 """
