@@ -321,9 +321,9 @@ class DeviceSlotEngine(SlotEngine):
 
 class SoloEngine(SlotEngine):
     """The Engine contract over a batch engine of one slot whose passes run at once, in the caller's thread (no
-    scheduler, no hand-off): what a backend's open_engine gives, a single stream being a batch of one. The batch lays
-    its cache out as for a single stream (`reserve`: for the request; grown when a pass needs more), and its outputs
-    are views into its reused buffers, as the contract allows (no other stream shares them)."""
+    scheduler, no hand-off: docs/runtime-notes.md, "A single stream is a batch of one"): what open_engine gives. The
+    batch lays its cache out as for a single stream (`reserve`: for the request; grown when a pass needs more), and its
+    outputs are views into its reused buffers, as the contract allows (no other stream shares them)."""
 
     def __init__(self, batch):
         super().__init__(batch, 0, None)
