@@ -219,28 +219,32 @@ class SlotEngine:
     def length(self, value: int) -> None:
         self.batch.lengths[self.slot] = value
 
-    def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool) -> np.ndarray:
+    def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool, approx: bool = False) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, np.int64)
         n = len(tokens)
         check_pass(self, n, num_logits)
-        chunk = self.scheduler.prefill_chunk
+        chunk = self.scheduler.prefill_chunk if self.scheduler is not None else 0
         if chunk and n > chunk >= num_logits and positions is None and tree_mask is None and self._others():
             return self._chunked(tokens, chunk, num_logits, greedy)
         mask = None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n)
         self.hidden_rows = 0  # none valid while the pass runs (a failed one leaves none)
-        row = self._submit(tokens, positions, mask, num_logits, greedy)
+        row = self._submit(tokens, positions, mask, num_logits, greedy, approx=approx)
         if self._hidden:
             self.hidden = row.hidden
         self.hidden_rows = n
         return row.out
 
     def _submit(self, tokens, positions, mask, num_logits: int, greedy: bool, chunk: int = 0,
-                hidden_at: int = 0) -> PassRow:
-        """One pass of this slot through the scheduler (positions None: the next ones after the cache's)."""
+                hidden_at: int = 0, approx: bool = False) -> PassRow:
+        """One pass of this slot (positions None: the next ones after the cache's), run by _run."""
         pos = (np.arange(self.length, self.length + len(tokens), dtype=np.int64) if positions is None
                else np.asarray(positions, np.int64))
-        return self.scheduler.submit(self.slot, self.batch, PassRow(self.slot, tokens, pos, mask, num_logits, greedy,
-                                                                    chunk=chunk, hidden_at=hidden_at))
+        return self._run(PassRow(self.slot, tokens, pos, mask, num_logits, greedy, chunk=chunk, hidden_at=hidden_at,
+                                 approx=approx))
+
+    def _run(self, row: PassRow) -> PassRow:
+        """The row's pass, through the scheduler (it runs with the other streams' passes of the round)."""
+        return self.scheduler.submit(self.slot, self.batch, row)
 
     def _others(self) -> bool:
         """Another stream is in the batch (a chunk of a prefill then lets its passes run between chunks)."""
@@ -340,26 +344,9 @@ class SoloEngine(SlotEngine):
     def with_hidden(self) -> bool:
         return self.batch.with_hidden
 
-    @property
-    def session(self):
-        """The batch's ONNX Runtime session (the ONNX Runtime backends)."""
-        return self.batch.session
-
-    def _pass(self, tokens, positions, tree_mask, num_logits: int, greedy: bool, approx: bool = False) -> np.ndarray:
-        tokens = np.ascontiguousarray(tokens, np.int64)
-        n = len(tokens)
-        check_pass(self, n, num_logits)
-        length = self.batch.lengths[0]
-        row = PassRow(0, tokens, np.arange(length, length + n, dtype=np.int64) if positions is None
-                      else np.asarray(positions, np.int64),
-                      None if tree_mask is None else np.asarray(tree_mask, np.float32).reshape(n, n),
-                      num_logits, greedy, approx=approx)
-        self.hidden_rows = 0  # none valid while the pass runs (a failed one leaves none)
-        self.batch.run([row])
-        if self._hidden:
-            self.hidden = row.hidden
-        self.hidden_rows = n
-        return row.out
+    def _run(self, row: PassRow) -> PassRow:
+        self.batch.run([row])  # at once: no other stream (an error raises here, as the pass's own)
+        return row
 
     def reserve(self, positions: int) -> None:
         self.batch.reserve(positions)

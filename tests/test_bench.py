@@ -481,7 +481,7 @@ def test_plain_runs_on_a_lone_target_where_a_draft_model_takes_turns(tiny_engine
 
     def spinning_stopped(c) -> bool:
         try:
-            return c.gen.engine.session.get_session_options().get_session_config_entry(
+            return c.gen.engine.batch.session.get_session_options().get_session_config_entry(
                 "session.force_spinning_stop") == "1"
         except RuntimeError:  # ORT raises for an entry that was never set
             return False

@@ -70,7 +70,7 @@ def test_target_and_draft_stop_spinning_between_turns(pair_engines, tiny_engines
     from specrt.runtime.session import load
 
     def entry(engine, key="session.force_spinning_stop") -> str:
-        return engine.session.get_session_options().get_session_config_entry(key)
+        return engine.batch.session.get_session_options().get_session_config_entry(key)
 
     session = load(pair_engines, "fp32", "draft", EngineOptions(threads=1))   # the loader decides: taking turns
     assert entry(session.engine) == "1" and entry(session.decoder.proposer.engine) == "1"

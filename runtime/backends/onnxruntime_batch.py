@@ -70,24 +70,19 @@ def grown(owner, name: str, size: int, dtype) -> np.ndarray:
     return buf
 
 
-def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtBatchEngine":
+def open_batch(root: Path, entry, options: EngineOptions, slots: int, huge_pages: bool = False) -> "OrtBatchEngine":
     config, note = entry_config(entry, options)
-    return OrtBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
-                          num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
-                          max_context=entry.max_context, threads=options.threads, session_config=config,
-                          screen=note is None, width_exact=entry.width_exact, name=entry.name)
+    engine = OrtBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
+                            num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
+                            max_context=entry.max_context, threads=options.threads, session_config=config,
+                            screen=note is None, width_exact=entry.width_exact, name=entry.name, huge_pages=huge_pages)
+    engine.screen_note = note
+    return engine
 
 
 def open_solo(root: Path, entry, options: EngineOptions) -> "OrtSoloEngine":
     """A single stream's engine (onnxruntime_cpu.open_engine): slot 0 of a batch engine of one slot."""
-    config, note = entry_config(entry, options)
-    engine = OrtSoloEngine(OrtBatchEngine(
-        Path(root) / entry.file, slots=1, num_layers=entry.num_layers, num_kv_heads=entry.num_kv_heads,
-        head_dim=entry.head_dim, vocab_size=entry.vocab_size, max_context=entry.max_context, threads=options.threads,
-        session_config=config, screen=note is None, width_exact=entry.width_exact, name=entry.name,
-        huge_pages=options.huge_pages))
-    engine.screen_note = note
-    return engine
+    return OrtSoloEngine(open_batch(root, entry, options, 1, huge_pages=options.huge_pages))
 
 
 class OrtSoloEngine(SoloEngine):
@@ -95,14 +90,16 @@ class OrtSoloEngine(SoloEngine):
     forward(approx=True) goes through the logit screen whatever the engine's rule (its logits are then the 8-bit
     lm_head's), and `greedy` holds the greedy tokens of the last pass (screen graphs)."""
 
-    screen_note: str | None = None  # why the logit screen is not in use (open_solo: the entry's rule)
-
     def forward(self, tokens, positions=None, tree_mask=None, num_logits: int = 1, approx: bool = False):
         return self._pass(tokens, positions, tree_mask, num_logits, False, approx)
 
     @property
     def greedy(self) -> np.ndarray:
         return self.batch.greedy
+
+    @property
+    def screen_note(self) -> str | None:
+        return self.batch.screen_note
 
 
 class OrtBatchEngine:
@@ -112,6 +109,7 @@ class OrtBatchEngine:
     wide_rows_alone = True  # see the module docstring
     screen_max_rows = 8  # a batched one-token pass reads the screen up to this many rows (8: 43 -> 30 ms measured)
     CAPACITY_STEP = 256  # one slot: reserve() rounds its cache layout up to a multiple of this many positions
+    screen_note: str | None = None  # why the logit screen is not in use (open_batch: the entry's rule)
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, threads: int = 0, session_config: dict | None = None,
