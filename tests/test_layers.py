@@ -1,4 +1,4 @@
-"""shared/design.md: stages meet only through files. runtime/ imports nothing from export/ or build/, build/
+"""docs/architecture.md, "Stages meet only through files". runtime/ imports nothing from export/ or build/, build/
 nothing from export/ or runtime/, export/ nothing from build/ or runtime/; what they share (the graph's
 interface, text corpora, errors, the manifest) lives in specrt/ itself. A static check of every import."""
 
@@ -42,7 +42,8 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     assert _stage_imports(tmp_path / "build" / "sub" / "a.py", "build") == {"runtime"}
 
 
-# The runtime core sees engines only through runtime/engine.py's contract and registry (shared/design.md).
+# The runtime core sees engines only through runtime/engine.py's contract and registry (docs/architecture.md,
+# "The runtime core sees engines through one contract").
 CORE = ["speculative.py", "verify.py", "generate.py", "sampling.py", "control.py", "tree.py", "session.py",
         "tokenizer.py", "engine.py", "proposers"]
 
