@@ -44,18 +44,18 @@ def engines(
                                                "their activation statistics are calibrated on."),
     float_layers: int = typer.Option(0, "--float-layers",
                                      help="fp8/int8/int4-awq targets: the first and last N decoder layers keep "
-                                          "their GEMMs in float (mixed precision; on SmolLM2 2 lifts fp8 from "
-                                          "89.2% to 92.6% top-1)."),
+                                          "their GEMMs in float (mixed precision; what it buys: docs/backends.md, "
+                                          "'FP8, INT8 and INT4-AWQ (Q/DQ)')."),
     float_gemms: str = typer.Option("", "--float-gemms", metavar="KINDS",
                                     help="fp8/int8/int4-awq targets: every layer's GEMMs of these kinds (qkv, o, "
                                          "gateup, down; comma-separated) stay in float. 'down' keeps the GEMMs "
-                                         "reading the outlier activations (on SmolLM2 int8 90.1% -> 95.3% top-1)."),
+                                         "reading the outlier activations (what it buys: docs/backends.md)."),
     outlier_channels: Optional[int] = typer.Option(
         None, "--outlier-channels", metavar="N",
         help="fp8/int8 targets: each GEMM input's N channels of largest calibrated amax stay in float (a float "
              "GEMM of N rows beside the quantized one, LLM.int8()'s split), so the rest sets the activation "
-             "scale. Default: 16 for int8, with SmoothQuant 0.5 (top-1 90% -> 93.5% on SmolLM2, 94.0% on the "
-             "Qwen2.5-Coder 1.5B), 0 for fp8 (64 lifts SmolLM2's fp8 from 90.4% to 94.2%)."),
+             "scale. Default: 16 for int8, with SmoothQuant 0.5, 0 for fp8 (what each buys: docs/backends.md, "
+             "'FP8, INT8 and INT4-AWQ (Q/DQ)')."),
     quality_floor: Optional[float] = typer.Option(
         None, "--quality-floor",
         help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "

@@ -24,7 +24,7 @@ def train_medusa(
     lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (cosine decay)."),
     parts: int = typer.Option(2, "--parts", help="Data parts: 1 = greedy continuations (~10 minutes), 2 = + sampled "
                                                  "ones (~9 more; the shipped heads), 3 = + more sampled ones (~9 more; "
-                                                 "no gain measured over 2)."),
+                                                 "docs/design-notes.md, 'Medusa training data generation')."),
     plain_medusa: bool = typer.Option(False, "--plain-medusa",
                                       help="Medusa-1 heads on the hidden state only (no pending-token input)."),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
