@@ -92,6 +92,7 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     props = {p.key: p.value for p in model.metadata_props}
     heads, kv_heads = int(props["specrt.num_heads"]), int(props["specrt.num_kv_heads"])
     head_dim = int(props["specrt.head_dim"])
+    scale = float(props.get("specrt.attention_scale", head_dim ** -0.5))  # the family's (export/families.py)
     if head_dim % 16:
         raise SpecrtError(f"head_dim {head_dim} is not a multiple of 16, which ONNX Runtime's fused rotary "
                           "attention requires; this model cannot be built for onnxruntime")
@@ -104,7 +105,8 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
             node.domain, node.op_type = "com.microsoft", "GroupQueryAttention"
             node.attribute.extend([helper.make_attribute("num_heads", heads),
                                    helper.make_attribute("kv_num_heads", kv_heads),
-                                   helper.make_attribute("do_rotary", 1)])
+                                   helper.make_attribute("do_rotary", 1),
+                                   helper.make_attribute("scale", scale)])
     del model.functions[:]
     kept = [o for o in model.opset_import if o.domain not in ("specrt", "com.microsoft")]
     del model.opset_import[:]
