@@ -96,6 +96,11 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     if head_dim % 16:
         raise SpecrtError(f"head_dim {head_dim} is not a multiple of 16, which ONNX Runtime's fused rotary "
                           "attention requires; this model cannot be built for onnxruntime")
+    rotary = next((i.dims[1] for i in model.graph.initializer if i.name == "rope.cos"), head_dim // 2)
+    if rotary % 8:
+        raise SpecrtError(f"this model turns {2 * rotary} of its {head_dim} head dimensions by RoPE (partial rotary), "
+                          "and ONNX Runtime's fused rotary attention turns multiples of 16; build it with --backend "
+                          "onnxruntime-portable instead")
     for node in model.graph.node:
         if node.domain == "specrt" and node.op_type == "CachedAttention":
             qkv, pk, pv, seqlens, total, cos, sin, pos, bias = node.input

@@ -31,7 +31,10 @@ FAMILIES = {
         sliding_window=WINDOW, layer_types=MIXED, query_pre_attn_scalar=24, final_logit_softcapping=20.0,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5, sliding_window=2 * WINDOW)),
+    # Phi-4-mini's partial rotary (0.75); ONNX Runtime's fused rotary turns multiples of 16 dims (head_dim 64 here)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75, sliding_window=2 * WINDOW,
+                                                  hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                                  head_dim=64)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 1, 0, 1])),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                                             attention_multiplier=0.1, logits_scaling=2.5)),
@@ -169,7 +172,7 @@ def test_the_set_records_the_family_and_its_per_layer_facts(built):
     if built["family"] == "gemma3_text":  # local and global RoPE bases, full layers scaled
         assert len({spec["layer_rope"][i] for i in range(LAYERS)}) == 2
     if built["family"] == "phi3":
-        assert spec["rotary_dim"] == 8
+        assert spec["rotary_dim"] == 48
 
 
 @pytest.mark.slow
