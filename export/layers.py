@@ -24,7 +24,7 @@ def facts(spec) -> dict:
             d[f.name] = f.default
     n = d["num_layers"]
     d["rotary_dim"] = d["rotary_dim"] or d["head_dim"]
-    d["rope_freqs"] = d["rope_freqs"] or ((tuple(d["rope_inv_freq"]), d["rope_scaling"]),)
+    d["rope_freqs"] = d["rope_freqs"] or ((tuple(d.get("rope_inv_freq", ())), d.get("rope_scaling", 1.0)),)
     d["layer_rope"] = tuple(d["layer_rope"]) or (0,) * n
     d["layer_window"] = tuple(d["layer_window"]) or (0,) * n
     d["attention_scale"] = d["attention_scale"] or float(d["head_dim"]) ** -0.5
