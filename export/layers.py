@@ -31,6 +31,16 @@ def facts(spec) -> dict:
     return d
 
 
+def head_lm_head(cache, spec) -> np.ndarray:
+    """The lm_head rows [V, H] as transformers holds them (the graph's carry the logit scale), for the Medusa and EAGLE
+    heads, which are trained on the PyTorch model's."""
+    from ..onnx_files import read_initializers
+
+    (lm_head_t,) = read_initializers(cache / "model.onnx", "lm_head.weight_t")
+    scale = facts(spec)["logit_scale"]
+    return lm_head_t.T if scale == 1 else lm_head_t.T / np.float32(scale)
+
+
 def layer_weight_names(s: dict, i: int) -> list[str]:
     """The initializers of layer i of the fused graph (fused layout), in the order the layer reads them."""
     p = f"model.layers.{i}."
