@@ -227,6 +227,22 @@ def test_the_fp16_portable_graph_compiles_with_tensorrt_for_rtx(built, tmp_path)
     assert out["engine_bytes"] > 0
 
 
+def test_ministral_exports_with_its_per_layer_windows(tmp_path):
+    """Ministral (the Mistral row's per-layer form): export's own parity check against PyTorch runs the golden prompt
+    and 32 greedy tokens, far past the window, through the reference attention function."""
+    from specrt.export.exporter import export_checkpoint
+    from specrt.export.sources import resolve
+
+    FAMILIES["ministral"] = ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=WINDOW, layer_types=MIXED))
+    try:
+        ckpt = make_family(tmp_path / "ckpt", "ministral")
+    finally:
+        del FAMILIES["ministral"]
+    facts = export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", CONTEXT, log=lambda m: None)
+    assert list(facts["spec"]["layer_window"]) == [WINDOW, 0, WINDOW, WINDOW]
+    assert facts["parity"]["max_abs_logit_diff"] < 1e-4 and facts["parity"]["greedy_agreement"] == 1.0
+
+
 # --- refusals, from config.json before any weight loads ------------------------------------------------------------
 
 @pytest.mark.parametrize("family, change, says", [
