@@ -89,6 +89,8 @@ class TextCodec:
             raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({first_line(e)}); "
                               "rebuild the engine set with `specrt engines`") from None
         self.eos_token_ids = frozenset(eos_token_ids)
+        # the first stop id is the tokenizer's own eos, what a template's eos_token means (export/stops.py)
+        self._eos_token = self.tokenizer.id_to_token(eos_token_ids[0]) if eos_token_ids else ""
         self.bos_token = bos_token
         self._template = None
         if chat_template:
@@ -112,14 +114,13 @@ class TextCodec:
         takes them, else written into the system turn as the Hermes prompt (tool rounds in the history likewise)."""
         if self._template is None:
             return "".join(m.content for m in messages)
-        eos = self.tokenizer.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
         if self.template_takes_tools:
             rows = [_template_row(m) for m in messages]
             extra = {"tools": tools} if tools else {}
         else:
             rows, extra = _hermes_rows(messages, tools), {}
         return self._template.render(messages=rows, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                     eos_token=eos, **extra)
+                                     eos_token=self._eos_token or "", **extra)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
