@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,7 @@ class TextCodec:
         """The prompt of a chat; tools: OpenAI's [{"type": "function", "function": {...}}], given to a template that
         takes them, else written into the system turn as the Hermes prompt (tool rounds in the history likewise)."""
         if self._template is None:
-            return "".join(m.content for m in messages)
+            return self.plain_prompt("".join(m.content for m in messages))
         if self.template_takes_tools:
             rows = [_template_row(m) for m in messages]
             extra = {"tools": tools} if tools else {}
@@ -121,6 +122,18 @@ class TextCodec:
             rows, extra = _hermes_rows(messages, tools), {}
         return self._template.render(messages=rows, add_generation_prompt=True, bos_token=self.bos_token or "",
                                      eos_token=self._eos_token or "", **extra)
+
+    def plain_prompt(self, text: str) -> str:
+        """A prompt no chat template wrote, led by what the tokenizer itself puts before a text (Gemma's and Llama's
+        <bos>; nothing for most ChatML models), as transformers and llama.cpp encode a raw prompt."""
+        return self._lead + text
+
+    @functools.cached_property
+    def _lead(self) -> str:
+        bare = self.tokenizer.encode("x", add_special_tokens=False).ids
+        full = self.tokenizer.encode("x", add_special_tokens=True).ids
+        k = next((k for k in range(len(full) - len(bare) + 1) if full[k:k + len(bare)] == bare), 0)
+        return self.tokenizer.decode(full[:k], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
