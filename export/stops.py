@@ -1,6 +1,6 @@
 """The token ids that end a reply: read from the checkpoint, not from a list of known token strings.
 
-Three places say it (docs/usage.md, "Stop tokens"):
+Three places say it (docs/models.md, "Stop tokens"):
 - the tokenizer's eos token;
 - the generation config: `generation_config.json`'s `eos_token_id` (an id or a list; `config.json`'s when the
   folder has no generation config, as transformers' `generate` does), or a GGUF's `tokenizer.ggml.eos_token_id`,
