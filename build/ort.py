@@ -92,9 +92,15 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     props = {p.key: p.value for p in model.metadata_props}
     heads, kv_heads = int(props["specrt.num_heads"]), int(props["specrt.num_kv_heads"])
     head_dim = int(props["specrt.head_dim"])
+    scale = float(props.get("specrt.attention_scale", head_dim ** -0.5))  # the family's (export/families.py)
     if head_dim % 16:
         raise SpecrtError(f"head_dim {head_dim} is not a multiple of 16, which ONNX Runtime's fused rotary "
                           "attention requires; this model cannot be built for onnxruntime")
+    rotary = next((i.dims[1] for i in model.graph.initializer if i.name == "rope.cos"), head_dim // 2)
+    if rotary % 8:
+        raise SpecrtError(f"this model turns {2 * rotary} of its {head_dim} head dimensions by RoPE (partial rotary), "
+                          "and ONNX Runtime's fused rotary attention turns multiples of 16; build it with --backend "
+                          "onnxruntime-portable instead")
     for node in model.graph.node:
         if node.domain == "specrt" and node.op_type == "CachedAttention":
             qkv, pk, pv, seqlens, total, cos, sin, pos, bias = node.input
@@ -104,7 +110,8 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
             node.domain, node.op_type = "com.microsoft", "GroupQueryAttention"
             node.attribute.extend([helper.make_attribute("num_heads", heads),
                                    helper.make_attribute("kv_num_heads", kv_heads),
-                                   helper.make_attribute("do_rotary", 1)])
+                                   helper.make_attribute("do_rotary", 1),
+                                   helper.make_attribute("scale", scale)])
     del model.functions[:]
     kept = [o for o in model.opset_import if o.domain not in ("specrt", "com.microsoft")]
     del model.opset_import[:]

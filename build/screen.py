@@ -92,7 +92,9 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     """Rewrite the fp32 lm_head of `model` (loaded with its weights) into If(approx_logits, screen, fp32),
     with a second output `greedy_tokens` [batch, n] (the screen: batch 1 only, as the runtime runs).
     Returns the screen's manifest facts, or None (and leaves the model alone) where the hidden size is not a
-    multiple of `block`."""
+    multiple of `block` or the logits are not the lm_head's product (soft-capped: docs/families.md)."""
+    if any(LOGITS in n.output and n.op_type != "MatMul" for n in model.graph.node):
+        return None
     node, weight = _lm_head(model)
     w_t = numpy_helper.to_array(weight)
     H, V = w_t.shape

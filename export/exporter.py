@@ -35,9 +35,11 @@ def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -
     import onnx
 
     from .graph import build_decoder
+    from .sources import check_family
     from .spec import DecoderSpec
 
     t0 = time.time()
+    check_family(src)  # from config.json, before any weight loads
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"loading {src.label}")
     model, tokenizer = load(src)

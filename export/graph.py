@@ -36,6 +36,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..interface import (HIDDEN_STATES, INPUT_IDS, LOGITS, NUM_LOGITS_TO_KEEP, POSITION_IDS, SEQLENS_K,
                          TOTAL_SEQUENCE_LENGTH, TREE_MASK, decoder_signature, past_name, present_name)
 from ..onnx_files import read_initializers  # noqa: F401  (export's callers read weights through it)
+from . import layers
+from .layers import facts, layer_rope, layer_weight_names, rope_names, window_biases
 from .spec import DecoderSpec
 
 OPSET = 17
@@ -64,6 +66,7 @@ class _Graph:
         self._n = 0
         self._data = open(data_path, "wb") if data_path is not None else None
         self._data_name = data_path.name if data_path is not None else ""
+        self._names: set[str] = set()
 
     def close(self) -> None:
         if self._data is not None:
@@ -77,6 +80,9 @@ class _Graph:
         return outs if n_out > 1 else outs[0]
 
     def const(self, name: str, array: np.ndarray) -> str:
+        if name in self._names:  # shared constants (split sizes, shapes) are written once
+            return name
+        self._names.add(name)
         array = array if array.flags.c_contiguous else array.copy()  # ascontiguousarray would turn 0-d into 1-d
         if self._data is None or array.nbytes < self.MIN_EXTERNAL:
             self.inits.append(numpy_helper.from_array(array, name))
@@ -94,9 +100,10 @@ class _Graph:
         return name
 
 
-def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
-    """Reference RoPE + attention over a shared static cache, in standard ops (see module docstring)."""
-    n, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+def _attention_function(sp: dict) -> onnx.FunctionProto:
+    """Reference RoPE + attention over a shared static cache, in standard ops (see module docstring). RoPE turns the
+    first rotary_dim dimensions of each head (partial rotary) and leaves the rest."""
+    n, kv, d, rot = sp["num_heads"], sp["num_kv_heads"], sp["head_dim"], sp["rotary_dim"]
     rep = n // kv
     g = _Graph()
     consts: dict[str, str] = {}
@@ -117,10 +124,12 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
         x4 = g.op("Transpose", [g.op("Reshape", [x, c(f"shape_h{h}", [0, 0, h, d])])], perm=[0, 2, 1, 3])
         if not rotate:
             return x4
-        x1, x2 = g.op("Split", [x4, c("split_half", [d // 2, d // 2])], n_out=2, axis=3)
+        if rot < d:
+            x4, rest = g.op("Split", [x4, c("split_rot", [rot, d - rot])], n_out=2, axis=3)
+        x1, x2 = g.op("Split", [x4, c("split_half", [rot // 2, rot // 2])], n_out=2, axis=3)
         lo = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
         hi = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
-        return g.op("Concat", [lo, hi], axis=3)
+        return g.op("Concat", [lo, hi] + ([rest] if rot < d else []), axis=3)
 
     q4, k4, v4 = heads(q, n, True), heads(k, kv, True), heads(v, kv, False)
     # Write positions: start_b = seqlens_k[b] + 1 - S, then start_b + [0, S).
@@ -148,7 +157,7 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
         return g.op("Reshape", [g.op("Expand", [x5, big]), c("shape_rep", [0, n, -1, d])])
 
     scores = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [repeat(kt)], perm=[0, 1, 3, 2])]),
-                          c("scale", 1.0 / np.sqrt(d), np.float32)])
+                          c("scale", sp["attention_scale"], np.float32)])
     # Causal over cache slots: key j visible to query i of batch b iff j <= start_b + i.
     j = g.op("Range", [c("zero_b", 0), g.op("Squeeze", [t]), one])
     allowed = g.op("LessOrEqual", [g.op("Unsqueeze", [j, c("ax01", [0, 1])]),
@@ -165,71 +174,90 @@ def _attention_function(spec: DecoderSpec) -> onnx.FunctionProto:
     )
 
 
+def canonical_weights(s: dict, weights: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """Layer i's weights in the fused graph's layout (layers.layer_weight_names): q|k|v and gate|up fused and
+    transposed, (1 + w) norms, the residual multiplier in o_proj and down_proj."""
+    p = f"model.layers.{i}."
+    w = weights.__getitem__
+    r = np.float32(s["residual_scale"])
+    if s["fused_projections"]:
+        qkv, gu = w(p + "self_attn.qkv_proj.weight").T, w(p + "mlp.gate_up_proj.weight").T
+    else:
+        qkv = np.concatenate([w(p + f"self_attn.{k}_proj.weight").T for k in "qkv"], axis=1)
+        gu = np.concatenate([w(p + "mlp.gate_proj.weight").T, w(p + "mlp.up_proj.weight").T], axis=1)
+    out = {p + "self_attn.qkv_proj.weight_t": qkv, p + "self_attn.o_proj.weight_t": w(p + "self_attn.o_proj.weight").T,
+           p + "mlp.gate_up_proj.weight_t": gu, p + "mlp.down_proj.weight_t": w(p + "mlp.down_proj.weight").T}
+    if r != 1:
+        for k in ("self_attn.o_proj.weight_t", "mlp.down_proj.weight_t"):
+            out[p + k] = out[p + k] * r
+    if s["qkv_bias"]:
+        out[p + "self_attn.qkv_proj.bias"] = (w(p + "self_attn.qkv_proj.bias") if s["fused_projections"] else
+                                               np.concatenate([w(p + f"self_attn.{k}_proj.bias") for k in "qkv"]))
+    if s["o_bias"]:
+        out[p + "self_attn.o_proj.bias"] = w(p + "self_attn.o_proj.bias") * r
+    norms = [n for n in layer_weight_names(s, i) if n.endswith("norm.weight")]
+    out.update({n: w(n) + np.float32(s["norm_offset"]) for n in norms})
+    return out
+
+
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context: int,
                   data_path: Path | None = None) -> onnx.ModelProto:
     """weights: the Hugging Face state dict as float32 numpy arrays (names as in transformers).
     data_path: stream weights to this external-data file (save the model beside it, without
     save_as_external_data); None keeps them inline (tiny models, tests)."""
     spec.check_max_context(max_context)  # before any weight is written: past it the graph would silently differ
+    s = facts(spec)
     g = _Graph(data_path)
     n, kv, d, h = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    w = lambda name: weights[name]
-    i64 = lambda name, v: g.const(name, np.array(v, np.int64))
+    i64 = lambda name, v: g.const(name, np.array(v, np.int64))  # noqa: E731
 
-    embed = g.const("embed_tokens.weight", w("model.embed_tokens.weight"))
-    lm = w("model.embed_tokens.weight") if spec.tie_word_embeddings else w("lm_head.weight")
+    embed = g.const("embed_tokens.weight", weights["model.embed_tokens.weight"])
+    lm = weights["model.embed_tokens.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
     # The transpose is folded into a constant so weight-only quantizers see a const MatMul weight.
-    lm_head = g.const("lm_head.weight_t", lm.T)
-    cos_t, sin_t = spec.rope_tables(max_context)
-    cos, sin = g.const("rope.cos", cos_t), g.const("rope.sin", sin_t)  # [max_context, D/2]
+    lm_head = g.const("lm_head.weight_t", lm.T * np.float32(s["logit_scale"]) if s["logit_scale"] != 1 else lm.T)
+    tables = spec.rope_tables_at(max_context)
+    names = rope_names(s)
+    if len(names) > len(tables):  # NoPE layers: the identity rotation
+        tables.append((np.ones_like(tables[0][0]), np.zeros_like(tables[0][1])))
+    for (cn, sn), (cos_t, sin_t) in zip(names, tables):
+        g.const(cn, cos_t), g.const(sn, sin_t)  # [max_context, rotary_dim / 2]
     eps = g.const("rms_eps", np.array(spec.rms_norm_eps, np.float32))
     two = g.const("two", np.array(2.0, np.float32))
 
     def rmsnorm(x: str, weight: str) -> str:  # the pattern ORT fuses into SimplifiedLayerNormalization
         var = g.op("ReduceMean", [g.op("Pow", [x, two])], axes=[-1], keepdims=1)
         normed = g.op("Div", [x, g.op("Sqrt", [g.op("Add", [var, eps])])])
-        return g.op("Mul", [normed, g.const(weight, w(weight))])
+        return g.op("Mul", [normed, g.const(weight, canon[weight])])
 
     # The tree mask covers the new tokens only; pad it with zeros over the past: [B, 1, S, T].
-    s = g.op("Gather", [g.op("Shape", [INPUT_IDS]), i64("idx1", 1)], axis=0)
+    seq = g.op("Gather", [g.op("Shape", [INPUT_IDS]), i64("idx1", 1)], axis=0)
     t = g.op("Cast", [TOTAL_SEQUENCE_LENGTH], to=TensorProto.INT64)
-    pad_left = g.op("Unsqueeze", [g.op("Sub", [t, s]), i64("ax0", [0])])
-    zeros2 = i64("zeros2", [0, 0])
-    pads = g.op("Concat", [zeros2, pad_left, i64("zeros3", [0, 0, 0])], axis=0)
+    pad_left = g.op("Unsqueeze", [g.op("Sub", [t, seq]), i64("ax0", [0])])
+    pads = g.op("Concat", [i64("zeros2", [0, 0]), pad_left, i64("zeros3", [0, 0, 0])], axis=0)
     bias = g.op("Unsqueeze", [g.op("Pad", [TREE_MASK, pads]), i64("ax1", [1])], name="attention_bias")
+    biases = window_biases(g, s, bias, POSITION_IDS, t, np.float32)
 
-    x = g.op("Gather", [embed, INPUT_IDS], name="embed")
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        hn = rmsnorm(x, p + "input_layernorm.weight")
-        wqkv = np.concatenate([w(p + f"self_attn.{k}_proj.weight").T for k in "qkv"], axis=1)
-        qkv = g.op("MatMul", [hn, g.const(p + "self_attn.qkv_proj.weight_t", wqkv)], name=f"layers.{i}.qkv")
-        if spec.qkv_bias:
-            bqkv = np.concatenate([w(p + f"self_attn.{k}_proj.bias") for k in "qkv"])
-            qkv = g.op("Add", [qkv, g.const(p + "self_attn.qkv_proj.bias", bqkv)])
-        attn, _, _ = g.op(
-            ATTENTION_OP,
-            [qkv, past_name(i, "key"), past_name(i, "value"), SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
-             cos, sin, POSITION_IDS, bias],
-            n_out=3, domain=FUNCTION_DOMAIN, name=f"layers.{i}.attn",
-        )
+    def attend(i: int, qkv: str) -> str:
+        cos, sin = layer_rope(s, i)
+        attn, _, _ = g.op(ATTENTION_OP, [qkv, past_name(i, "key"), past_name(i, "value"), SEQLENS_K,
+                                         TOTAL_SEQUENCE_LENGTH, cos, sin, POSITION_IDS, biases[s["layer_window"][i]]],
+                          n_out=3, domain=FUNCTION_DOMAIN, name=f"layers.{i}.attn")
         g.nodes[-1].output[1], g.nodes[-1].output[2] = present_name(i, "key"), present_name(i, "value")
-        o = g.op("MatMul", [attn, g.const(p + "self_attn.o_proj.weight_t", w(p + "self_attn.o_proj.weight").T)])
-        if spec.o_bias:
-            o = g.op("Add", [o, g.const(p + "self_attn.o_proj.bias", w(p + "self_attn.o_proj.bias"))])
-        x = g.op("Add", [x, o])
-        hn = rmsnorm(x, p + "post_attention_layernorm.weight")
-        wgu = np.concatenate([w(p + "mlp.gate_proj.weight").T, w(p + "mlp.up_proj.weight").T], axis=1)
-        gate, up = g.op("Split", [g.op("MatMul", [hn, g.const(p + "mlp.gate_up_proj.weight_t", wgu)]),
-                                  i64(f"split_gu{i}", [spec.intermediate_size] * 2)], n_out=2, axis=2)
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        down = g.op("MatMul", [act, g.const(p + "mlp.down_proj.weight_t", w(p + "mlp.down_proj.weight").T)])
-        x = g.op("Add", [x, down])
+        return attn
+
+    x = layers.embed(g, s, g.op("Gather", [embed, INPUT_IDS], name="embed"), np.float32)
+    for i in range(spec.num_layers):
+        canon = canonical_weights(s, weights, i)
+        x = layers.layer(g, s, i, x, rmsnorm, lambda name: g.const(name, canon[name]), attend, i64, np.float32)
+    canon = {"model.norm.weight": weights["model.norm.weight"] + np.float32(s["norm_offset"])}
     rmsnorm(x, "model.norm.weight")
     g.nodes[-1].output[0] = HIDDEN_STATES
     n_keep = g.op("Unsqueeze", [g.op("Neg", [NUM_LOGITS_TO_KEEP]), i64("ax0b", [0])])
     last = g.op("Slice", [HIDDEN_STATES, n_keep, i64("int_max", [INT64_MAX]), i64("ax1c", [1])])
-    g.op("MatMul", [last, lm_head], name=LOGITS)
+    logits = g.op("MatMul", [last, lm_head], name=LOGITS)
+    if s["final_softcap"]:
+        logits = g.nodes[-1].output[0] = "logits_uncapped"
+        layers.softcap(g, s, logits, LOGITS, np.float32)
 
     types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
     sig_in, sig_out = decoder_signature(spec.num_layers, {"num_kv_heads": kv, "head_dim": d, "hidden_size": h,
@@ -239,13 +267,14 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], max_context
     g.close()
     graph = helper.make_graph(g.nodes, "specrt_decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(
-        graph, functions=[_attention_function(spec)], producer_name="specrt",
+        graph, functions=[_attention_function(s)], producer_name="specrt",
         opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(FUNCTION_DOMAIN, 1)],
     )
     model.ir_version = 9
-    # Self-describing: build/ needs the head counts to pick the fused kernel's attributes.
+    # Self-describing: build/ needs the head counts and the attention scale to pick the fused kernel's attributes.
     helper.set_model_props(model, {
         "specrt.num_heads": str(n), "specrt.num_kv_heads": str(kv), "specrt.head_dim": str(d),
         "specrt.num_layers": str(spec.num_layers), "specrt.max_context": str(max_context),
+        "specrt.attention_scale": repr(s["attention_scale"]),
     })
     return model

@@ -30,6 +30,8 @@ from onnx import TensorProto, helper
 from ..interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_INDICES,
                          PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES, past_name, portable_signature, present_name)
 from .graph import _Graph, read_initializers
+from .layers import embed, facts, layer_rope, layer_weight_names, rope_names, softcap, window_biases
+from .layers import layer as decoder_layer
 
 OPSET = 24
 IR_VERSION = 10
@@ -37,22 +39,20 @@ FORMAT = 3  # bump when this graph changes: the pipeline keys its cache on it
 _TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64}
 
 
-def weight_names(num_layers: int, qkv_bias: bool, o_bias: bool) -> list[str]:
+def weight_names(spec: dict) -> list[str]:
     """The initializers of the export's graph that the portable graph is written from."""
-    names = ["embed_tokens.weight", "lm_head.weight_t", "rope.cos", "rope.sin", "model.norm.weight"]
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "self_attn.qkv_proj.weight_t", p + "self_attn.o_proj.weight_t",
-                  p + "post_attention_layernorm.weight", p + "mlp.gate_up_proj.weight_t", p + "mlp.down_proj.weight_t"]
-        names += [p + "self_attn.qkv_proj.bias"] if qkv_bias else []
-        names += [p + "self_attn.o_proj.bias"] if o_bias else []
+    s = facts(spec)
+    names = ["embed_tokens.weight", "lm_head.weight_t", "model.norm.weight"]
+    names += [n for pair in rope_names(s) for n in pair]
+    for i in range(s["num_layers"]):
+        names += layer_weight_names(s, i)
     return names
 
 
 def write_portable(export_onnx: Path, spec: dict, max_context: int, precision: str, out: Path) -> None:
     """The portable graph of the export at export_onnx (model.onnx) -> out (+ out.data), at precision fp32|fp16.
     spec: the export's facts["spec"] (DecoderSpec as a dict)."""
-    names = weight_names(spec["num_layers"], spec["qkv_bias"], spec["o_bias"])
+    names = weight_names(spec)
     weights = dict(zip(names, read_initializers(export_onnx, *names)))
     model = build_portable_decoder(spec, weights, max_context, precision, Path(str(out) + ".data"))
     onnx.save_model(model, str(out))
@@ -61,13 +61,14 @@ def write_portable(export_onnx: Path, spec: dict, max_context: int, precision: s
 def build_portable_decoder(spec: dict, weights: dict[str, np.ndarray], max_context: int, precision: str = "fp32",
                            data_path: Path | None = None) -> onnx.ModelProto:
     """weights: the export graph's initializers by name (weight_names); data_path: stream them to this file."""
+    s = facts(spec)
     dtype = PORTABLE_DTYPES[precision]
     np_dtype, onnx_dtype = np.dtype(dtype), _TYPES[dtype]
-    n, kv, d, layers = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"], spec["num_layers"]
+    n, kv, d, layers = s["num_heads"], s["num_kv_heads"], s["head_dim"], s["num_layers"]
     g = _Graph(data_path)
     w = lambda name: g.const(name, np.ascontiguousarray(weights[name], np_dtype))  # noqa: E731
     i64 = lambda name, v: g.const(name, np.array(v, np.int64))  # noqa: E731
-    eps = float(spec["rms_norm_eps"])
+    eps = float(s["rms_norm_eps"])
 
     fp32 = np_dtype == np.float32
     if fp32:
@@ -82,49 +83,46 @@ def build_portable_decoder(spec: dict, weights: dict[str, np.ndarray], max_conte
         normed = g.op("Div", [x, g.op("Sqrt", [g.op("Add", [var, eps_c])])])
         return g.op("Mul", [normed, w(weight)], name=name)
 
-    cos, sin = w("rope.cos"), w("rope.sin")  # [max_context, D/2]
     mask = g.op("Cast", [ATTENTION_MASK], to=onnx_dtype) if onnx_dtype != TensorProto.FLOAT else ATTENTION_MASK
+    capacity = g.op("Gather", [g.op("Shape", [ATTENTION_MASK]), i64("idx3", 3)], axis=0)  # cache slots
+    masks = window_biases(g, s, mask, POSITION_IDS, capacity, np_dtype)
     shape_qkv, shape_out = i64("shape_qkv", [0, 0, n + 2 * kv, d]), i64("shape_out", [0, 0, n * d])
     split_qk_v, split_q_k = i64("split_qk_v", [n + kv, kv]), i64("split_q_k", [n, kv])
-    split_gu = i64("split_gu", [spec["intermediate_size"]] * 2)
+    ropes = {pair: (w(pair[0]), w(pair[1])) for pair in rope_names(s)}  # [max_context, rotary_dim / 2]
+    rot = {"rotary_embedding_dim": s["rotary_dim"]} if s["rotary_dim"] < d else {}
 
-    x = g.op("Gather", [w("embed_tokens.weight"), INPUT_IDS], axis=0, name="embed")
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        qkv = g.op("MatMul", [rmsnorm(x, p + "input_layernorm.weight"), w(p + "self_attn.qkv_proj.weight_t")],
-                   name=f"layers.{i}.qkv")
-        if spec["qkv_bias"]:
-            qkv = g.op("Add", [qkv, w(p + "self_attn.qkv_proj.bias")])
+    def attend(i: int, qkv: str) -> str:
         # one Reshape and Transpose for q|k|v, one RotaryEmbedding for q|k: fewer nodes per layer
         qkv4 = g.op("Transpose", [g.op("Reshape", [qkv, shape_qkv])], perm=[0, 2, 1, 3])  # [B, n+2kv, S, D]
         qk, v4 = g.op("Split", [qkv4, split_qk_v], n_out=2, axis=1)
-        q4, k4 = g.op("Split", [g.op("RotaryEmbedding", [qk, cos, sin, POSITION_IDS]), split_q_k], n_out=2, axis=1)
+        cos, sin = ropes[layer_rope(s, i)]
+        q4, k4 = g.op("Split", [g.op("RotaryEmbedding", [qk, cos, sin, POSITION_IDS], **rot), split_q_k],
+                      n_out=2, axis=1)
         key, value = past_name(i, "key"), past_name(i, "value")
         g.op("TensorScatter", [key, k4, WRITE_INDICES], axis=-2, name=present_name(i, "key"))
         g.op("TensorScatter", [value, v4, WRITE_INDICES], axis=-2, name=present_name(i, "value"))
-        att = g.op("Attention", [q4, present_name(i, "key"), present_name(i, "value"), mask], name=f"layers.{i}.attn")
-        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), shape_out])
-        o = g.op("MatMul", [att, w(p + "self_attn.o_proj.weight_t")], name=f"layers.{i}.o")
-        if spec["o_bias"]:
-            o = g.op("Add", [o, w(p + "self_attn.o_proj.bias")])
-        x = g.op("Add", [x, o])
-        gate, up = g.op("Split", [g.op("MatMul", [rmsnorm(x, p + "post_attention_layernorm.weight"),
-                                                  w(p + "mlp.gate_up_proj.weight_t")], name=f"layers.{i}.gateup"),
-                                  split_gu], n_out=2, axis=2)
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, g.op("MatMul", [act, w(p + "mlp.down_proj.weight_t")], name=f"layers.{i}.down")])
+        att = g.op("Attention", [q4, present_name(i, "key"), present_name(i, "value"), masks[s["layer_window"][i]]],
+                   scale=float(s["attention_scale"]), name=f"layers.{i}.attn")
+        return g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), shape_out])
+
+    x = embed(g, s, g.op("Gather", [w("embed_tokens.weight"), INPUT_IDS], axis=0, name="embed"), np_dtype)
+    for i in range(layers):
+        x = decoder_layer(g, s, i, x, rmsnorm, w, attend, i64, np_dtype)
     final = rmsnorm(x, "model.norm.weight", name=HIDDEN_STATES if fp32 else "final_norm")
     if not fp32:
         g.op("Cast", [final], to=TensorProto.FLOAT, name=HIDDEN_STATES)
     rows = g.op("Gather", [final, LOGITS_INDICES], axis=1)  # [B, N, H]
-    logits = g.op("MatMul", [rows, w("lm_head.weight_t")], name=LOGITS if fp32 else "logits_half")
+    capped = bool(s["final_softcap"])
+    raw = LOGITS if fp32 and not capped else "logits_raw" if fp32 else "logits_half"
+    logits = g.op("MatMul", [rows, w("lm_head.weight_t")], name=raw)
     g.nodes[-1].name = LOGITS  # every precision's GEMMs have one set of names (build/quantize.py keeps them by name)
+    logits = softcap(g, s, logits, LOGITS if fp32 else "logits_capped", np_dtype)
     if not fp32:
         g.op("Cast", [logits], to=TensorProto.FLOAT, name=LOGITS)
         g.nodes[-1].name = LOGITS + ".cast"  # node names stay unique (TensorRT names its layers by them)
     g.op("ArgMax", [LOGITS], axis=-1, keepdims=0, name=GREEDY_TOKENS)
 
-    sizes = {"num_kv_heads": kv, "head_dim": d, "hidden_size": spec["hidden_size"], "vocab_size": spec["vocab_size"]}
+    sizes = {"num_kv_heads": kv, "head_dim": d, "hidden_size": s["hidden_size"], "vocab_size": s["vocab_size"]}
     sig_in, sig_out = portable_signature(layers, sizes, dtype)
     inputs, outputs = ([helper.make_tensor_value_info(name, _TYPES[t], dims) for name, dims, t in sig]
                        for sig in (sig_in, sig_out))

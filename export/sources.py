@@ -65,7 +65,7 @@ def _check_gguf(src: Source) -> Source:
             raise SpecrtError(f"'{src.path}' is not a GGUF file (bad magic); check the download or pass a HF directory")
     from gguf import GGUFReader
 
-    from .spec import SUPPORTED_ARCHITECTURES
+    from .families import family_for_gguf, supported
 
     try:
         reader = GGUFReader(str(src.path))
@@ -76,9 +76,9 @@ def _check_gguf(src: Source) -> Source:
         rope_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     except Exception as e:  # a truncated or corrupt file fails anywhere in the parser
         raise SpecrtError(f"'{src.path}' is a corrupt GGUF file ({type(e).__name__}); re-download it") from None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise SpecrtError(f"GGUF architecture '{arch}' is not supported; supported: "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama- and Qwen2-family decoders)")
+    if family_for_gguf(arch) is None:
+        raise SpecrtError(f"GGUF architecture '{arch}' is not supported; supported families: {supported()} "
+                          "(docs/families.md)")
     # transformers' GGUF loader drops RoPE scaling for these architectures (Llama 3.1+ stores it as a
     # rope_freqs tensor, others as {arch}.rope.scaling.*), so PyTorch and the graph would be wrong alike
     # and parity could not tell. From a HF directory the scaling comes from config.json and is exported.
@@ -117,13 +117,23 @@ def vocab_size(src: Source) -> int | None:
     return len(tokens.data) if tokens is not None else None
 
 
+def check_family(src: Source):
+    """The family row of a source from its config alone (config.json, or the GGUF header), before any weight loads:
+    an unknown family or a feature no graph implements is one line (export/families.py)."""
+    from .families import check_source
+
+    if src.kind == "gguf":
+        return check_source(src.path.parent, src.path.name)
+    return check_source(src.path)
+
+
 def load(src: Source):
     """-> (transformers model in fp32, eval mode; fast tokenizer). Errors become one line."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .spec import SUPPORTED_ARCHITECTURES
+    from .families import supported
 
     kwargs = {"gguf_file": src.path.name} if src.kind == "gguf" else {}
     where = src.path.parent if src.kind == "gguf" else src.path
@@ -133,8 +143,7 @@ def load(src: Source):
     except ValueError as e:
         msg = first_line(e)
         if "architecture" in msg.lower() or "not supported" in msg.lower():
-            raise SpecrtError(f"cannot load '{src.label}': {msg}; supported architectures: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
+            raise SpecrtError(f"cannot load '{src.label}': {msg}; supported families: {supported()}") from None
         raise SpecrtError(f"cannot load '{src.label}': {msg}") from None
     except (OSError, KeyError, RuntimeError, EOFError,
             SafetensorError) as e:  # SafetensorError: truncated/garbage weights
