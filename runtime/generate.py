@@ -234,7 +234,7 @@ class Generator:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SpecrtError("the prompt is empty; pass some text with --prompt or a --messages file")
-            prompt = [Message("user", prompt)] if chat else prompt
+            prompt = [Message("user", prompt)] if chat else self.codec.plain_prompt(prompt)
         text = self.codec.render_chat(prompt, tools) if isinstance(prompt, list) else prompt
         ids = self.codec.encode(text)
         if not ids:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,8 @@ class TextCodec:
             raise SpecrtError(f"tokenizer '{tokenizer_file}' cannot be loaded ({first_line(e)}); "
                               "rebuild the engine set with `specrt engines`") from None
         self.eos_token_ids = frozenset(eos_token_ids)
+        # the first stop id is the tokenizer's own eos, what a template's eos_token means (export/stops.py)
+        self._eos_token = self.tokenizer.id_to_token(eos_token_ids[0]) if eos_token_ids else ""
         self.bos_token = bos_token
         self._template = None
         if chat_template:
@@ -111,15 +114,26 @@ class TextCodec:
         """The prompt of a chat; tools: OpenAI's [{"type": "function", "function": {...}}], given to a template that
         takes them, else written into the system turn as the Hermes prompt (tool rounds in the history likewise)."""
         if self._template is None:
-            return "".join(m.content for m in messages)
-        eos = self.tokenizer.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
+            return self.plain_prompt("".join(m.content for m in messages))
         if self.template_takes_tools:
             rows = [_template_row(m) for m in messages]
             extra = {"tools": tools} if tools else {}
         else:
             rows, extra = _hermes_rows(messages, tools), {}
         return self._template.render(messages=rows, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                     eos_token=eos, **extra)
+                                     eos_token=self._eos_token or "", **extra)
+
+    def plain_prompt(self, text: str) -> str:
+        """A prompt no chat template wrote, led by what the tokenizer itself puts before a text (Gemma's and Llama's
+        <bos>; nothing for most ChatML models), as transformers and llama.cpp encode a raw prompt."""
+        return self._lead + text
+
+    @functools.cached_property
+    def _lead(self) -> str:
+        bare = self.tokenizer.encode("x", add_special_tokens=False).ids
+        full = self.tokenizer.encode("x", add_special_tokens=True).ids
+        k = next((k for k in range(len(full) - len(bare) + 1) if full[k:k + len(bare)] == bare), 0)
+        return self.tokenizer.decode(full[:k], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

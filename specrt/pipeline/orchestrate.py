@@ -26,7 +26,7 @@ from .engines import build_engine, chat_template
 from .portable import PORTABLE_BACKENDS, ahead_of_time, build_portable_engine, check_backend, compile_set
 from .tree_sizing import TREE_COSTS, build_medusa
 
-EXPORT_FORMAT = 2  # bump when export/graph.py changes the graph it writes
+EXPORT_FORMAT = 3  # bump when export/ changes what it writes: the graph, or export.json's facts (3: stop ids)
 MIN_CONTEXT = 64    # the export's parity check decodes a ~16-token golden prompt + 32 tokens
 
 
