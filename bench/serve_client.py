@@ -46,8 +46,9 @@ class _Fail(Exception):
 
 
 async def request(client, target: Target, messages: list[dict], max_tokens: int, ignore_eos: bool,
-                  min_tokens: bool) -> dict:
-    """One streamed chat completion; the per-request figures (seconds, from the client's clock)."""
+                  min_tokens: bool, pieces: bool = False) -> dict:
+    """One streamed chat completion; the per-request figures (seconds, from the client's clock). pieces: also each
+    content chunk's text and arrival (seconds from the request), for timings inside the text (bench/voice.py)."""
     import httpx
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -99,7 +100,8 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
             "completion_tokens": n_usage if n_usage is not None else len(times),
             "tokens_from": "usage" if n_usage is not None else "chunks",
             "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens"),
-            "finish_reason": finish, "text": "".join(parts)}
+            "finish_reason": finish, "text": "".join(parts),
+            **({"pieces": list(zip([t - t0 for t in times], parts))} if pieces else {})}
 
 
 def _error_text(raw: str) -> str:
