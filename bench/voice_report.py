@@ -102,6 +102,19 @@ def versus_lines(res: dict) -> list[str]:
     return out
 
 
+def drafting_lines(res: dict) -> list[str]:
+    """What drafted over the measured calls: ours from /metrics, llama-server from its answers' timings."""
+    out = []
+    for name, d in (res.get("drafting") or {}).items():
+        rate = f"{d['accepted'] / d['draft_tokens']:.0%}" if d.get("draft_tokens") else "–"
+        rounds = (f"{d['rounds_drafted']:.0f} rounds drafted, " if "rounds_drafted" in d else "")
+        per = (f", {d['accepted'] / d['rounds_drafted']:.2f} accepted per drafting round"
+               if d.get("rounds_drafted") else "")
+        out.append(f"- {name}: {rounds}{d['draft_tokens']:.0f} draft tokens, {d['accepted']:.0f} accepted ({rate})"
+                   f"{per}; {d['tokens']:.0f} tokens made")
+    return out
+
+
 def markdown(res: dict) -> str:
     meta = res["meta"]
     out = [f"# specrt bench-serve --voice — {meta['engine_set'] or 'servers'}", "",
@@ -123,6 +136,8 @@ def markdown(res: dict) -> str:
         args = s["command"][3:] if s["kind"] == "specrt" else s["command"][1:]
         out.append(f"- **{s['name']}**: `{lead} {' '.join(args)}`")
     out += ["", "## Voice turns", ""] + table(res)
+    if drafting_lines(res):
+        out += ["", "## Drafting over the measured calls", ""] + drafting_lines(res)
     if res["summary"]["versus"]:
         out += ["", "## Ours against llama-server's fastest (lowest turns 2+ time to first sentence)", ""]
         out += versus_lines(res)

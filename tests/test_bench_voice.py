@@ -155,9 +155,13 @@ def test_voice_run_on_the_tiny_set(voice_run):
     fp32 = res["plain_check"]["specrt-fp32-auto"]
     assert fp32 == {"identical": 8, "turns": 8, "precision": "fp32"}
     assert all(r["identical_to_plain"] for r in recs if r["server"] == "specrt-fp32-auto")
+    assert set(res["drafting"]) == set(names)   # /metrics read before and after the calls
+    assert all(0 <= d["accepted"] <= d["draft_tokens"] for d in res["drafting"].values())
     skipped = [n for n in res["notes"] if n.startswith("skipped:")]
     assert len(skipped) == 1 and "llama-server did not start" in skipped[0] and "unknown model format" in skipped[0]
     assert "\n" not in skipped[0]
+    assert sum(r["completion_tokens"] for r in recs if r["server"] == "specrt-int4-auto") == \
+        res["drafting"]["specrt-int4-auto"]["tokens"]
 
 
 @pytest.mark.slow
@@ -166,7 +170,8 @@ def test_voice_report_files(voice_run):
     res = json.loads(json.dumps({**res, "server_logs": {}}))
     write(res, tmp / "out", "specrt bench-serve --voice")
     text = (tmp / "out" / "report.md").read_text()
-    assert "## Voice turns" in text and "specrt-int4-auto" in text and "8/8" in text
+    assert "## Drafting over the measured calls" in text and "## Voice turns" in text
+    assert "specrt-int4-auto" in text and "8/8" in text
     assert (tmp / "out" / "voice.png").stat().st_size > 1000
     back = json.loads((tmp / "out" / "results.json").read_text())
     assert back["summary"]["servers"][0]["ttfs_s_later"]["n"] == 6
