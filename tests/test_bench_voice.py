@@ -208,3 +208,15 @@ def test_summary_arithmetic_and_goals():
     text = markdown(res)
     assert "6/6" in text and "goals **met**" in text and "`llama-server `" in text
     assert len(table(res)) == 4
+
+
+@pytest.mark.slow
+def test_voice_command(tiny_engines, tmp_path):
+    """The command end to end: one call on one launched server, the table printed, the files written."""
+    wl = write_workload(tmp_path / "w.json", GOOD)
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "bench-serve", "--voice-workload", str(wl), "--engines",
+                        str(tiny_engines), "--calls", "1", "--ours", "fp32:prompt-lookup", "--threads", "1", "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| specrt-fp32-prompt-lookup | 4 |" in r.stdout and "4/4" in r.stdout
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"report.md", "results.json", "voice.png"}
