@@ -193,6 +193,8 @@ class Scheduler:
 class SlotEngine:
     """The Engine contract (runtime/engine.py) over one slot of a batch engine; passes go through the scheduler."""
 
+    hidden_on_device = False  # hidden rows come to the host only (DeviceSlotEngine: also by device address)
+
     def __init__(self, batch, slot: int, scheduler: Scheduler):
         self.batch, self.slot, self.scheduler = batch, slot, scheduler
         self.max_context, self.vocab_size = batch.max_context, batch.vocab_size
@@ -308,6 +310,8 @@ class DeviceSlotEngine(SlotEngine):
     hidden rows on the device: enable_hidden(device_only=True), then hidden_address(row) / hidden_addresses(rows) of
     the slot's rows of its last pass (a chunked prefill's: all of it), valid until its next pass, and hidden_rows."""
 
+    hidden_on_device = True
+
     def enable_hidden(self, device_only: bool = False) -> None:
         self.batch.enable_hidden(self.slot, device_only)
         self._hidden = self._hidden or not device_only
@@ -375,9 +379,9 @@ class DeviceSoloEngine(SoloEngine, DeviceSlotEngine):
 def solo(batch) -> SoloEngine:
     """The single-stream engine over a one-slot batch engine: a DeviceSoloEngine where the batch keeps its hidden rows
     on a GPU."""
-    return (DeviceSoloEngine if hasattr(batch, "hidden_address") else SoloEngine)(batch)
+    return (DeviceSoloEngine if batch.rows_on_device else SoloEngine)(batch)
 
 
 def slot_engine(batch, slot: int, scheduler: Scheduler) -> SlotEngine:
     """The engine of `slot` of batch: a DeviceSlotEngine where the batch keeps slots' hidden rows on a GPU."""
-    return (DeviceSlotEngine if hasattr(batch, "hidden_address") else SlotEngine)(batch, slot, scheduler)
+    return (DeviceSlotEngine if batch.rows_on_device else SlotEngine)(batch, slot, scheduler)

@@ -53,6 +53,7 @@ class DeviceBatchEngine:
 
     backend = "gpu"
     wide_rows_alone = False  # every row up to batch_width shares the call (runtime/batch.py's LoadPlanner)
+    rows_on_device = True  # a slot's hidden rows can stay on the device (hidden_address: batch.DeviceSlotEngine)
 
     def __init__(self, memory: Memory, geometry: Geometry, buckets: Buckets, *, slots: int, name: str,
                  width_exact: bool, graphs: bool, graphs_note: str | None = None, max_prompt: int | None = None,

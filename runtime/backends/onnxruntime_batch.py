@@ -107,9 +107,14 @@ class OrtBatchEngine:
 
     max_pass_tokens = 64
     wide_rows_alone = True  # see the module docstring
+    rows_on_device = False  # hidden rows come to the host (PassRow.hidden)
     screen_max_rows = 8  # a batched one-token pass reads the screen up to this many rows (8: 43 -> 30 ms measured)
     CAPACITY_STEP = 256  # one slot: reserve() rounds its cache layout up to a multiple of this many positions
     screen_note: str | None = None  # why the logit screen is not in use (open_batch: the entry's rule)
+
+    def pass_width(self, n: int) -> int:
+        """The width a pass of n tokens runs at: n (no padding to buckets)."""
+        return n
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, threads: int = 0, session_config: dict | None = None,

@@ -55,6 +55,7 @@ class PortableBatchEngine:
     widths 1, 2, 4 ... 64, a capacity every 256 positions)."""
 
     wide_rows_alone = False  # every row up to batch_width shares the call (the module docstring)
+    rows_on_device = False  # hidden rows come to the host (PassRow.hidden)
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, hidden_size: int, max_context: int, precision: str = "fp32", threads: int = 0,

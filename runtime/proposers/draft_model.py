@@ -22,12 +22,11 @@ from ..engine import Engine, KVSnapshot
 from ..prefix_cache import common_prefix
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context, HeldTokens, OneBucket
+from .base import EMPTY, Context, HeldTokens, Proposer
 
 
-class DraftModel(HeldTokens, OneBucket):
+class DraftModel(HeldTokens, Proposer):
     name = "draft"
-    adaptive = True
     reads_prompt = True  # its prefill waits until the target's first token is out
 
     def __init__(self, engine: Engine, max_tokens: int = 8, sampled: bool | None = None):
@@ -60,7 +59,7 @@ class DraftModel(HeldTokens, OneBucket):
         # feed, for the first logits); otherwise read it all, as a benchmark timing prefills expects
         self.engine.rewind(common_prefix(self.held(), ctx.ids, ctx.length - 1) if ctx.cached else 0)
         self.follow(ctx)
-        self.engine.reserve(ctx.target.capacity if ctx.target is not None else self.engine.max_context)
+        self.engine.reserve(ctx.target_capacity or self.engine.max_context)
         self.sampling, self.rng = sampling, rng
         self._sample = (not sampling.greedy) if self.sampled is None else self.sampled
         if self._sample and self._q is None:
@@ -84,6 +83,6 @@ class DraftModel(HeldTokens, OneBucket):
             feed = self._tokens[i:i + 1]
         return Draft(self._tokens[:k], q=self._q[:k] if self._sample else None)
 
-    def observe(self, result: VerifyResult) -> None:
+    def observe(self, result: VerifyResult, hidden=None) -> None:
         # keep the context and the accepted draft tokens; rejected ones are overwritten later
         self.engine.rewind(min(self.engine.length, self._base + result.num_accepted))

@@ -18,13 +18,12 @@ or none after short ones (one acceptance profile for all matches was measured mi
 from __future__ import annotations
 
 from ...errors import SpecrtError
-from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
+from ..verify import Draft
+from .base import EMPTY, Context, Proposer
 
 
-class PromptLookup:
+class PromptLookup(Proposer):
     name = "prompt-lookup"
-    adaptive = True
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (6, 4, 3, 2, 1), max_tokens: int = 16):
         sizes = tuple(sorted(set(int(n) for n in ngram_sizes), reverse=True))
@@ -34,7 +33,7 @@ class PromptLookup:
             raise SpecrtError(f"prompt-lookup max_tokens must be >= 1, got {max_tokens}")
         self.ngram_sizes, self.max_tokens = sizes, max_tokens
         self.buckets = len(sizes) + 1
-        self.match_sizes = sizes  # the match lengths its buckets start at (LookupMedusa routes by them)
+        self.match_sizes = sizes  # the match lengths its buckets start at (a Fallback routes by them)
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self._indexed = 0  # n-grams ending at e < _indexed are in the index
         self._match = (-1, 0, None)  # (context length, bucket, end) of the last lookup
@@ -67,9 +66,6 @@ class PromptLookup:
                     break
             self._match = (ctx.length, *found)
         return self._match[1:]
-
-    def observe(self, result: VerifyResult) -> None:
-        pass  # the index catches up with the context at the next propose
 
     def _catch_up(self, ctx: Context) -> None:
         """Index the n-grams ending at e in [_indexed, length - 1] (each has a next token)."""

@@ -28,8 +28,8 @@ from collections import OrderedDict
 import numpy as np
 
 from ...errors import SpecrtError
-from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
+from ..verify import Draft
+from .base import EMPTY, Context, Proposer
 
 NODE_BYTES = 300  # a node's Python cost (a 2-list, a small dict, an int key in its parent), measured by tracemalloc
 MATCH_BUCKETS = (16, 8, 4, 2, 1)  # the bucket of a draft: the first of these its match length reaches
@@ -194,9 +194,8 @@ class SuffixStores:
         return self.nodes * NODE_BYTES
 
 
-class SuffixDecoding:
+class SuffixDecoding(Proposer):
     name = "suffix"
-    adaptive = True
     buckets = len(MATCH_BUCKETS) + 1
     reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
     match_sizes = MATCH_BUCKETS  # the match lengths its buckets start at (as prompt lookup's n-gram sizes)
@@ -265,9 +264,6 @@ class SuffixDecoding:
         if draft is None or k < 1:
             return EMPTY
         return draft.first(k)  # the best tree of k nodes, as wide a pass as the controller planned
-
-    def observe(self, result: VerifyResult) -> None:
-        pass  # the tries catch up with the context at the next propose
 
 
 def _drop(node: list) -> int:
