@@ -7,20 +7,7 @@ pass, then runs all of them, each engine's rows as one batched call (a target's 
 together), and wakes them. So streams join and leave between rounds, each keeps its own length, draft and
 acceptance, and the output of each is the output it has alone: nothing in the loop knows about the batch.
 
-    batch = backend.open_batch(root, entry, options, slots)     # e.g. onnxruntime_batch.OrtBatchEngine
-    scheduler = Scheduler()
-    engine = slot_engine(batch, slot, scheduler)                # one per stream slot
-    scheduler.join(slot); ... Generator(..., engine=engine) ...; scheduler.leave(slot)
-
-Over a batch engine on a GPU (backends/cuda_batch.py) a slot's engine is a `DeviceSlotEngine`: heads on that GPU
-read the slot's hidden rows of its last pass by device address, from the copy the batch engine keeps of each slot's
-rows, so with every reader there no hidden state crosses to the host.
-
-A single stream is a batch of one: each backend's open_engine gives a `SoloEngine` over a batch engine of one slot,
-whose passes run at once in the caller's thread (no scheduler; a `DeviceSoloEngine` on a GPU).
-
-runtime/load_k.py's `LoadK` chooses each stream's draft length per round from the batch's measured pass costs and
-every stream's observed acceptance.
+More: docs/runtime-notes.md, "Module notes: runtime/batch.py".
 """
 
 from __future__ import annotations

@@ -7,9 +7,7 @@ greedy output equals target-only greedy output and sampled output has the target
 (on width-exact engines: a K-token pass must give the logits of K one-token passes; where the
 manifest says it does not, e.g. int8 activations, Stats.exact is False).
 
-Glossary: pending = context tokens not yet in the target's cache (one, or the prompt on round 1);
-k = draft length asked for (a tree's depth; 0 = plain decoding); tau = tokens per round. A controller
-(control.py) picks k; `make_decoder` maps a --speculate name to a proposer and a controller, once.
+More: docs/runtime-notes.md, "Module notes: runtime/speculative.py".
 """
 
 from __future__ import annotations

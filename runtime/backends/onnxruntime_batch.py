@@ -8,9 +8,7 @@ slot's rows only. batch.LoadPlanner knows (`wide_rows_alone`): under load a draf
 idle slots in the bound range get one-token pads written past their committed length (garbage by the engine
 contract), so the cache holds max_context + 1 positions per slot.
 
-A single stream is a batch of one slot (`open_solo`, which onnxruntime_cpu.open_engine returns): its rows run over
-the engine's own graph (the screen as built), its cache is laid out per request (`reserve`), huge pages are asked
-for, and it returns views into the reused output buffers, as the Engine contract allows.
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_batch.py".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """DraftModel: a smaller model with the same tokenizer drafts k tokens autoregressively.
 
-KV cache invariant (the draft engine's own static cache): before `propose`, it holds a prefix of
-the context; `propose` first feeds the rest (usually one token: the target's last recovered or
-bonus token; two after a fully accepted draft, since the last drafted token was never fed; on the
-first round the prompt past the prefix it shares with the last request's context, which the cache
-keeps (KV reuse); everything since speculation was last switched off), then
-k - 1 drafted tokens, one pass each. `observe` rewinds it to the context plus the accepted draft
-tokens, so rejection costs nothing and a bonus token is caught up next round.
-
 Drafting is greedy (q = None, one-hot) under greedy sampling and sampled otherwise, with q[i],
 the distribution token i was drawn from, kept for exact verification (Leviathan et al.): both
 go through `probs_from_logits` with the request's SamplingParams.
+
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/draft_model.py".
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """EAGLE: draft from the target's own features with a one-layer head (export/eagle.py), as a chain or a dynamic
 tree (EAGLE-2).
 
-The head's cache holds one entry per target position i < head.length, made from [f_i ; e(x_{i+1})]: the target's
-feature (final-norm hidden state) at i and the token after it. The verification pass already computes the
-features of every token it feeds, so `observe` keeps those of the committed positions for free; `propose` first
-feeds the positions the head has not read yet (usually 1 + the accepted draft tokens), whose last row predicts
-the feature at the pending token, and so the token after it: draft token 1. Then it drafts on predicted features:
-the next row is [predicted feature ; e(drafted token)], written past the real entries (overwritten next round).
-
-  chain: one row per step, k steps (k from the adaptive controller).
-  tree (EAGLE-2): each step expands the `beam` nodes with the highest cumulative log-probability, every one with
-    its top-k children, in one head call (a row per expanded node, each seeing its ancestors' slots); after
-    `depth` steps the `nodes` best nodes overall (a node's ancestors always score at least as high, so they form
-    a tree) go to one target pass: as many as maximise expected tokens per second at the target's measured pass
-    costs (pass_cost).
-
 Drafts are deterministic (q = None), so `verify` keeps the output exactly the target's, greedy or sampled. The
 first round (the prompt is pending, no features yet) drafts nothing: the first token waits for the target alone.
 
-A head on the target's GPU (backends/device_eagle.py, compiled or on the CUDA EP: on_device) beside a target that
-gives its rows' device addresses (DeviceSlotEngine.hidden_addresses) keeps the features there: `observe` has the head
-copy the committed rows on the device, and the head's calls take and give feature rows by address (DeviceRows), so
-only tokens and their log-probabilities come to the host. Otherwise the features are host arrays (`_feat`).
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/eagle.py".
 """
 
 from __future__ import annotations

@@ -7,13 +7,7 @@ that next token (token-input heads also read that next token itself, which the t
 chosen: it is the last context token); the tree (data: a list of paths, runtime/tree.py) combines each head's top
 candidates into n nodes, verified in one target pass of n + 1 tokens.
 
-  round r:   pass [pending, nodes...] -> verify -> accept path -> h = hidden[last accepted]
-  round r+1: candidates = heads(h) [K, topk] -> tokens = candidates[depth - 1, rank] -> Draft
-
-The draft is deterministic (q = None, one-hot), so `verify` keeps the output exactly the
-target's, greedy or sampled. The first round (the prompt is pending, no hidden state yet) drafts
-nothing. k from the controller caps the tree depth (a subtree per depth is compiled once); at the
-context end the loop keeps the first nodes that fit.
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/medusa.py".
 """
 
 from __future__ import annotations

@@ -4,15 +4,7 @@ Summaries quote their source, code edits repeat most of the code: when the last 
 context occurred before, the tokens that followed them then are a good guess for what follows now
 (Saxena 2023, "prompt lookup decoding"). The draft is deterministic, so q = None (one-hot).
 
-Index: for each n-gram size, a dict from the n-gram (tuple of ids) to the end of its most recent
-occurrence, maintained incrementally: each round adds only the n-grams ending in the new tokens
-(O(new tokens), never O(context) per round). An n-gram is indexed once a token follows it, so a
-hit always has a continuation. Larger n is tried first: a longer match is a more specific guess.
-
-Buckets: the draft's bucket is the index of the n-gram size that matched (len(sizes) = no match).
-A 6-token match is right far more often than a 1-token one, so the adaptive controller keeps
-acceptance per match size and sizes each draft for its kind: long drafts after long matches, short
-or none after short ones (one acceptance profile for all matches was measured mixing them up).
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/prompt_lookup.py".
 """
 
 from __future__ import annotations
