@@ -8,9 +8,7 @@ ORT 1.32): that one propagates no error. It reads its *upper* Cholesky factor by
 (`Hinv1[i:, i]`, zero below the diagonal), so it returns plain round-to-nearest
 (docs/design-notes.md, "GPTQ instead of onnxruntime's").
 
-The result is returned dequantized (on its grid) and onnxruntime's MatMulNBits quantizer packs it:
-its round-to-nearest over a block's min/max finds the same grid except where a block's extremes moved
-inwards, which gives back little of the gain (docs/design-notes.md, same heading).
+More: docs/design-notes.md, "Module notes: build/gptq.py".
 """
 
 from __future__ import annotations

@@ -3,23 +3,7 @@ GEMM, the form TensorRT's strongly typed networks take precision from and ONNX R
 written (session.disable_quant_qdq=1 keeps it fake-quant instead of fusing into integer kernels), so the accuracy
 measured here is the accuracy of the graph TensorRT compiles.
 
-    weights      fp8/int8: per output channel, symmetric (zero point 0): W ~ DQ(Wq, s_w[n], axis=1)
-                 int4-awq: int4 blocks of AWQ_BLOCK rows along K, symmetric: W ~ DQ(Wq, s_w[k // b, n], axis=0,
-                 block_size=b), the form of TensorRT's INT4 weight-only GEMMs (its DQ takes no zero point)
-    activations  fp8/int8: per tensor, symmetric, scale = calibrated amax / (448 for E4M3, 127 for int8):
-                 X ~ DQ(Q(X, s_a)); int4-awq: left in the graph's float type (weight-only)
-    where        the MatMuls with a constant weight (QKV, O, gate|up, down, and the lm_head unless kept in fp32);
-                 attention, the mask, softmax, RoPE and the norms stay in the graph's float type
-    int8         SmoothQuant: each activation channel divided by s_j (a Mul before its Q), the weight row multiplied
-    int4-awq     AWQ-lite (ModelOpt's recipe): the same migration, s = mean|x|^a / mean_w^(1-a), a searched on a
-                 grid per activation to minimise the GEMMs' output error on calibration rows
-
-Our own insertion rather than onnxruntime.quantization's quantize_static: its float8 path accepts only the
-Distribution calibrator, whose scale is not the amax and which stacks every calibration tensor, so it fails on
-the protocol's passes of different widths; and int8 uses the same code so the two differ only in the type.
-AWQ: onnxruntime's nvidia_awq and ModelOpt's ONNX int4 quantizer do not install beside our pins (ModelOpt's onnx
-extra requires onnx 1.21 and onnxruntime-gpu 1.24; onnxruntime's weight-only quantizers offer RTN, HQQ and GPTQ,
-not AWQ), so its scale search is written here after ModelOpt's awq_lite.
+More: docs/design-notes.md, "Module notes: build/quantize.py".
 """
 
 from __future__ import annotations
@@ -27,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from .int4 import AWQ_ROWS, awq_scale, fit_scale, int4_block, quantize_int4
 
 FORMAT = 4  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
 PRECISIONS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0), "int4-awq": ("int4", 7.0)}
@@ -39,9 +25,6 @@ SMOOTHQUANT_ALPHA_SPLIT = 0.5  # with the outlier channels in float, less migrat
 # and INT4-AWQ cost in accuracy?"): int8's per-tensor scale is otherwise set by a few channels hundreds of times
 # the rest
 DEFAULT_OUTLIERS = {"int8": 16}
-AWQ_BLOCK = 128            # rows of K per int4 scale (ModelOpt's and TensorRT-LLM's default); smaller where K needs it
-AWQ_ROWS = 512             # calibration positions per activation the scale search measures the error on
-AWQ_ALPHAS = tuple(round(a * 0.1, 1) for a in range(11))
 
 
 def smoothquant_alpha(precision: str, outliers: int) -> float | None:
@@ -182,60 +165,6 @@ def calibrate(onnx_path: Path, feeds, sample_rows: int = 0, seed: int = 0) -> di
                 "rows": st["rows"]} for a, st in stats.items()}
 
 
-def int4_block(k: int) -> int:
-    """The int4 block size for a GEMM of K inputs: AWQ_BLOCK, or the largest power of two below it dividing K
-    (at least 8)."""
-    from ..errors import SpecrtError
-
-    b = AWQ_BLOCK
-    while b > 8 and k % b:
-        b //= 2
-    if k % b:
-        raise SpecrtError(f"a GEMM with {k} inputs cannot be split into int4 blocks of 8 or more; build this model "
-                          "at fp8 or int8 instead of int4-awq")
-    return b
-
-
-def quantize_int4(w: np.ndarray, block: int, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """w [K, N] -> (q [K, N] in -8..7, scale [K / block, N] in scale_dtype): symmetric blocks along K, scale =
-    amax / 7, rounded to scale_dtype before q is computed from it (so DQ(q, scale) is what was measured)."""
-    k, n = w.shape
-    s = _scale(np.abs(w.reshape(k // block, block, n)).max(axis=1) / 7.0, scale_dtype)
-    q = np.clip(np.rint(w / np.repeat(s.astype(np.float32), block, axis=0)), -8, 7)
-    return q, s
-
-
-def _scale(s: np.ndarray, dtype) -> np.ndarray:
-    """Positive scales in `dtype` (the graph's float type: a DQ's output type is its scale's), within its normal
-    range (an fp16 scale of 1e-12 would be 0, one of 1e5 infinite)."""
-    info = np.finfo(dtype)
-    return np.clip(np.asarray(s, np.float32), info.tiny, info.max).astype(dtype)
-
-
-def awq_scale(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, block: int) -> tuple[np.ndarray, dict]:
-    """AWQ-lite for one activation: x [R, K] calibration rows, w [K, N] the weights of every GEMM reading it side
-    by side -> the per-channel scale s [K] (x / s times quantize(s * w)) with the least mean squared output error
-    over the alpha grid, and the search's facts."""
-    k, n = w.shape
-    blocks = np.abs(w).reshape(k // block, block, n)  # each weight relative to its block's amax, averaged over N
-    w_mean = (blocks / np.maximum(blocks.max(axis=1, keepdims=True), 1e-12)).reshape(k, n).mean(axis=1)
-    ref = x @ w
-
-    def error(s: np.ndarray) -> float:
-        q, sc = quantize_int4(w * s[:, None], block)
-        return float(np.mean(((x / s) @ (q * np.repeat(sc, block, axis=0)) - ref) ** 2))
-
-    best = (error(np.ones(k, np.float32)), None, np.ones(k, np.float32))  # plain round-to-nearest
-    rtn = best[0]
-    for alpha in AWQ_ALPHAS:
-        s = np.clip(np.maximum(mean_abs, 1e-12) ** alpha / np.maximum(w_mean, 1e-12) ** (1 - alpha), 1e-4, 1e4)
-        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        err = error(s)
-        if err < best[0]:
-            best = (err, alpha, s)
-    return best[2], {"alpha": best[1], "mse": best[0], "mse_rtn": rtn}
-
-
 def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict], keep: tuple[str, ...] = (),
                smooth: float | None = None, outliers: int = 0, log=lambda m: None) -> dict:
     """Write the Q/DQ graph of the portable graph at onnx_path (fp32 or fp16: the activation base, whose float type
@@ -248,17 +177,12 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     migration) stay float, LLM.int8()'s decomposition: X W = Q/DQ(X[:, rest]) DQ(W[rest]) + X[:, top] W[top], two
     Gathers along the channels, a float GEMM of `outliers` rows and an Add, so the activation's scale is set by the
     rest. -> facts: the GEMMs quantized, those kept, the activations left float."""
-    import ml_dtypes
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
-    from ..onnx_files import load_with_weights, save_with_external_data
+    from ..onnx_files import load_with_weights
 
-    qtype, qmax = PRECISIONS[precision]
-    weight_only = precision in WEIGHT_ONLY
-    if outliers and weight_only:
+    if outliers and precision in WEIGHT_ONLY:
         raise ValueError("outlier channels are for fp8 and int8 (int4-awq leaves its activations float)")
-    np_q = np.dtype(getattr(ml_dtypes, qtype)) if qtype != "int8" else np.dtype(np.int8)
-    onnx_q = TensorProto.FLOAT8E4M3FN if precision == "fp8" else TensorProto.INT8
     model = load_with_weights(onnx_path)  # weights in memory: they are rewritten
     inits = {t.name: t for t in model.graph.initializer}
     gemms, head = gemm_weights(model), lm_head_gemms(model)
@@ -267,6 +191,24 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
     for name, (act, weight) in gemms.items():
         if name not in keep:
             readers.setdefault(act, []).append(weight)
+    migrate, awq = _migrations(precision, readers, inits, calib, smooth, fdt, log)
+    qdq = _QdqGraph(precision, fdt, calib, migrate, _outlier_split(readers, calib, migrate, outliers))
+    for node in model.graph.node:
+        if node.name not in gemms or node.name in keep:
+            qdq.nodes.append(node)
+        else:
+            act, weight = gemms[node.name]
+            qdq.gemm(node, act, weight, numpy_helper.to_array(inits.pop(weight)).astype(np.float32))
+    _write_qdq(model, qdq, inits, precision, out)
+    return _qdq_facts(qdq, gemms, head, precision, smooth, outliers, awq)
+
+
+def _migrations(precision: str, readers: dict, inits: dict, calib: dict, smooth: float | None, fdt,
+                log) -> tuple[dict, dict]:
+    """Per activation, the factors s [K] its channels are divided by (SmoothQuant's, or AWQ's search), rounded to
+    what the graph's float type holds; and AWQ's facts per activation."""
+    from onnx import numpy_helper
+
     migrate, awq = {}, {}  # activation -> s [K]; activation -> its AWQ search's facts
     if smooth is not None:
         for act, weights in readers.items():
@@ -282,98 +224,143 @@ def insert_qdq(onnx_path: Path, out: Path, precision: str, calib: dict[str, dict
             if (i + 1) % max(1, len(readers) // 10) == 0:
                 log(f"AWQ scale search: {i + 1}/{len(readers)} activations")
     for act, m in migrate.items():  # the graph divides by 1/s in its float type: the weights take exactly that s
-        migrate[act] = 1.0 / _scale(1.0 / m, fdt).astype(np.float32)
-    split = {}  # activation -> (its top channels, the rest), both sorted
+        migrate[act] = 1.0 / fit_scale(1.0 / m, fdt).astype(np.float32)
+    return migrate, awq
+
+
+def _outlier_split(readers: dict, calib: dict, migrate: dict, outliers: int) -> dict:
+    """activation -> (its `outliers` input channels of largest amax after migration, the rest), both sorted."""
+    split = {}
     for act in readers if outliers else ():
         amax = calib[act]["amax"] / migrate[act] if act in migrate else calib[act]["amax"]
         if outliers < len(amax):
             top = np.sort(np.argsort(amax, kind="stable")[-outliers:])
             split[act] = (top, np.setdiff1d(np.arange(len(amax)), top))
-    done, new_inits, nodes, sources, blocks = [], [], [], {}, set()
-    for node in model.graph.node:
-        if node.name not in gemms or node.name in keep:
-            nodes.append(node)
-            continue
-        act, weight = gemms[node.name]
-        w = numpy_helper.to_array(inits.pop(weight)).astype(np.float32)
-        if act in split:  # the outlier rows stay float, unmigrated; the rest go on as the whole would
-            top, rest = split[act]
-            new_inits.append(numpy_helper.from_array(w[top].astype(fdt), weight + ".top"))
+    return split
+
+
+class _QdqGraph:
+    """The rewritten nodes and new initializers, a GEMM at a time (insert_qdq)."""
+
+    def __init__(self, precision: str, fdt, calib: dict, migrate: dict, split: dict):
+        import ml_dtypes
+        from onnx import TensorProto
+
+        self.precision, self.fdt, self.calib, self.migrate, self.split = precision, fdt, calib, migrate, split
+        qtype, self.qmax = PRECISIONS[precision]
+        self.weight_only = precision in WEIGHT_ONLY
+        self.np_q = np.dtype(getattr(ml_dtypes, qtype)) if qtype != "int8" else np.dtype(np.int8)
+        self.onnx_q = TensorProto.FLOAT8E4M3FN if precision == "fp8" else TensorProto.INT8
+        self.done, self.new_inits, self.nodes, self.sources, self.blocks = [], [], [], {}, set()
+
+    def gemm(self, node, act: str, weight: str, w: np.ndarray) -> None:
+        """The GEMM over its dequantized weight and its activation's source (Q/DQ'd, migrated, split)."""
+        from onnx import helper
+
+        w_dq = self._weight(node.name, act, weight, w)
+        if act not in self.sources:  # one migration Mul (and one Q/DQ pair) per activation, shared by its GEMMs
+            self.sources[act] = self._activation(act)
+        source = self.sources[act]
+        if act in self.split:
+            self.nodes += [helper.make_node("MatMul", [source, w_dq], [node.name + ".rest_out"], name=node.name),
+                           helper.make_node("MatMul", [act + ".top", weight + ".top"], [node.name + ".top_out"],
+                                            name=node.name + ".top"),
+                           helper.make_node("Add", [node.name + ".rest_out", node.name + ".top_out"],
+                                            list(node.output), name=node.name + ".add")]
+        else:
+            self.nodes.append(helper.make_node("MatMul", [source, w_dq], list(node.output), name=node.name))
+        self.done.append(node.name)
+
+    def _weight(self, name: str, act: str, weight: str, w: np.ndarray) -> str:
+        """The weight quantized (its outlier rows kept float, its rows migrated) and its DequantizeLinear."""
+        from onnx import helper, numpy_helper
+
+        if act in self.split:  # the outlier rows stay float, unmigrated; the rest go on as the whole would
+            top, rest = self.split[act]
+            self.new_inits.append(numpy_helper.from_array(w[top].astype(self.fdt), weight + ".top"))
             w = w[rest]
-        if act in migrate:
-            w = w * (migrate[act][split[act][1]] if act in split else migrate[act])[:, None]
-        w_dq = weight + ".dq"
-        if weight_only:
+        if act in self.migrate:
+            w = w * (self.migrate[act][self.split[act][1]] if act in self.split else self.migrate[act])[:, None]
+        if self.weight_only:
             block = int4_block(len(w))
-            blocks.add(block)
-            q, s_w = quantize_int4(w, block, fdt)
+            self.blocks.add(block)
+            q, s_w = quantize_int4(w, block, self.fdt)
             dq = dict(axis=0, block_size=block)
         else:
-            s_w = _scale(np.abs(w).max(axis=0) / qmax, fdt)  # [N], per output channel
+            s_w = fit_scale(np.abs(w).max(axis=0) / self.qmax, self.fdt)  # [N], per output channel
             q = w / s_w.astype(np.float32)
-            q = np.rint(q) if precision == "int8" else q                            # E4M3 rounds to nearest
-            q, dq = np.clip(q, -qmax, qmax), dict(axis=1)
-        new_inits += [numpy_helper.from_array(q.astype(np_q), weight + ".q"),
-                      numpy_helper.from_array(s_w, weight + ".scale")]
-        nodes.append(helper.make_node("DequantizeLinear", [weight + ".q", weight + ".scale"], [w_dq],
-                                      name=f"{node.name}.w_dq", **dq))
-        if act not in sources:  # one migration Mul (and one Q/DQ pair) per activation, shared by its GEMMs
-            source, amax_c, m = act, calib[act]["amax"], migrate.get(act)
-            if act in split:  # the float channels, and the rest that is quantized
-                top, rest = split[act]
-                new_inits += [numpy_helper.from_array(top.astype(np.int64), act + ".top_idx"),
-                              numpy_helper.from_array(rest.astype(np.int64), act + ".rest_idx")]
-                nodes += [helper.make_node("Gather", [act, act + ".top_idx"], [act + ".top"], axis=-1,
-                                           name=f"{act}.top"),
-                          helper.make_node("Gather", [act, act + ".rest_idx"], [act + ".rest"], axis=-1,
-                                           name=f"{act}.rest")]
-                source, amax_c, m = act + ".rest", amax_c[rest], None if m is None else m[rest]
-            if m is not None:
-                new_inits.append(numpy_helper.from_array((1.0 / m).astype(fdt), act + ".smooth"))
-                nodes.append(helper.make_node("Mul", [source, act + ".smooth"], [act + ".s"], name=f"{act}.smooth"))
-                source = act + ".s"
-            if not weight_only:
-                a_scale = act.replace("/", "_") + ".a_scale"
-                amax = float((amax_c / m).max() if m is not None else amax_c.max())
-                new_inits.append(numpy_helper.from_array(_scale(np.array(amax / qmax), fdt), a_scale))
-                nodes.append(helper.make_node("QuantizeLinear", [source, a_scale], [act + ".q"], output_dtype=onnx_q,
-                                              name=f"{act}.q"))
-                nodes.append(helper.make_node("DequantizeLinear", [act + ".q", a_scale], [act + ".dq"],
-                                              name=f"{act}.dq"))
-                source = act + ".dq"
-            sources[act] = source
-        if act in split:
-            nodes += [helper.make_node("MatMul", [sources[act], w_dq], [node.name + ".rest_out"], name=node.name),
-                      helper.make_node("MatMul", [act + ".top", weight + ".top"], [node.name + ".top_out"],
-                                       name=node.name + ".top"),
-                      helper.make_node("Add", [node.name + ".rest_out", node.name + ".top_out"], list(node.output),
-                                       name=node.name + ".add")]
-        else:
-            nodes.append(helper.make_node("MatMul", [sources[act], w_dq], list(node.output), name=node.name))
-        done.append(node.name)
+            q = np.rint(q) if self.precision == "int8" else q                       # E4M3 rounds to nearest
+            q, dq = np.clip(q, -self.qmax, self.qmax), dict(axis=1)
+        self.new_inits += [numpy_helper.from_array(q.astype(self.np_q), weight + ".q"),
+                           numpy_helper.from_array(s_w, weight + ".scale")]
+        self.nodes.append(helper.make_node("DequantizeLinear", [weight + ".q", weight + ".scale"], [weight + ".dq"],
+                                           name=f"{name}.w_dq", **dq))
+        return weight + ".dq"
+
+    def _activation(self, act: str) -> str:
+        """The activation as its GEMMs read it: its quantized channels gathered, migrated and Q/DQ'd."""
+        from onnx import helper, numpy_helper
+
+        source, amax_c, m = act, self.calib[act]["amax"], self.migrate.get(act)
+        if act in self.split:  # the float channels, and the rest that is quantized
+            top, rest = self.split[act]
+            self.new_inits += [numpy_helper.from_array(top.astype(np.int64), act + ".top_idx"),
+                               numpy_helper.from_array(rest.astype(np.int64), act + ".rest_idx")]
+            self.nodes += [helper.make_node("Gather", [act, act + ".top_idx"], [act + ".top"], axis=-1,
+                                            name=f"{act}.top"),
+                           helper.make_node("Gather", [act, act + ".rest_idx"], [act + ".rest"], axis=-1,
+                                            name=f"{act}.rest")]
+            source, amax_c, m = act + ".rest", amax_c[rest], None if m is None else m[rest]
+        if m is not None:
+            self.new_inits.append(numpy_helper.from_array((1.0 / m).astype(self.fdt), act + ".smooth"))
+            self.nodes.append(helper.make_node("Mul", [source, act + ".smooth"], [act + ".s"], name=f"{act}.smooth"))
+            source = act + ".s"
+        if not self.weight_only:
+            a_scale = act.replace("/", "_") + ".a_scale"
+            amax = float((amax_c / m).max() if m is not None else amax_c.max())
+            self.new_inits.append(numpy_helper.from_array(fit_scale(np.array(amax / self.qmax), self.fdt), a_scale))
+            self.nodes += [helper.make_node("QuantizeLinear", [source, a_scale], [act + ".q"],
+                                            output_dtype=self.onnx_q, name=f"{act}.q"),
+                           helper.make_node("DequantizeLinear", [act + ".q", a_scale], [act + ".dq"],
+                                            name=f"{act}.dq")]
+            source = act + ".dq"
+        return source
+
+
+def _write_qdq(model, qdq: _QdqGraph, inits: dict, precision: str, out: Path) -> None:
+    """The model with the rewritten nodes, the untouched initializers and the new ones, to out (+ out.data)."""
+    from onnx import helper
+
+    from ..onnx_files import save_with_external_data
+
     del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    model.graph.node.extend(qdq.nodes)
     for opset in model.opset_import:  # float8 Q/DQ needs opset 19, int4 and blocked DQ 21 (the heads are at 17)
         if opset.domain in ("", "ai.onnx") and opset.version < 21:
             opset.version = 21
     kept_inits = [t for t in model.graph.initializer if t.name in inits]
     del model.graph.initializer[:]
-    model.graph.initializer.extend(kept_inits + new_inits)
+    model.graph.initializer.extend(kept_inits + qdq.new_inits)
     helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, "specrt.precision": precision})
     save_with_external_data(model, Path(out))
-    kept = [n for n in gemms if n not in done]
+
+
+def _qdq_facts(qdq: _QdqGraph, gemms: dict, head: tuple[str, ...], precision: str, smooth: float | None,
+               outliers: int, awq: dict) -> dict:
+    """insert_qdq's facts for the manifest."""
+    kept = [n for n in gemms if n not in qdq.done]
     method = (f"Q/DQ {precision}: weights per output channel, activations per tensor (amax), symmetric"
-              if not weight_only else f"Q/DQ {precision}: int4 weights in symmetric blocks along K "
+              if not qdq.weight_only else f"Q/DQ {precision}: int4 weights in symmetric blocks along K "
               f"(AWQ-lite scales, {AWQ_ROWS} calibration rows), activations float")
-    if split:
+    if qdq.split:
         method += f"; the {outliers} input channels of largest amax per activation in float"
-    facts = {"method": method, "gemms_quantized": len(done), "gemms_kept": kept,
+    facts = {"method": method, "gemms_quantized": len(qdq.done), "gemms_kept": kept,
              "lm_head_kept": any(n in head for n in kept), "smoothquant_alpha": smooth,
-             "outlier_channels": outliers if split else 0}
+             "outlier_channels": outliers if qdq.split else 0}
     if awq:
         alphas = [a["alpha"] for a in awq.values()]
         gain = [a["mse"] / a["mse_rtn"] for a in awq.values() if a["mse_rtn"] > 0]
-        facts["awq"] = {"block_sizes": sorted(blocks), "alphas": {str(a): alphas.count(a) for a in
-                                                                  sorted(set(alphas), key=str)},
+        facts["awq"] = {"block_sizes": sorted(qdq.blocks), "alphas": {str(a): alphas.count(a) for a in
+                                                                      sorted(set(alphas), key=str)},
                         "mse_vs_rtn_median": round(float(np.median(gain)), 4) if gain else None}
     return facts

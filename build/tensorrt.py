@@ -3,18 +3,7 @@ TensorRT (on the GPU that will run it) or TensorRT for RTX (ahead of time, on an
 architectures named): one build, the compiler a small descriptor (`Compiler`), as Polygraphy keeps TensorRT for
 RTX as a config over its TensorRT backend.
 
-The network is strongly typed (precision comes from the graph: an fp16 graph gives an fp16 engine; TensorRT 11
-has no other kind), and TF32 is off by default so an fp32 engine stays within fp32 parity of the CPU reference.
-Attention in fp32 has no dedicated kernel in either compiler, so fp32 attention layers are marked decomposable
-(IAttention.decomposable) after parsing; fp16 attention (every Q/DQ precision's base) keeps the dedicated kernels.
-Two optimization profiles, in this order (runtime/backends/tensorrt.py opens one execution context on each):
-prefill (1..max_prompt tokens, one sequence) and decode/verify (1..max_width tokens, the widths CUDA graphs
-capture, for 1..MAX_BATCH sequences: several streams' passes at once).
-TensorRT's KV-cache update (what the parser makes of TensorScatter) wants a static sequence dimension, so the
-cache capacity is fixed at max_capacity in the graph handed to the parser: every pass then attends
-over max_capacity slots, the mask hiding the unused ones. The timing cache is read and written back, so
-rebuilds on one GPU reuse their kernel timings. A serialized engine runs only under the compiler version and on
-the GPU architectures it was built for, which is why the facts record both.
+More: docs/design-notes.md, "Module notes: build/tensorrt.py".
 """
 
 from __future__ import annotations
@@ -157,25 +146,9 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     log_path = Path(str(out_path) + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     logger = _file_logger(trt, log_path)
-    try:
-        builder = trt.Builder(logger)
-    except Exception as e:  # no GPU, or a driver TensorRT cannot use
-        fix = ("reinstall it: `pip install --force-reinstall 'specrt[tensorrt-rtx]'`" if compiler.ahead_of_time else
-               "build TensorRT engines on the machine with the NVIDIA GPU that will run them, or compile them ahead "
-               "of time with --backend tensorrt-rtx")
-        raise SpecrtError(f"{compiler.label} cannot start a builder ({first_line(e)}); {fix}") from None
-    # TensorRT 11 networks are always strongly typed (the flag is kept there, deprecated and ignored)
-    strongly = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    network = builder.create_network(0 if strongly is None else 1 << int(strongly))
-    parser = trt.OnnxParser(network, logger)
+    builder = _builder(trt, compiler, logger)
     max_capacity = -(-max_capacity // CAPACITY_ALIGN) * CAPACITY_ALIGN
-    model = fix_capacity(onnx_path, max_capacity)
-    if not parser.parse(model, str(onnx_path)):
-        errors = [parser.get_error(i) for i in range(parser.num_errors)]
-        raise SpecrtError(f"{compiler.label} {trt.__version__} cannot parse {name} ('{onnx_path}'): "
-                          + (_parser_error(errors[0]) if errors else "no error reported")
-                          + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")
-                          + f"; full log in {log_path}")
+    network = _parse(trt, builder, logger, onnx_path, max_capacity, compiler, name, log_path)
     decomposable = mark_decomposable(trt, network)
     config = builder.create_builder_config()
     config.builder_optimization_level = opt_level
@@ -191,32 +164,9 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
     # nothing is timed without a GPU; a regular build without a cache file times anew
     timing_cache = None if compiler.ahead_of_time or timing_cache is None else Path(timing_cache)
     if timing_cache is not None:
-        try:
-            cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
-        except Exception:  # noqa: BLE001 -- an unreadable cache file is only lost timings
-            cache = None
-        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):  # another GPU's: start anew
-            config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
-    inputs = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)}
-    capacity = (max_capacity, max_capacity, max_capacity)
-    ranges = {"prefill": {"seq": (1, min(PREFILL_OPT, max_prompt), max_prompt), "num_logits": (1, 1, max_width),
-                          "capacity": capacity, "batch": (1, 1, 1)},
-              "decode": {"seq": (1, min(DECODE_OPT, max_width), max_width),
-                         "num_logits": (1, min(DECODE_OPT, max_width), max_width), "capacity": capacity,
-                         "batch": (1, 1, max_batch)}}
-    if heads:
-        rows = (1, 1, max_width)
-        ranges = {"heads": {"rows": rows}}
-        shapes = [{k: tuple(tuple(d if d > 0 else rows[i] for d in dims) for i in range(3))
-                   for k, dims in inputs.items()}]
-    else:
-        shapes = [profile_shapes(inputs, r["seq"], r["num_logits"], r["capacity"], r["batch"])
-                  for r in ranges.values()]
-    for each in shapes:  # prefill first, then decode: the runtime's profile indices
-        profile = builder.create_optimization_profile()
-        for input_name, (lo, opt, hi) in each.items():
-            profile.set_shape(input_name, lo, opt, hi)
-        config.add_optimization_profile(profile)
+        _use_timing_cache(config, timing_cache)
+    ranges = _add_profiles(builder, network, config, max_prompt=max_prompt, max_width=max_width,
+                           max_capacity=max_capacity, max_batch=max_batch, heads=heads)
     t0 = time.perf_counter()
     blob = builder.build_serialized_network(network, config)
     if blob is None:
@@ -234,6 +184,69 @@ def build_engine(onnx_path: Path, out_path: Path, *, max_prompt: int, max_width:
             "decomposable_attention": decomposable, "build_s": round(build_s, 3),
             "engine_bytes": Path(out_path).stat().st_size, "onnx_sha256": onnx_sha256(Path(onnx_path)),
             "log": log_path.name}
+
+
+def _builder(trt, compiler: Compiler, logger):
+    """A TensorRT builder, or the one line saying why none starts (no GPU, or a driver TensorRT cannot use)."""
+    try:
+        return trt.Builder(logger)
+    except Exception as e:
+        fix = ("reinstall it: `pip install --force-reinstall 'specrt[tensorrt-rtx]'`" if compiler.ahead_of_time else
+               "build TensorRT engines on the machine with the NVIDIA GPU that will run them, or compile them ahead "
+               "of time with --backend tensorrt-rtx")
+        raise SpecrtError(f"{compiler.label} cannot start a builder ({first_line(e)}); {fix}") from None
+
+
+def _parse(trt, builder, logger, onnx_path: Path, max_capacity: int, compiler: Compiler, name: str, log_path: Path):
+    """The network of the graph at onnx_path, its cache capacity fixed, or one line naming the first parser error."""
+    # TensorRT 11 networks are always strongly typed (the flag is kept there, deprecated and ignored)
+    strongly = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    network = builder.create_network(0 if strongly is None else 1 << int(strongly))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(fix_capacity(onnx_path, max_capacity), str(onnx_path)):
+        errors = [parser.get_error(i) for i in range(parser.num_errors)]
+        raise SpecrtError(f"{compiler.label} {trt.__version__} cannot parse {name} ('{onnx_path}'): "
+                          + (_parser_error(errors[0]) if errors else "no error reported")
+                          + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")
+                          + f"; full log in {log_path}")
+    return network
+
+
+def _use_timing_cache(config, timing_cache: Path) -> None:
+    """Start from the timings in the cache file, or anew where it is unreadable or another GPU's."""
+    try:
+        cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+    except Exception:  # noqa: BLE001 -- an unreadable cache file is only lost timings
+        cache = None
+    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):  # another GPU's: start anew
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+
+
+def _add_profiles(builder, network, config, *, max_prompt: int, max_width: int, max_capacity: int, max_batch: int,
+                  heads: bool) -> dict:
+    """The optimization profiles (prefill first, then decode: the runtime's profile indices; or the heads' rows)
+    added to config -> their ranges by name, as the facts record them."""
+    inputs = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)}
+    capacity = (max_capacity, max_capacity, max_capacity)
+    ranges = {"prefill": {"seq": (1, min(PREFILL_OPT, max_prompt), max_prompt), "num_logits": (1, 1, max_width),
+                          "capacity": capacity, "batch": (1, 1, 1)},
+              "decode": {"seq": (1, min(DECODE_OPT, max_width), max_width),
+                         "num_logits": (1, min(DECODE_OPT, max_width), max_width), "capacity": capacity,
+                         "batch": (1, 1, max_batch)}}
+    if heads:
+        rows = (1, 1, max_width)
+        ranges = {"heads": {"rows": rows}}
+        shapes = [{k: tuple(tuple(d if d > 0 else rows[i] for d in dims) for i in range(3))
+                   for k, dims in inputs.items()}]
+    else:
+        shapes = [profile_shapes(inputs, r["seq"], r["num_logits"], r["capacity"], r["batch"])
+                  for r in ranges.values()]
+    for each in shapes:
+        profile = builder.create_optimization_profile()
+        for input_name, (lo, opt, hi) in each.items():
+            profile.set_shape(input_name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    return ranges
 
 
 def mark_decomposable(trt, network) -> int:

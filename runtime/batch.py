@@ -7,20 +7,7 @@ pass, then runs all of them, each engine's rows as one batched call (a target's 
 together), and wakes them. So streams join and leave between rounds, each keeps its own length, draft and
 acceptance, and the output of each is the output it has alone: nothing in the loop knows about the batch.
 
-    batch = backend.open_batch(root, entry, options, slots)     # e.g. onnxruntime_batch.OrtBatchEngine
-    scheduler = Scheduler()
-    engine = slot_engine(batch, slot, scheduler)                # one per stream slot
-    scheduler.join(slot); ... Generator(..., engine=engine) ...; scheduler.leave(slot)
-
-Over a batch engine on a GPU (backends/cuda_batch.py) a slot's engine is a `DeviceSlotEngine`: heads on that GPU
-read the slot's hidden rows of its last pass by device address, from the copy the batch engine keeps of each slot's
-rows, so with every reader there no hidden state crosses to the host.
-
-A single stream is a batch of one: each backend's open_engine gives a `SoloEngine` over a batch engine of one slot,
-whose passes run at once in the caller's thread (no scheduler; a `DeviceSoloEngine` on a GPU).
-
-runtime/load_k.py's `LoadK` chooses each stream's draft length per round from the batch's measured pass costs and
-every stream's observed acceptance.
+More: docs/runtime-notes.md, "Module notes: runtime/batch.py".
 """
 
 from __future__ import annotations
@@ -193,6 +180,8 @@ class Scheduler:
 class SlotEngine:
     """The Engine contract (runtime/engine.py) over one slot of a batch engine; passes go through the scheduler."""
 
+    hidden_on_device = False  # hidden rows come to the host only (DeviceSlotEngine: also by device address)
+
     def __init__(self, batch, slot: int, scheduler: Scheduler):
         self.batch, self.slot, self.scheduler = batch, slot, scheduler
         self.max_context, self.vocab_size = batch.max_context, batch.vocab_size
@@ -308,6 +297,8 @@ class DeviceSlotEngine(SlotEngine):
     hidden rows on the device: enable_hidden(device_only=True), then hidden_address(row) / hidden_addresses(rows) of
     the slot's rows of its last pass (a chunked prefill's: all of it), valid until its next pass, and hidden_rows."""
 
+    hidden_on_device = True
+
     def enable_hidden(self, device_only: bool = False) -> None:
         self.batch.enable_hidden(self.slot, device_only)
         self._hidden = self._hidden or not device_only
@@ -375,9 +366,9 @@ class DeviceSoloEngine(SoloEngine, DeviceSlotEngine):
 def solo(batch) -> SoloEngine:
     """The single-stream engine over a one-slot batch engine: a DeviceSoloEngine where the batch keeps its hidden rows
     on a GPU."""
-    return (DeviceSoloEngine if hasattr(batch, "hidden_address") else SoloEngine)(batch)
+    return (DeviceSoloEngine if batch.rows_on_device else SoloEngine)(batch)
 
 
 def slot_engine(batch, slot: int, scheduler: Scheduler) -> SlotEngine:
     """The engine of `slot` of batch: a DeviceSlotEngine where the batch keeps slots' hidden rows on a GPU."""
-    return (DeviceSlotEngine if hasattr(batch, "hidden_address") else SlotEngine)(batch, slot, scheduler)
+    return (DeviceSlotEngine if batch.rows_on_device else SlotEngine)(batch, slot, scheduler)

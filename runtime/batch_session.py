@@ -41,7 +41,7 @@ class _Shared:
     def __init__(self, heads):
         self._heads, self._lock = heads, threading.Lock()
         self.heads, self.topk = heads.heads, heads.topk
-        self.on_device = getattr(heads, "on_device", False)  # heads on the GPU read each slot's rows by address
+        self.on_device = heads.on_device  # heads on the GPU read each slot's rows by address
 
     def __call__(self, hidden, token):
         with self._lock:

@@ -51,6 +51,7 @@ class Engine(Protocol):
     description: str      # backend, engine and precision, for stats (e.g. "onnxruntime-cpu target-fp32")
     screen: bool          # greedy passes (argmax) read an exact reduced-precision lm_head screen (Stats.logit_screen)
     hidden: np.ndarray    # [n, hidden] final-norm hidden states of the last pass (after enable_hidden)
+    hidden_on_device: bool  # it also gives them by device address (enable_hidden's device_only: a GPU engine)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray | None = None,
                 tree_mask: np.ndarray | None = None, num_logits: int = 1) -> np.ndarray:
@@ -99,6 +100,11 @@ class BatchEngine(Protocol):
     description: str      # one slot: the single-stream engine's (no slot count)
     screen: bool
     with_hidden: bool
+    wide_rows_alone: bool  # a row wider than one token runs in a call of its own (runtime/load_k.py plans for it)
+    rows_on_device: bool   # slots' hidden rows can stay on its GPU (hidden_address: batch.DeviceSlotEngine)
+
+    def pass_width(self, n: int) -> int:
+        """The width a pass of n tokens runs at (a backend that pads to its buckets: the bucket's)."""
 
     def enable_hidden(self) -> None:
         """Opt in to each row's hidden states on every pass (PassRow.hidden). A GPU batch engine (cuda_batch.py)
@@ -153,6 +159,7 @@ class Heads(Protocol):
 
     heads: int
     topk: int
+    on_device: bool  # takes the target's hidden row by device address (a GPU target's rows stay there)
 
     def __call__(self, hidden: np.ndarray, token: int) -> np.ndarray: ...
 

@@ -170,10 +170,14 @@ def _plain_constrained(engine: Engine, pending: np.ndarray, sampling: SamplingPa
         pending = np.array([token], np.int64)
 
 
-class PlainDecoder:
-    """The decode strategy of --speculate off."""
+class Decoder:
+    """A decode strategy object (any callable with plain_decode's signature is one too): its proposer, if any."""
 
     name, proposer, control = "off", None, None
+
+
+class PlainDecoder(Decoder):
+    """The decode strategy of --speculate off."""
 
     def __call__(self, engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
                  stats: Stats, grammar: Grammar | None = None, store_key: str | None = None) -> Iterator[list[int]]:
@@ -187,7 +191,8 @@ def stop_prefix(text: str, stop) -> int:
 
 def _state_holders(decode) -> list:
     """The decoder's proposer, if it keeps a cache of its own (a draft model, an EAGLE head)."""
-    return [p for p in (getattr(decode, "proposer", None),) if hasattr(p, "save_state")]
+    p = decode.proposer if isinstance(decode, Decoder) else None
+    return [p] if p is not None and p.keeps_state else []
 
 
 class Generator:

@@ -59,14 +59,14 @@ class LoadPlanner:
             active = {m: c for m, c in self.members.items() if m in self.scheduler.active}
             active.setdefault(member, self.members[member])
             cost = _Memo(self.scheduler.costs_of(self.batch))
-            self._plan = (self._alone(active, cost) if getattr(self.batch, "wide_rows_alone", False)
+            self._plan = (self._alone(active, cost) if self.batch.wide_rows_alone
                           else self._common(active, cost))
             self._made_at = self.scheduler.passes
         return self._plan[member]
 
     def _common(self, active: dict, cost) -> dict[int, int]:
         B, tables = len(active), {m: c.table() for m, c in active.items()}
-        runs_at = getattr(self.batch, "pass_width", lambda w: w)  # a backend that pads to its buckets
+        runs_at = self.batch.pass_width  # a backend that pads to its buckets
         best_w, best = 1, self.MARGIN * B / cost(B, runs_at(1))
         # widen a step at a time: at most twice the widest pass of this many rows measured so far, since a cost
         # extrapolated far past what was measured can be off by half (and one wrong wide pass costs many rounds)

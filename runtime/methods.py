@@ -1,7 +1,7 @@
 """The --speculate methods, registered once: the name, the engine role a method needs beside the target, one
-clause of help, and the function of runtime/speculative.py that builds its proposer. The CLI's and the server's
-choices and help, the bench's modes and the tests derive from this table. Plain Python (no numpy), so `--help`
-imports it cheaply.
+clause of help, and the drafters it runs (runtime/speculative.py's DRAFTERS; two: the first after a 2+ token
+match, else the second: proposers/hybrid.Fallback). The CLI's and the server's choices and help, the bench's modes
+and the tests derive from this table. Plain Python (no numpy), so `--help` imports it cheaply.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ class Method:
     name: str
     needs: str | None  # the engine role it runs beside the target ("draft", "medusa", "eagle"); None: the target alone
     help: str
-    factory: str       # its proposer's builder in runtime/speculative.py
+    drafters: tuple[str, ...]  # its proposer's builders in runtime/speculative.py's DRAFTERS (primary first)
 
 
 METHODS = {m.name: m for m in (
-    Method("prompt-lookup", None, "n-gram matches in the prompt and the answer so far", "_prompt_lookup"),
-    Method("suffix", None, "suffix trees over this request and earlier answers (--suffix-* options)", "_suffix"),
-    Method("draft", "draft", "the set's draft model", "_draft_model"),
-    Method("medusa", "medusa", "Medusa heads' token tree", "_medusa"),
-    Method("lookup+medusa", "medusa", "prompt lookup after a 2+ token match, else Medusa", "_lookup_medusa"),
-    Method("suffix+medusa", "medusa", "suffix decoding after a 2+ token match, else Medusa", "_suffix_medusa"),
-    Method("eagle", "eagle", "the EAGLE head's dynamic tree", "_eagle"),
-    Method("lookup+eagle", "eagle", "prompt lookup after a 2+ token match, else EAGLE", "_lookup_eagle"),
+    Method("prompt-lookup", None, "n-gram matches in the prompt and the answer so far", ("prompt-lookup",)),
+    Method("suffix", None, "suffix trees over this request and earlier answers (--suffix-* options)", ("suffix",)),
+    Method("draft", "draft", "the set's draft model", ("draft",)),
+    Method("medusa", "medusa", "Medusa heads' token tree", ("medusa",)),
+    Method("lookup+medusa", "medusa", "prompt lookup after a 2+ token match, else Medusa", ("prompt-lookup", "medusa")),
+    Method("suffix+medusa", "medusa", "suffix decoding after a 2+ token match, else Medusa", ("suffix", "medusa")),
+    Method("eagle", "eagle", "the EAGLE head's dynamic tree", ("eagle",)),
+    Method("lookup+eagle", "eagle", "prompt lookup after a 2+ token match, else EAGLE", ("prompt-lookup", "eagle")),
 )}
 MODES = ("off", *METHODS, "auto")
 AUTO_HELP = "the set's draft model, else lookup+medusa at fp32 with heads, else prompt-lookup"  # resolve_mode

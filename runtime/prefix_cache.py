@@ -117,7 +117,7 @@ class PrefixStore:
     def put(self, kept: Kept) -> bool:
         """Keep a sequence, evicting the least recently used ones to stay within the budget (and any kept one it
         holds all but SAVE_MIN_LOST tokens of); False (and nothing kept) when it alone exceeds the budget."""
-        kept.nbytes = kept.target.nbytes + sum(_nbytes(s) for s in kept.proposers.values())
+        kept.nbytes = kept.target.nbytes + sum(s.nbytes for s in kept.proposers.values())
         if kept.nbytes > self.budget:
             return False
         for k in [k for k, old in self._kept.items()
@@ -129,7 +129,3 @@ class PrefixStore:
         self._kept[self._next] = kept
         self._next += 1
         return True
-
-
-def _nbytes(state) -> int:
-    return getattr(state, "nbytes", 0)

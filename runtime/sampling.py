@@ -7,12 +7,7 @@ and speculative decoding feeds the very same ``probs_from_logits`` output to
 is what makes speculative decoding lossless in practice: the distribution the
 verifier protects is bit-for-bit the distribution plain sampling draws from.
 
-Order of processors (the Hugging Face order): temperature -> top-k -> top-p
--> softmax. ``temperature == 0`` means greedy: the result is one-hot at the
-argmax, the limit of softmax(z / T) as T -> 0 (ties: lowest index).
-
-Everything is numpy on the host; randomness only through an explicit
-``np.random.Generator`` so runs are reproducible from ``SamplingParams.seed``.
+More: docs/runtime-notes.md, "Module notes: runtime/sampling.py".
 """
 
 from __future__ import annotations

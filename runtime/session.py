@@ -1,15 +1,12 @@
 """One loader for every front end (the CLI, the bench, the server): an engine set, a precision and a --speculate
 name -> a Session that streams answers.
 
-    session = load("engines/smollm2-135m", precision="fp32", speculate="auto")
-    stream = session.stream("Hello", max_new_tokens=64)
-    for delta in stream: ...
-    stream.result.stats        # stream.close() stops it at the next round boundary ("cancelled")
-
 `load` resolves 'auto' once (a caller that holds the loaded Manifest and the resolved mode passes them in: neither
 is loaded or resolved again), decides whether the target takes turns with a draft model on the cores, opens the
 target through the backend registry, and builds the decoder (proposer + controller), which keeps what it
 measured across requests. A Session serves one request at a time (one KV cache).
+
+More: docs/runtime-notes.md, "Module notes: runtime/session.py".
 """
 
 from __future__ import annotations

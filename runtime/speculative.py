@@ -7,9 +7,7 @@ greedy output equals target-only greedy output and sampled output has the target
 (on width-exact engines: a K-token pass must give the logits of K one-token passes; where the
 manifest says it does not, e.g. int8 activations, Stats.exact is False).
 
-Glossary: pending = context tokens not yet in the target's cache (one, or the prompt on round 1);
-k = draft length asked for (a tree's depth; 0 = plain decoding); tau = tokens per round. A controller
-(control.py) picks k; `make_decoder` maps a --speculate name to a proposer and a controller, once.
+More: docs/runtime-notes.md, "Module notes: runtime/speculative.py".
 """
 
 from __future__ import annotations
@@ -22,19 +20,20 @@ import numpy as np
 
 from ..errors import SpecrtError
 from ..manifest import Manifest
+from .constraint import constraint
 from .control import AdaptiveK, Controller, FixedK, GatedK, Round
 from .engine import Engine, EngineOptions, open_eagle, open_engine, open_heads
-from .generate import PlainDecoder, Stats
-from .grammar import MAX_FORCED, Grammar, emitted_allowed, masked
-from .proposers import Context, DraftModel, PromptLookup, Proposer
+from .generate import Decoder, PlainDecoder, Stats
+from .grammar import Grammar
+from .methods import METHODS, MODES
+from .proposers import Context, DraftModel, HiddenRows, PromptLookup, Proposer
 from .proposers.eagle import Eagle
-from .proposers.hybrid import LookupEagle, LookupMedusa, SuffixMedusa
+from .proposers.hybrid import Fallback
 from .proposers.medusa import Medusa
 from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
-from .methods import METHODS, MODES
-from .verify import verify, verify_greedy, verify_typical
+from .verify import Draft, VerifyResult, verify, verify_greedy, verify_typical
 
 MAX_DRAFT_TOKENS = 32
 
@@ -44,28 +43,24 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
                        grammar: Grammar | None = None, store_key: str | None = None) -> Iterator[list[int]]:
     """accept: the sampled-mode verification (`verify`, lossless; `verify_typical` only on the
     explicit, lossy opt-in, which Stats.exact and Stats.lossy report). grammar: every row the target's pass
-    returns is masked to what the grammar allows after that row's context (runtime/grammar.py). store_key: the
+    returns is masked to what the grammar allows after that row's context (runtime/constraint.py). store_key: the
     request's scope in the stores a proposer keeps across requests (suffix decoding's earlier answers)."""
-    ctx = Context(prompt, engine.max_context + 1)
-    ctx.target, ctx.cached, ctx.store_key = engine, stats.cached_tokens, store_key
     engine.rewind(stats.cached_tokens)  # KV reuse (Generator.keep_cache): the first pass feeds the rest
+    ctx = Context(prompt, engine.max_context + 1, cached=stats.cached_tokens, store_key=store_key,
+                  target_capacity=engine.capacity)
+    hidden = HiddenRows.open(engine, proposer.reads_hidden)  # the rows each pass gives heads that read them
     proposer.start(ctx, sampling, rng)
     control.start()
-    probs = None if sampling.greedy else np.empty((engine.max_pass_tokens, engine.vocab_size), np.float32)
-    drafted, accepted = np.zeros(engine.max_pass_tokens, np.int64), np.zeros(engine.max_pass_tokens, np.int64)
+    check, target = constraint(grammar, engine, sampling.greedy, stats), Verifier(engine, sampling, rng, accept)
+    tally = ByPosition(engine.max_pass_tokens)
     stats.proposer = proposer.name
-    first = getattr(proposer, "reads_prompt", False)  # the first round is the target's alone (see Proposer)
-    screen = try_screen = grammar is not None and sampling.greedy and engine.screen  # as in _plain_constrained
+    first = proposer.reads_prompt  # the first round is the target's alone (see Proposer)
     try:
         while True:
-            # 1. propose up to k tokens after the context (k = 0: this round is plain decoding)
+            # 1. propose up to k tokens after the context (k = 0: this round is plain decoding), after the tokens
+            #    the constraint leaves no choice about (this round's pass takes them along, undrafted)
             t0 = time.perf_counter()
-            forced: list[int] = []
-            if grammar is not None and engine.width_exact:
-                # tokens the grammar leaves no choice about: this round's pass takes them along, undrafted
-                forced = grammar.forced(min(MAX_FORCED, engine.max_context - ctx.length))
-                ctx.extend(np.asarray(forced, np.int64))
-                stats.grammar_s += time.perf_counter() - t0
+            forced = check.forced(ctx)
             bucket = proposer.bucket(ctx)
             room = engine.max_context - ctx.length  # draft nodes the cache still has places for
             k = 0 if first or forced else min(control.k(bucket), room)
@@ -73,58 +68,71 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             draft = proposer.propose(ctx, k)
             if draft.tokens.size > room:  # a tree of depth <= k can hold more nodes than fit (at the context end)
                 draft = draft.first(room)
-            masks = None
-            if grammar is not None:  # a chain stops at its first token the grammar forbids
-                tg = time.perf_counter()
-                draft, masks = grammar.check_draft(draft, sampling.greedy)
-                stats.grammar_s += time.perf_counter() - tg
+            draft = check.draft(draft)  # a chain stops at its first token the constraint forbids
             # 2. verify: one target pass over the pending token(s) + the n draft nodes gives p [n + 1, V]
             t1 = time.perf_counter()
             pending = ctx.ids[engine.length:]
             P, n = len(pending), draft.tokens.size
-            pos, mask = (None, None) if draft.parents is None else tree_inputs(engine.length, P, draft.parents)
-            tokens = np.concatenate([pending, draft.tokens])
-            if masks is not None:
-                result = None
-                if try_screen and P - len(forced) == 1:  # the screen's tokens where the grammar allows each one
-                    result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
-                    result = result if emitted_allowed(result, masks) else None  # else the same pass, in full
-                if result is None:  # full logits: the screen's argmax knows no mask
-                    raw = engine.forward(tokens, pos, mask, num_logits=n + 1)
-                    logits = masked(raw, masks)
-                    if sampling.greedy:
-                        result = verify_greedy(logits.argmax(-1), draft)
-                        try_screen = screen and bool((raw[result.rows].argmax(-1) == result.tokens).all())
-                    else:
-                        result = accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
-            elif sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one
-                result = verify_greedy(engine.argmax(tokens, pos, mask, num_logits=n + 1), draft)
-            else:
-                logits = engine.forward(tokens, pos, mask, num_logits=n + 1)
-                result = accept(probs_from_logits(logits, sampling, out=probs[: n + 1]), draft, rng)
+            result = check.verify(target, pending, draft)
             # 3. commit the pending tokens and the accepted path; rejected nodes are overwritten later
             t2 = time.perf_counter()
-            path = None if draft.parents is None else np.concatenate([np.arange(P), P + result.path])
-            engine.commit(P + result.num_accepted, path)
-            if grammar is not None:
-                tg = time.perf_counter()
-                grammar.advance(result.tokens.tolist())
-                stats.grammar_s += time.perf_counter() - tg
+            engine.commit(P + result.num_accepted, None if draft.parents is None else
+                          np.concatenate([np.arange(P), P + result.path]))
+            check.advance(result.tokens)
             # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
-            proposer.observe(result)
+            proposer.observe(result, hidden)
             r = Round(bucket, k, n, P + n, result, t1 - t0, t2 - t1, P > 1)
             control.observe(r)
             stats.observe(r, engine.width_exact)
-            d = result.acceptance.size
-            drafted[:d] += 1
-            accepted[:d] += result.acceptance
-            out = result.tokens
-            ctx.extend(out)
-            yield forced + out.tolist()
-    finally:  # the Generator closes us when it stops: write the per-position acceptance once, with its
-        used = drafted > 0  # denominators, so runs pool by counts (a bench's mean of rates weighs a 1-round run fully)
-        stats.acceptance_by_position = np.round(accepted[used] / drafted[used], 4).tolist()
-        stats.drafted_by_position = drafted[used].tolist()
+            tally.add(result.acceptance)
+            ctx.extend(result.tokens, committed=engine.length)
+            yield forced + result.tokens.tolist()
+    finally:  # the Generator closes us when it stops
+        tally.write(stats)
+
+
+class Verifier:
+    """Step 2 of the loop: one target pass over the pending tokens and a draft's nodes, and what it keeps."""
+
+    def __init__(self, engine: Engine, sampling: SamplingParams, rng: np.random.Generator, accept=verify):
+        self.engine, self.sampling, self.rng, self.accept = engine, sampling, rng, accept
+        self.probs = None if sampling.greedy else np.empty((engine.max_pass_tokens, engine.vocab_size), np.float32)
+
+    def inputs(self, pending: np.ndarray, draft: Draft) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The pass's tokens, and a tree's positions and mask (None for a chain)."""
+        pos, mask = (None, None) if draft.parents is None else tree_inputs(self.engine.length, len(pending),
+                                                                            draft.parents)
+        return np.concatenate([pending, draft.tokens]), pos, mask
+
+    def __call__(self, pending: np.ndarray, draft: Draft) -> VerifyResult:
+        tokens, pos, mask = self.inputs(pending, draft)
+        rows = draft.tokens.size + 1
+        if self.sampling.greedy:  # argmax(): exact, through the logit screen where the engine has one
+            return verify_greedy(self.engine.argmax(tokens, pos, mask, num_logits=rows), draft)
+        return self.sampled(self.engine.forward(tokens, pos, mask, num_logits=rows), draft)
+
+    def sampled(self, logits: np.ndarray, draft: Draft) -> VerifyResult:
+        """The sampled-mode verification of the pass's logits [n + 1, V]."""
+        n = draft.tokens.size
+        return self.accept(probs_from_logits(logits, self.sampling, out=self.probs[: n + 1]), draft, self.rng)
+
+
+class ByPosition:
+    """Per draft position, rounds that drafted it and that kept it: written to Stats once, with the denominators,
+    so runs pool by counts (a bench's mean of rates weighs a 1-round run fully)."""
+
+    def __init__(self, positions: int):
+        self.drafted, self.accepted = np.zeros(positions, np.int64), np.zeros(positions, np.int64)
+
+    def add(self, acceptance: np.ndarray) -> None:
+        d = acceptance.size
+        self.drafted[:d] += 1
+        self.accepted[:d] += acceptance
+
+    def write(self, stats: Stats) -> None:
+        used = self.drafted > 0
+        stats.acceptance_by_position = np.round(self.accepted[used] / self.drafted[used], 4).tolist()
+        stats.drafted_by_position = self.drafted[used].tolist()
 
 
 def tree_inputs(length: int, P: int, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -240,18 +248,6 @@ def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: Spe
     return Medusa(opener.heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
 
 
-def _lookup_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
-                   opener: Opener = OPEN) -> Proposer:
-    return LookupMedusa(_prompt_lookup(manifest, precision, options, cfg),
-                        _medusa(manifest, precision, options, cfg, opener))
-
-
-def _suffix_medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
-                   opener: Opener = OPEN) -> Proposer:
-    return SuffixMedusa(_suffix(manifest, precision, options, cfg, opener),
-                        _medusa(manifest, precision, options, cfg, opener))
-
-
 EAGLE_MAX_NODES = 24  # the widest tree a round may verify; each round picks how many of its best nodes pay
 
 
@@ -264,14 +260,16 @@ def _eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: Spec
                  beam=cfg.eagle_beam, nodes=cfg.eagle_nodes or EAGLE_MAX_NODES, pass_cost=cost)
 
 
-def _lookup_eagle(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
-                  opener: Opener = OPEN) -> Proposer:
-    return LookupEagle(_prompt_lookup(manifest, precision, options, cfg),
-                       _eagle(manifest, precision, options, cfg, opener))
+# a drafter's name in the method table (runtime/methods.py) -> the builder of its proposer
+DRAFTERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup, "suffix": _suffix,
+                                                 "draft": _draft_model, "medusa": _medusa, "eagle": _eagle}
 
 
-# --speculate NAME -> its proposer's builder (runtime/methods.py registers each name once)
-PROPOSERS: dict[str, Callable[..., Proposer]] = {name: globals()[m.factory] for name, m in METHODS.items()}
+def build_proposer(mode: str, manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
+                   opener: Opener = OPEN) -> Proposer:
+    """The proposer of a --speculate method: its one drafter, or its two as a Fallback (primary, then secondary)."""
+    parts = [DRAFTERS[d](manifest, precision, options, cfg, opener) for d in METHODS[mode].drafters]
+    return parts[0] if len(parts) == 1 else Fallback(mode, *parts)
 
 
 def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
@@ -288,7 +286,7 @@ def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
     return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(Decoder):
     """A decode strategy for Generator.stream(decode=...): the speculative loop with one proposer and one
     controller, kept across requests (the controller's measured pass costs and per-bucket acceptance)."""
 
@@ -315,7 +313,7 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     mode = resolve_mode(mode, manifest, precision)
     if mode == "off":
         return PlainDecoder()
-    proposer = PROPOSERS[mode](manifest, precision, options, config, opener)
+    proposer = build_proposer(mode, manifest, precision, options, config, opener)
     if k is not None:
         control = FixedK(k)
     elif controller is not None:

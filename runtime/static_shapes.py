@@ -2,17 +2,12 @@
 engine runs at, and the padded inputs of one pass. The ONNX Runtime portable backend runs it on the CPU; the
 GPU backends capture one CUDA graph per (width, capacity) and replay it, which is why every shape is fixed here.
 
-A pass of n tokens over a cache holding `length` committed positions runs at the smallest captured width
-W >= n (Buckets.width) over a cache laid out for a capacity C >= length + W (Buckets.capacity). Padding is
-free by the engine contract: the pad rows write K/V at [length + n, length + W), past what can be committed,
-where the next pass overwrites them. Each pad row attends to its own slot only, so its values stay finite
-(a NaN in a garbage slot would poison every later pass: -inf + NaN is NaN). The mask [W, C] is 0 where a row
-may attend: every committed slot, then among the new tokens causality plus the caller's tree mask.
-
 Cache layout: each (layer, key|value) buffer is allocated once for the largest capacity and viewed as a
 contiguous [batch, kv_heads, C, head_dim] tensor for the current C, so its address never changes (what CUDA
 graphs need). A longer context moves to a larger capacity by copying the committed rows into the new layout
 once (`relayout`); an empty cache changes layout for free.
+
+More: docs/runtime-notes.md, "Module notes: runtime/static_shapes.py".
 """
 
 from __future__ import annotations

@@ -4,16 +4,7 @@ A path is a tuple of candidate ranks, one per draft depth: (0,) is head 1's best
 is head 1's second-best followed by head 2's best. Every prefix of a path must itself be a path
 (a node's parent is in the tree). `compile_tree` is pure and runs once per tree, never per round.
 
-The verification pass feeds s = n + 1 tokens: pass index 0 is the root (the token that is already
-decided but whose K/V is not yet in the cache), pass index i + 1 is node i. So:
-
-  parents   [n]      node -> parent node (-1 = the root), parents before children
-  depth     [n]      1..D; node i's token comes from head depth[i] - 1 at rank rank[i]
-  rank      [n]      candidate rank within its head's top-k
-  positions [n + 1]  offsets from the cache length: 0 for the root, depth for a node
-  mask      [n + 1, n + 1]  additive (0 / -inf): a row sees itself and its ancestors, the root too
-  retrieve  [leaves, D + 1]  pass indices of each root-to-leaf path, padded with -1 (Medusa's
-                            retrieve_indices: row r lists the tokens a leaf's candidate consists of)
+More: docs/runtime-notes.md, "Module notes: runtime/tree.py".
 """
 
 from __future__ import annotations

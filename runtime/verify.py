@@ -5,20 +5,7 @@ logits: probabilities come from ``runtime.sampling.probs_from_logits``, the
 same function plain sampling uses, so p and q are exactly the distributions
 that were (or would have been) sampled from.
 
-Glossary (vLLM's rejection_sampler.py vocabulary; p = target, q = draft):
-  accepted:  draft tokens the target keeps, a prefix of a chain or a
-             root-to-node path of a tree.
-  recovered: the token emitted in place of the first rejected position,
-             drawn from the residual norm(max(0, p - q)).
-  bonus:     the token emitted after a fully accepted path (no child left to
-             test), drawn from p at the last accepted node for free.
-  node i:    draft position i; row i + 1 of ``p`` is the target after node i,
-             row 0 the target after the committed context (the root).
-
-Lossless means: the emitted tokens (accepted + recovered/bonus) have exactly
-the distribution of sampling token by token from p. ``verify`` and
-``verify_greedy`` are lossless; ``verify_typical`` (Medusa) is NOT and every
-result it returns carries ``lossy=True``.
+More: docs/runtime-notes.md, "Module notes: runtime/verify.py".
 """
 
 from __future__ import annotations

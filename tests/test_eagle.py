@@ -208,6 +208,8 @@ class OracleHead:
     real head's row does), then other tokens; its features are noise. It drives the proposer through long accepted
     chains and tree paths, which a random head never reaches."""
 
+    on_device = False  # takes host rows
+
     def __init__(self, oracle: list[int], capacity: int = 320, hidden: int = 64, topk: int = 4, vocab: int = 384):
         self.oracle, self.capacity, self.hidden_size, self.topk, self.vocab = oracle, capacity, hidden, topk, vocab
         self.max_capacity, self.length, self.calls = capacity, 0, []

@@ -1106,7 +1106,7 @@ def test_a_gpu_batch_engine_keeps_each_device_slots_hidden_rows_on_the_device(tm
     only.run([PassRow(s, np.arange(1, 6 + s), np.arange(5 + s), None, 1, True) for s in range(3)])
     assert batch_hidden_fetched(only) == 0
     cpu = SimpleNamespace(max_context=600, vocab_size=96, max_pass_tokens=64, width_exact=True, description="cpu",
-                          screen=False)  # a batch engine without device rows (ONNX Runtime's CPU ones)
+                          screen=False, rows_on_device=False)  # a batch engine without device rows (ORT CPU)
     engine = slot_engine(only, 1, Scheduler())
     assert isinstance(engine, DeviceSlotEngine) and not hasattr(slot_engine(cpu, 0, Scheduler()), "hidden_address")
     engine.enable_hidden(device_only=True)

@@ -12,7 +12,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.engine import EngineOptions
 from specrt.runtime.generate import Generator, Stats, plain_decode
 from specrt.runtime.grammar import Grammar, json_schema_grammar, masked
-from specrt.runtime.proposers import OneBucket
+from specrt.runtime.proposers import Proposer
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.session import load
 from specrt.runtime.speculative import FixedK, SpeculativeConfig, speculative_decode
@@ -181,7 +181,7 @@ def test_a_batch_session_gives_each_stream_the_constrained_output(tiny_engines, 
 LETTERS = 'start: /[a-z ]{1,6}/'  # about a third of the tiny vocabulary is letters and spaces
 
 
-class SampledOracle(OneBucket):
+class SampledOracle(Proposer):
     """Drafts each token from a fixed q (most of its mass on tokens the grammar forbids), as a sampled draft model
     does: a forbidden token's rejection must still draw from the residual norm(max(0, p - q))."""
 
@@ -196,9 +196,6 @@ class SampledOracle(OneBucket):
     def propose(self, ctx, k):
         tokens = self.rng.choice(self.q.size, size=k, p=self.q)
         return Draft(tokens, q=np.repeat(self.q[None], k, 0))
-
-    def observe(self, result):
-        pass
 
 
 def _constrained_joint(gen, prompt, params, grammar_text):

@@ -134,7 +134,7 @@ class ReplayHeads:
     pending token is not seq[t + 1], is a miss: Medusa must pass the hidden state of the last
     accepted position and the token the target chose after it."""
 
-    heads, topk = 3, 2
+    heads, topk, on_device = 3, 2, False
 
     def __init__(self, seq: list[int], hid: np.ndarray, vocab: int):
         self.seq, self.hid, self.vocab = np.array(seq + [0] * 4), hid, vocab   # padded: past the end is never verified
@@ -184,7 +184,7 @@ def test_medusa_trees_equal_target_greedy_to_the_end_of_the_context(medusa_gen, 
     or none of a path, nodes past the first sibling are accepted, and the heads always read the
     hidden state of the last accepted position (tree node or lookup chain) with its next token."""
     from specrt.runtime.proposers import PromptLookup
-    from specrt.runtime.proposers.hybrid import LookupMedusa
+    from specrt.runtime.proposers.hybrid import Fallback
     from specrt.runtime.proposers.medusa import Medusa
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import FixedK, speculative_decode
@@ -193,11 +193,11 @@ def test_medusa_trees_equal_target_greedy_to_the_end_of_the_context(medusa_gen, 
     assert plain.stats.finish_reason == "context" and len(seq) == medusa_gen.engine.max_context
     heads = ReplayHeads(seq, hid, medusa_gen.engine.vocab_size)
     medusa = Medusa(heads, TREE)
-    proposer = medusa if mode == "medusa" else LookupMedusa(PromptLookup((6, 4, 3, 2, 1), 3), medusa)
+    proposer = medusa if mode == "medusa" else Fallback(mode, PromptLookup((6, 4, 3, 2, 1), 3), medusa)
     rounds = []                                   # [draft, free places, result] of every Medusa round
     propose, observe, room = medusa.propose, medusa.observe, lambda ctx: medusa_gen.engine.max_context - ctx.length
     medusa.propose = lambda ctx, k: rounds.append([propose(ctx, k), room(ctx)]) or rounds[-1][0]
-    medusa.observe = lambda result: (rounds[-1].append(result), observe(result))
+    medusa.observe = lambda result, hidden: (rounds[-1].append(result), observe(result, hidden))
     out = medusa_gen.generate(prompt, max_new_tokens=1000, sampling=SamplingParams(), ignore_eos=True,
                               decode=lambda *a: speculative_decode(*a, proposer=proposer, control=FixedK(3)))
     assert out.token_ids == plain.token_ids and out.stats.finish_reason == "context"
@@ -256,14 +256,17 @@ def test_cli_labels_lossy_typical_as_lossy_not_as_width(medusa_gen):
 def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
     """lookup+medusa: prompt lookup's chain after a match of >= 2 tokens, Medusa's tree otherwise;
     greedy output equals target-only greedy, and both kinds of draft occur on a repetitive prompt."""
-    from specrt.runtime.proposers.hybrid import LookupMedusa
+    from specrt.runtime.proposers import PromptLookup
+    from specrt.runtime.proposers.hybrid import Fallback
+    from specrt.runtime.proposers.medusa import Medusa
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import make_decoder
 
     gen = medusa_gen
     decode = make_decoder("lookup+medusa", gen.manifest, "fp32", options=EngineOptions(threads=1))
     hybrid = decode.proposer
-    assert isinstance(hybrid, LookupMedusa) and hybrid.first_medusa == 4  # sizes 6, 4, 3, 2 look up
+    assert isinstance(hybrid, Fallback) and hybrid.first_secondary == 4  # sizes 6, 4, 3, 2 look up
+    assert isinstance(hybrid.primary, PromptLookup) and isinstance(hybrid.secondary, Medusa)
     kinds = {"chain": 0, "tree": 0}
     propose = hybrid.propose
 
@@ -271,7 +274,7 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
         d = propose(ctx, k)
         if d.tokens.size:
             kinds["tree" if d.parents is not None else "chain"] += 1
-            assert (d.parents is None) == (hybrid.bucket(ctx) < hybrid.first_medusa)
+            assert (d.parents is None) == (hybrid.bucket(ctx) < hybrid.first_secondary)
         return d
 
     hybrid.propose = counting
@@ -289,21 +292,24 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
 def test_suffix_medusa_routes_by_match_and_stays_exact(medusa_gen):
     """suffix+medusa: suffix decoding's tree after a match of >= 2 tokens (here or in earlier answers), Medusa's
     otherwise; greedy output equals target-only greedy, and both draft."""
-    from specrt.runtime.proposers.hybrid import SuffixMedusa
+    from specrt.runtime.proposers.hybrid import Fallback
+    from specrt.runtime.proposers.medusa import Medusa
+    from specrt.runtime.proposers.suffix import SuffixDecoding
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import make_decoder
 
     gen = medusa_gen
     decode = make_decoder("suffix+medusa", gen.manifest, "fp32", options=EngineOptions(threads=1))
     hybrid = decode.proposer
-    assert isinstance(hybrid, SuffixMedusa) and hybrid.first_medusa == 4 and hybrid.reads_prompt  # 16, 8, 4, 2
+    assert isinstance(hybrid, Fallback) and hybrid.first_secondary == 4 and hybrid.reads_prompt  # 16, 8, 4, 2
+    assert isinstance(hybrid.primary, SuffixDecoding) and isinstance(hybrid.secondary, Medusa)
     kinds = {"suffix": 0, "medusa": 0}
     propose = hybrid.propose
 
     def counting(ctx, k):
         d = propose(ctx, k)
         if d.tokens.size:
-            kinds["suffix" if hybrid.bucket(ctx) < hybrid.first_medusa else "medusa"] += 1
+            kinds["suffix" if hybrid.bucket(ctx) < hybrid.first_secondary else "medusa"] += 1
         return d
 
     hybrid.propose = counting
@@ -479,12 +485,12 @@ def test_heads_on_the_targets_gpu_read_the_hidden_row_there():
     """Heads that take a device address (TrtHeads.on_device) beside a target that gives one (a GPU engine): the
     target keeps its hidden states on the device and the heads get the accepted row's address; host heads (or a
     target without addresses) get the row itself."""
-    from specrt.runtime.proposers import Context
+    from specrt.runtime.proposers import Context, HiddenRows
     from specrt.runtime.proposers.medusa import Medusa
     from specrt.runtime.verify import VerifyResult
 
     class Target:
-        length, hidden = 0, np.arange(12, dtype=np.float32).reshape(3, 4)
+        length, hidden, hidden_on_device = 0, np.arange(12, dtype=np.float32).reshape(3, 4), True
 
         def enable_hidden(self, device_only=False):
             self.device_only = device_only
@@ -506,12 +512,12 @@ def test_heads_on_the_targets_gpu_read_the_hidden_row_there():
         heads, target = Heads(on_device), Target()
         medusa = Medusa(heads, [(0,), (0, 0)])
         ctx = Context([1, 2, 3], 16)
-        ctx.target = target
+        hidden = HiddenRows.open(target, medusa.reads_hidden)  # as the loop does
         medusa.start(ctx)
         assert target.device_only is on_device
         medusa.propose(ctx, 2)
         none = np.array([], np.int64)
-        medusa.observe(VerifyResult(none, none, 7, False, np.zeros(0, bool)))  # the pass's row 2 is the last kept
+        medusa.observe(VerifyResult(none, none, 7, False, np.zeros(0, bool)), hidden)  # row 2 is the last kept
         medusa.propose(ctx, 2)
         got = heads.got[-1]
         assert got == 1000 + 16 * 2 if on_device else (got == target.hidden[2]).all()

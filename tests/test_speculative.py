@@ -12,7 +12,7 @@ from scipy import stats as sps
 from specrt.runtime.engine import EngineOptions
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator, PlainDecoder, Stats, plain_decode
-from specrt.runtime.proposers import Context, OneBucket
+from specrt.runtime.proposers import Context, Proposer
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 from specrt.runtime.control import Round
 from specrt.runtime.speculative import (AdaptiveK, FixedK, GatedK, SpeculativeConfig, make_decoder, speculative_decode,
@@ -23,7 +23,7 @@ from specrt.runtime.verify import Draft, verify
 ALPHA = 1e-6   # per goodness-of-fit assertion; seeds are fixed, so CI is deterministic
 
 
-class Oracle(OneBucket):
+class Oracle(Proposer):
     """Drafts from a known greedy continuation `ref`: a tree whose first branches are wrong, so the
     accepted path is never the first nodes and commit(path) has to move K/V entries."""
 
@@ -44,9 +44,6 @@ class Oracle(OneBucket):
         # nodes: w0, c0, w1(w0), x(c0), c1(c0), c2(c1) -> accepted path [1, 4, 5]
         return Draft(np.array([wrong[0], right[0], wrong[1], wrong[1], right[1], right[2]]),
                      parents=np.array([-1, -1, 0, 1, 1, 4]))
-
-    def observe(self, result):
-        pass
 
 
 def _prompt(gen: Generator) -> list[int]:

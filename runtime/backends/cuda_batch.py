@@ -2,33 +2,7 @@
 (onnxruntime_portable_batch.py, its CPU reference) over device memory, with one CUDA graph per (rows, width,
 capacity).
 
-Every row of a round up to `batch_width` tokens (the widest captured width) goes into one pass of B = (highest
-slot in the round) + 1 rows padded to the widest row's bucket width W: each row writes at its own `write_indices[b]`
-and attends through its own [W, C] mask; slots in [0, B) without a row this round get a row of pads written past
-what they hold. The logits rows are all W rows of every batch row (a graph fixes their shape), so a greedy row reads
-its tokens from the [B, W] greedy output and a sampled row downloads only its own rows of logits. Rows wider than
-`batch_width` (prefills, their chunks) run alone over their slot's part of the cache, uncaptured (once per request).
-
-The cache is one [slots, kv_heads, C, head_dim] view per (layer, key|value) buffer (cuda_memory.DeviceCache with
-slots); C follows the longest sequence any slot holds plus the widest pad, in the engine's capacity buckets. A
-relayout moves every slot's rows, so it happens only inside `run` or under the engine's lock, like the snapshot,
-restore and move of one slot. Addresses never change, so a graph captured for (B, W, C) replays for as long as the
-engine lives.
-
-Hidden states go where each slot's reader wants them (`enable_hidden(slot, device_only)`): to the host
-(PassRow.hidden, for heads on the CPU), or, for heads on this GPU, into the slot's own rows of `slot_hidden`
-([slots, rows, H] float32, allocated when the first such reader starts) by a device-to-device copy of each row,
-queued on the engine's stream before the pass's one sync, so none crosses to the host and `hidden_address(slot,
-row)` holds the slot's rows of its last pass until its next one, whatever the shared `out_hidden` holds by then (a
-prefill run alone after the batched pass in the same call, the next round's pass). A copy rather than outputs bound
-per slot: a batched pass writes one [B, W, H] tensor at the address its captured graph fixes, and a chunked
-prefill's rows come from several passes (each chunk's at its PassRow.hidden_at).
-
-A single stream is a batch of one slot (each backend's open_engine: batch.DeviceSoloEngine), which runs as a
-single-stream engine would: its layout is laid out for the request (`reserve`: its size plus the widest pad) and
-grown only when a pass needs more, a pass downloads only the rows its caller reads and syncs once, heads on this GPU
-read its hidden rows where the pass left them (`out_hidden`, no copy: nothing else runs before its next pass), a
-tree's commit is queued without a sync, and outputs are views into the reused host buffers.
+More: docs/runtime-notes.md, "Module notes: runtime/backends/cuda_batch.py".
 """
 
 from __future__ import annotations
@@ -53,6 +27,7 @@ class DeviceBatchEngine:
 
     backend = "gpu"
     wide_rows_alone = False  # every row up to batch_width shares the call (runtime/batch.py's LoadPlanner)
+    rows_on_device = True  # a slot's hidden rows can stay on the device (hidden_address: batch.DeviceSlotEngine)
 
     def __init__(self, memory: Memory, geometry: Geometry, buckets: Buckets, *, slots: int, name: str,
                  width_exact: bool, graphs: bool, graphs_note: str | None = None, max_prompt: int | None = None,

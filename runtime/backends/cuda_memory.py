@@ -8,10 +8,7 @@ download outputs asynchronously on the engine's one stream, device-to-device 2-D
 tree commits, which bytes go back) runs on the CPU in tests, through an ONNX Runtime CPU session bound to the
 same raw addresses.
 
-The cache copies are data: `relayout_plan` and `commit_plan` are pure functions returning `Copy2D`s, checked on the
-CPU against static_shapes.relayout and numpy's fancy-index assignment. CUDA leaves overlapping copies undefined,
-so a plan never copies a region onto one it overlaps: it goes through a scratch buffer instead (HostMemory
-refuses overlapping copies, which is how the tests would see a plan that relies on them).
+More: docs/runtime-notes.md, "Module notes: runtime/backends/cuda_memory.py".
 """
 
 from __future__ import annotations

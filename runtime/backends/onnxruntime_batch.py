@@ -8,9 +8,7 @@ slot's rows only. batch.LoadPlanner knows (`wide_rows_alone`): under load a draf
 idle slots in the bound range get one-token pads written past their committed length (garbage by the engine
 contract), so the cache holds max_context + 1 positions per slot.
 
-A single stream is a batch of one slot (`open_solo`, which onnxruntime_cpu.open_engine returns): its rows run over
-the engine's own graph (the screen as built), its cache is laid out per request (`reserve`), huge pages are asked
-for, and it returns views into the reused output buffers, as the Engine contract allows.
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_batch.py".
 """
 
 from __future__ import annotations
@@ -107,9 +105,14 @@ class OrtBatchEngine:
 
     max_pass_tokens = 64
     wide_rows_alone = True  # see the module docstring
+    rows_on_device = False  # hidden rows come to the host (PassRow.hidden)
     screen_max_rows = 8  # a batched one-token pass reads the screen up to this many rows (8: 43 -> 30 ms measured)
     CAPACITY_STEP = 256  # one slot: reserve() rounds its cache layout up to a multiple of this many positions
     screen_note: str | None = None  # why the logit screen is not in use (open_batch: the entry's rule)
+
+    def pass_width(self, n: int) -> int:
+        """The width a pass of n tokens runs at: n (no padding to buckets)."""
+        return n
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, max_context: int, threads: int = 0, session_config: dict | None = None,

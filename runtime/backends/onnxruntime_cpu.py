@@ -114,6 +114,8 @@ class OrtHeads:
     """The heads engine: hidden [H] (+ the pending token) -> candidates [K, topk] token ids, best first.
     session_config: the entry's (a Q/DQ heads graph runs as written)."""
 
+    on_device = False  # takes host rows (proposers/medusa.py, eagle.py)
+
     def __init__(self, onnx_path: Path, threads: int = 1, session_config: dict[str, str] | None = None,
                  providers=("CPUExecutionProvider",)):
         so = ort.SessionOptions()
@@ -151,6 +153,8 @@ class OrtEagleHead:
     a tree's levels are all one call."""
 
     CAPACITY_STEP = 256
+
+    on_device = False  # takes host rows (proposers/medusa.py, eagle.py)
 
     def __init__(self, onnx_path: Path, *, hidden: int, kv_heads: int, head_dim: int, capacity: int, topk: int,
                  threads: int = 1):

@@ -1,29 +1,12 @@
 """The ONNX Runtime CUDA backend: the portable graph (export/portable.py) on onnxruntime-gpu's CUDA execution
 provider, with one CUDA graph per (pass width, cache capacity).
 
-ORT replays a captured graph only if every input and output sits at the address it was captured with, so nothing
-here is bound from host arrays: all inputs, outputs and the cache live in device buffers allocated once
-(cuda_batch.DeviceBatchEngine; a single stream is its one slot), the host-built pass is uploaded into them on our
-stream, and one IOBinding per (rows, width, capacity) binds them by address with that shape, next to its RunOptions
-carrying a gpu_graph_id of its own (ids from 1; ORT reserves 0, and -1 runs uncaptured: the wide prefill). ORT gets
-our stream as its compute stream (`user_compute_stream`) and is told not to sync after a run, so upload, pass, cache
-copies and download are ordered on one stream and a pass ends in one sync. Each cache buffer is bound as both past
-input and present output: TensorScatter writes in place. Medusa heads run on the CUDA EP beside it (OrtCudaHeads),
-reading the target's hidden row where it lies, and so does the EAGLE head (OrtCudaEagleHead: eagle-fp32, the
-standard-op graph), its cache and features kept on the device; sets built before (eagle-int8, backend onnxruntime)
-run theirs on ONNX Runtime's CPU provider, its features through the host.
-
-Two rules of ORT's CUDA graphs shape the runs (the CUDA EP keeps its graphs per host thread, and after its first
-two runs it captures a new gpu_graph_id on that id's first run): with graphs on, every run goes through one worker
-thread of the engine's own, so a server's request threads share one set of graphs; and a new id's first run is
-preceded by the same pass uncaptured (gpu_graph_id -1), so the memory arena has grown to the shape before capture
-(a cudaMalloc inside a capture fails it; a pass run twice writes the same cache rows). A captured run that fails
-anyway turns graphs off for the engine, which says why in its description, and the pass runs again uncaptured.
-
 Where this onnxruntime has no CUDA provider (plain `onnxruntime`), or its CUDA provider does not load (ORT then
 falls back to the CPU with a warning), opening an engine is a one-line SpecrtError. Where the CUDA EP refuses
 graph capture for this graph (a node placed on the CPU, say), the engine runs without graphs and says why in
 its description.
+
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_cuda.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Batched passes over the portable graph (runtime/batch.py's BatchEngine): B sequences (slots) in one session run,
 each with its own cache row, write index, positions and [W, C] mask, padded to the round's widest pass.
 
-The portable graph takes a batch as it takes one sequence: TensorScatter writes each row's keys and values at its
-own `write_indices[b]`, Attention reads the [B, 1, W, C] mask, so a verification of a k-token draft goes in the
-same call as the other streams' one-token passes (what GroupQueryAttention on the CPU cannot do, so LoadPlanner
-takes its `_common` branch here: one width for the batch). The same protocol is what the GPU backends would
-capture per (B, W, C); this backend is its CPU reference. A row wider than `batch_width` (a prefill or one of its
-chunks) runs alone, over its own slot: padding every other row to a prefill's width would multiply the pass.
-
-Cache layout: each (layer, key|value) buffer holds every slot at the largest capacity and is viewed as a
-contiguous [slots, kv_heads, C, head_dim] tensor; C follows the longest sequence any slot holds (ONNX Runtime's
-CPU Attention reads every position of the layout, runtime/backends/onnxruntime_portable.py), changing in steps
-of the engine's capacity buckets. Slots in the bound range [0, B) that have no row this round get a row of pads,
-written past their committed length (garbage by the engine contract) and attending only to themselves.
-
 A single stream is a batch of one slot (onnxruntime_portable.open_engine): its layout is the committed positions plus
 the widest pad when a request starts (`reserve`), grown only when a pass needs more, its outputs are views into the
 reused buffers, and huge pages are asked for.
+
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_portable_batch.py".
 """
 
 from __future__ import annotations
@@ -55,6 +44,7 @@ class PortableBatchEngine:
     widths 1, 2, 4 ... 64, a capacity every 256 positions)."""
 
     wide_rows_alone = False  # every row up to batch_width shares the call (the module docstring)
+    rows_on_device = False  # hidden rows come to the host (PassRow.hidden)
 
     def __init__(self, onnx_path: Path, *, slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vocab_size: int, hidden_size: int, max_context: int, precision: str = "fp32", threads: int = 0,

@@ -57,6 +57,7 @@ def _rope(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 class ReferenceEngine:
     max_pass_tokens = 64
+    hidden_on_device = False  # hidden rows on the host only
 
     def __init__(self, path: Path, *, num_heads: int, num_kv_heads: int, max_context: int, width_exact: bool = True,
                  name: str = "reference"):
@@ -139,6 +140,8 @@ class ReferenceEngine:
 
 class ReferenceHeads:
     """Medusa heads as plain linear maps of the hidden state: candidates[k] = top-k of hidden @ heads[k]."""
+
+    on_device = False  # takes host rows (proposers/medusa.py, eagle.py)
 
     def __init__(self, path: Path):
         with np.load(path) as f:

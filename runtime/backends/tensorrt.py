@@ -1,24 +1,7 @@
 """The TensorRT backends (tensorrt and tensorrt-rtx, one code): a serialized engine of the portable graph
 (build/tensorrt.py) with one CUDA graph per (pass width, cache capacity).
 
-The engine has two optimization profiles (prefill: widths up to max_prompt; decode/verify: up to max_width), and
-this backend one execution context for each, so neither ever switches profile. Every tensor address is set once at
-open (the batch engine's buffers, tensorrt_batch.py; each cache buffer as both past input and present output, which
-TensorRT's KV-cache update requires: it writes in place). A single stream is that batch engine's one slot. A decode
-pass at a (width, capacity) it has not seen runs once with execute_async_v3 (TensorRT finishes its shape-dependent
-setup there) and is then captured as a CUDA graph; later passes at that pair only upload their inputs and launch the
-graph. A capacity bucket change copies the committed cache rows on the device (cuda_memory.relayout_plan); the
-graphs of the new capacity are captured as they come. Where capture fails, the engine carries on without graphs and
-says why.
-
-A serialized engine runs only under the TensorRT version and on the GPU architecture it was built with: opening
-one recorded otherwise (entry.build's "tensorrt" and "compute_capability") is a one-line SpecrtError, as is a
-machine without TensorRT or a GPU, and an engine whose profiles cannot hold max_context. A TensorRT for RTX engine
-records the architectures it was compiled for (gpu_archs) instead; it is checked against this GPU, then by the
-library's own header check (get_engine_validity), and its contexts are made from a runtime configuration
-(rtx_runtime_config: a runtime cache per GPU under engines/.cache/tensorrt-rtx, EAGER kernel specialization, our
-own capture). Compiled Medusa heads and EAGLE heads (tensorrt_heads.py) run on the GPU
-beside the target; heads still in ONNX run on ONNX Runtime's CPU provider.
+More: docs/runtime-notes.md, "Module notes: runtime/backends/tensorrt.py".
 """
 
 from __future__ import annotations

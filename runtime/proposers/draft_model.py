@@ -1,16 +1,10 @@
 """DraftModel: a smaller model with the same tokenizer drafts k tokens autoregressively.
 
-KV cache invariant (the draft engine's own static cache): before `propose`, it holds a prefix of
-the context; `propose` first feeds the rest (usually one token: the target's last recovered or
-bonus token; two after a fully accepted draft, since the last drafted token was never fed; on the
-first round the prompt past the prefix it shares with the last request's context, which the cache
-keeps (KV reuse); everything since speculation was last switched off), then
-k - 1 drafted tokens, one pass each. `observe` rewinds it to the context plus the accepted draft
-tokens, so rejection costs nothing and a bonus token is caught up next round.
-
 Drafting is greedy (q = None, one-hot) under greedy sampling and sampled otherwise, with q[i],
 the distribution token i was drawn from, kept for exact verification (Leviathan et al.): both
 go through `probs_from_logits` with the request's SamplingParams.
+
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/draft_model.py".
 """
 
 from __future__ import annotations
@@ -22,12 +16,11 @@ from ..engine import Engine, KVSnapshot
 from ..prefix_cache import common_prefix
 from ..sampling import SamplingParams, probs_from_logits, sample
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context, HeldTokens, OneBucket
+from .base import EMPTY, Context, HeldTokens, Proposer
 
 
-class DraftModel(HeldTokens, OneBucket):
+class DraftModel(HeldTokens, Proposer):
     name = "draft"
-    adaptive = True
     reads_prompt = True  # its prefill waits until the target's first token is out
 
     def __init__(self, engine: Engine, max_tokens: int = 8, sampled: bool | None = None):
@@ -60,7 +53,7 @@ class DraftModel(HeldTokens, OneBucket):
         # feed, for the first logits); otherwise read it all, as a benchmark timing prefills expects
         self.engine.rewind(common_prefix(self.held(), ctx.ids, ctx.length - 1) if ctx.cached else 0)
         self.follow(ctx)
-        self.engine.reserve(ctx.target.capacity if ctx.target is not None else self.engine.max_context)
+        self.engine.reserve(ctx.target_capacity or self.engine.max_context)
         self.sampling, self.rng = sampling, rng
         self._sample = (not sampling.greedy) if self.sampled is None else self.sampled
         if self._sample and self._q is None:
@@ -84,6 +77,6 @@ class DraftModel(HeldTokens, OneBucket):
             feed = self._tokens[i:i + 1]
         return Draft(self._tokens[:k], q=self._q[:k] if self._sample else None)
 
-    def observe(self, result: VerifyResult) -> None:
+    def observe(self, result: VerifyResult, hidden=None) -> None:
         # keep the context and the accepted draft tokens; rejected ones are overwritten later
         self.engine.rewind(min(self.engine.length, self._base + result.num_accepted))

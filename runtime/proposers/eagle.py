@@ -1,27 +1,10 @@
 """EAGLE: draft from the target's own features with a one-layer head (export/eagle.py), as a chain or a dynamic
 tree (EAGLE-2).
 
-The head's cache holds one entry per target position i < head.length, made from [f_i ; e(x_{i+1})]: the target's
-feature (final-norm hidden state) at i and the token after it. The verification pass already computes the
-features of every token it feeds, so `observe` keeps those of the committed positions for free; `propose` first
-feeds the positions the head has not read yet (usually 1 + the accepted draft tokens), whose last row predicts
-the feature at the pending token, and so the token after it: draft token 1. Then it drafts on predicted features:
-the next row is [predicted feature ; e(drafted token)], written past the real entries (overwritten next round).
-
-  chain: one row per step, k steps (k from the adaptive controller).
-  tree (EAGLE-2): each step expands the `beam` nodes with the highest cumulative log-probability, every one with
-    its top-k children, in one head call (a row per expanded node, each seeing its ancestors' slots); after
-    `depth` steps the `nodes` best nodes overall (a node's ancestors always score at least as high, so they form
-    a tree) go to one target pass: as many as maximise expected tokens per second at the target's measured pass
-    costs (pass_cost).
-
 Drafts are deterministic (q = None), so `verify` keeps the output exactly the target's, greedy or sampled. The
 first round (the prompt is pending, no features yet) drafts nothing: the first token waits for the target alone.
 
-A head on the target's GPU (backends/device_eagle.py, compiled or on the CUDA EP: on_device) beside a target that
-gives its rows' device addresses (DeviceSlotEngine.hidden_addresses) keeps the features there: `observe` has the head
-copy the committed rows on the device, and the head's calls take and give feature rows by address (DeviceRows), so
-only tokens and their log-probabilities come to the host. Otherwise the features are host arrays (`_feat`).
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/eagle.py".
 """
 
 from __future__ import annotations
@@ -32,12 +15,12 @@ import numpy as np
 
 from ..prefix_cache import common_prefix
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context, HeldTokens, OneBucket
+from .base import EMPTY, Context, HeldTokens, HiddenRows, Proposer
 
 NEG = np.float32(-np.inf)
 
 
-class Eagle(HeldTokens, OneBucket):
+class Eagle(HeldTokens, Proposer):
     name = "eagle"
     reads_prompt = True
 
@@ -56,9 +39,13 @@ class Eagle(HeldTokens, OneBucket):
         self.max_context = cap if max_context is None else min(max_context, cap)
         self._feat = np.zeros((head.max_capacity, head.hidden_size), np.float32)  # features by target position
         self._known = 0          # features of positions [0, _known) are in _feat (or the head's store: _device)
-        self.target = None
-        self._base = 0
-        self._device = False
+        self._base = self._pending = 0  # the target's cache length and the pass's pending tokens at propose
+        self._device = False     # the features live in the head's store on the device (the rows handed are there)
+
+    @property
+    def reads_hidden(self) -> str:
+        # a head on the target's GPU keeps the features there (the module docstring): none crosses to the host
+        return "device" if self.head.on_device else "host"
 
     # --- KV reuse across requests (Generator.prefix_store) ----------------------------------------------------
     def held(self) -> np.ndarray:
@@ -73,19 +60,13 @@ class Eagle(HeldTokens, OneBucket):
         self.head.load_prefix(state.cache)
         n = state.cache.length
         self._feat[:n] = state.feat
-        if getattr(self.head, "on_device", False):  # before start decides where features live: both are current
+        if self.head.on_device:  # before the next pass says where features live: both are current
             self.head.write_features(state.feat)
         self._known = n
         self.hold(ids, n)
 
     # --- the proposer contract ---------------------------------------------------------------------------------
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
-        self.target = ctx.target
-        if self.target is None:
-            raise ValueError("EAGLE reads the target's features; run it through the speculative loop")
-        # a head on the target's GPU keeps the features there (the module docstring): none crosses to the host
-        self._device = getattr(self.head, "on_device", False) and hasattr(self.target, "hidden_addresses")
-        self.target.enable_hidden(device_only=True) if self._device else self.target.enable_hidden()
         # the head keeps the entries this prompt shares with its cache, if the target kept them too (KV reuse)
         keep = common_prefix(self.held(), ctx.ids, ctx.cached) if ctx.cached else 0
         self.head.length = keep
@@ -94,27 +75,26 @@ class Eagle(HeldTokens, OneBucket):
 
     def propose(self, ctx: Context, k: int) -> Draft:
         self._t0 = time.perf_counter()
-        t = self.target
-        self._base = t.length
-        pending = ctx.length - t.length
-        if k <= 0 or pending != 1 or self._known < t.length or t.length < 1 or ctx.length >= self.max_context:
+        base = self._base = ctx.committed
+        self._pending = ctx.length - base
+        if k <= 0 or self._pending != 1 or self._known < base or base < 1 or ctx.length >= self.max_context:
             return EMPTY  # features missing (the prompt's round, or speculation was off): plain this round
         h = self.head
-        if h.length > t.length:  # the head read past what the target kept (a rewind): forget it
-            h.length = t.length
-        h.reserve(t.length + 2 + k * self.beam)  # every slot this round may write, before its masks are built
-        # 1. the real entries the head has not read: positions [h.length, t.length), each with the token after it
-        lo, hi = h.length, t.length
+        if h.length > base:  # the head read past what the target kept (a rewind): forget it
+            h.length = base
+        h.reserve(base + 2 + k * self.beam)  # every slot this round may write, before its masks are built
+        # 1. the real entries the head has not read: positions [h.length, base), each with the token after it
+        lo, hi = h.length, base
         ids = ctx.ids
         mask = self._mask(hi - lo, lo)
         feats = h.stored(lo, hi) if self._device else self._feat[lo:hi]
         feat, top, logp = h.run(feats, ids[lo + 1: hi + 1], np.arange(lo, hi), lo, mask)
         h.length = hi
-        f, top, logp = feat[-1:], top[-1:], logp[-1:]  # row of position t.length - 1: guesses after the pending token
+        f, top, logp = feat[-1:], top[-1:], logp[-1:]  # row of position base - 1: guesses after the pending token
         return self._tree(f, top, logp, k) if self.tree else self._chain(f, top, k)
 
     def _chain(self, f, top, k: int) -> Draft:
-        h, base = self.head, self.target.length
+        h, base = self.head, self._base
         tokens = np.empty(k, np.int64)
         tokens[0] = top[0, 0]
         for i in range(1, k):  # row i sits at position base + i - 1, slot base + i - 1: it sees [0, slot]
@@ -125,7 +105,7 @@ class Eagle(HeldTokens, OneBucket):
 
     def _tree(self, f, top, logp, k: int) -> Draft:
         """EAGLE-2: grow by cumulative log-probability, then keep the best nodes."""
-        h, base, K = self.head, self.target.length, int(self.head.topk)
+        h, base, K = self.head, self._base, int(self.head.topk)
         tokens, parents, score, slot_of = [], [], [], []  # per node; slot_of: head slot of its expansion (or -1)
         for j in range(K):
             tokens.append(int(top[0, j]))
@@ -152,7 +132,8 @@ class Eagle(HeldTokens, OneBucket):
                     if slot_of[a] >= 0:
                         mask[r, slot_of[a]] = 0
                     a = parents[a]
-            rows_f = _stack([feats[i] for i in grow])
+            rows = [feats[i] for i in grow]  # host rows, or a device head's rows (DeviceRows)
+            rows_f = rows[0].join(rows) if self._device else np.stack(rows)
             pos = np.full(W, base + depth - 1, np.int64)
             out_f, out_top, out_logp = h.run(rows_f, np.array([tokens[i] for i in grow]), pos, slot, mask)
             slot += W
@@ -178,24 +159,25 @@ class Eagle(HeldTokens, OneBucket):
         return Draft(np.array([tokens[i] for i in order], np.int64),
                      np.array([index[parents[i]] if parents[i] >= 0 else -1 for i in order], np.int64))
 
-    def observe(self, result: VerifyResult) -> None:
-        """Keep the features of the positions the target committed: the pending token's, then the accepted
-        nodes' (pass rows 1 + path)."""
-        t = self.target
-        n = t.length - self._base
-        if n <= 0:
+    def observe(self, result: VerifyResult, hidden: HiddenRows | None = None) -> None:
+        """Keep the features of the positions the target committed: the pending tokens', then the accepted
+        nodes' (pass rows P + path)."""
+        if hidden is None:
+            raise ValueError("EAGLE reads the target's features; run it through the speculative loop")
+        self._device = hidden.device
+        P = self._pending
+        committed = self._base + P + result.num_accepted
+        if P <= 0:
             return
-        P = n - result.num_accepted
         rows = np.arange(P) if result.num_accepted == 0 else np.concatenate([np.arange(P), P + result.path])
-        have = t.hidden_rows if self._device else t.hidden.shape[0]
-        if have < rows.max() + 1 or self._known < self._base:
+        if len(hidden) < rows.max() + 1 or self._known < self._base:
             self._known = min(self._known, self._base)
             return
         if self._device:  # copied on the device, target rows to the head's store
-            self.head.keep_features(self._base, t.hidden_addresses(rows))
+            self.head.keep_features(self._base, hidden.rows(rows))
         else:
-            self._feat[self._base: t.length] = t.hidden[rows]
-        self._known = t.length
+            self._feat[self._base: committed] = hidden.rows(rows)
+        self._known = committed
 
     def _mask(self, W: int, lo: int) -> np.ndarray:
         """Causal rows for W entries written from slot lo on: row r sees slots [0, lo + r]."""
@@ -212,12 +194,6 @@ class _State:
     @property
     def nbytes(self) -> int:
         return self.cache.nbytes + self.feat.nbytes
-
-
-def _stack(rows: list):
-    """A tree level's input features: host rows stacked, or a device head's rows (DeviceRows) joined."""
-    join = getattr(rows[0], "join", None)
-    return join(rows) if join is not None else np.stack(rows)
 
 
 def _closed(keep: list[int], parents: list[int]) -> list[int]:

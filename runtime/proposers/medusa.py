@@ -7,13 +7,7 @@ that next token (token-input heads also read that next token itself, which the t
 chosen: it is the last context token); the tree (data: a list of paths, runtime/tree.py) combines each head's top
 candidates into n nodes, verified in one target pass of n + 1 tokens.
 
-  round r:   pass [pending, nodes...] -> verify -> accept path -> h = hidden[last accepted]
-  round r+1: candidates = heads(h) [K, topk] -> tokens = candidates[depth - 1, rank] -> Draft
-
-The draft is deterministic (q = None, one-hot), so `verify` keeps the output exactly the
-target's, greedy or sampled. The first round (the prompt is pending, no hidden state yet) drafts
-nothing. k from the controller caps the tree depth (a subtree per depth is compiled once); at the
-context end the loop keeps the first nodes that fit.
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/medusa.py".
 """
 
 from __future__ import annotations
@@ -22,10 +16,10 @@ from ...errors import SpecrtError
 from ..engine import Heads
 from ..tree import compile_tree
 from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context, OneBucket
+from .base import EMPTY, Context, HiddenRows, Proposer
 
 
-class Medusa(OneBucket):
+class Medusa(Proposer):
     name = "medusa"
     # the tree was sized at build time; AdaptiveK's chain model misjudges a tree, so the loop asks for the whole
     # tree and GatedK only switches it on or off (docs/runtime-notes.md, "Why Medusa's tree is not sized by AdaptiveK")
@@ -39,28 +33,29 @@ class Medusa(OneBucket):
         self.heads, self.max_tokens = heads, full.max_depth
         # a subtree per depth cap k: paths of length <= k stay prefix-closed
         self.trees = {k: compile_tree([p for p in full.paths if len(p) <= k]) for k in range(1, full.max_depth + 1)}
-        self.target = None
         self._h = None
-        self._device = False
+        self._pending = 0
+        self._device = False  # the last row it read was a device address
+
+    @property
+    def reads_hidden(self) -> str:
+        # heads compiled for the target's GPU read its hidden row there (TrtHeads): no row crosses to the host
+        return "device" if self.heads.on_device else "host"
 
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
-        self.target = ctx.target
-        if self.target is None:
-            raise SpecrtError("Medusa reads the target's hidden states; run it through the speculative loop")
-        # heads compiled for the target's GPU read its hidden row there (TrtHeads): no row crosses to the host
-        self._device = getattr(self.heads, "on_device", False) and hasattr(self.target, "hidden_address")
-        self.target.enable_hidden(device_only=True) if self._device else self.target.enable_hidden()
         self._h = None
         self._pending = 0
 
     def propose(self, ctx: Context, k: int) -> Draft:
-        self._pending = ctx.length - self.target.length  # tokens the next pass feeds before the nodes
+        self._pending = ctx.length - ctx.committed  # tokens the next pass feeds before the nodes
         if k <= 0 or self._h is None:
             return EMPTY
         tree = self.trees[min(k, self.max_tokens)]
         return Draft(tree.tokens(self.heads(self._h, int(ctx.ids[-1]))), tree.parents)
 
-    def observe(self, result: VerifyResult) -> None:
+    def observe(self, result: VerifyResult, hidden: HiddenRows | None = None) -> None:
+        if hidden is None:
+            raise SpecrtError("Medusa reads the target's hidden states; run it through the speculative loop")
         # pass index of the last accepted position: the last pending token, or node path[-1]
         last = self._pending - 1 + (int(result.path[-1]) + 1 if result.num_accepted else 0)
-        self._h = self.target.hidden_address(last) if self._device else self.target.hidden[last].copy()
+        self._h, self._device = hidden.row(last), hidden.device

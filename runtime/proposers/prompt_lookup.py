@@ -4,27 +4,18 @@ Summaries quote their source, code edits repeat most of the code: when the last 
 context occurred before, the tokens that followed them then are a good guess for what follows now
 (Saxena 2023, "prompt lookup decoding"). The draft is deterministic, so q = None (one-hot).
 
-Index: for each n-gram size, a dict from the n-gram (tuple of ids) to the end of its most recent
-occurrence, maintained incrementally: each round adds only the n-grams ending in the new tokens
-(O(new tokens), never O(context) per round). An n-gram is indexed once a token follows it, so a
-hit always has a continuation. Larger n is tried first: a longer match is a more specific guess.
-
-Buckets: the draft's bucket is the index of the n-gram size that matched (len(sizes) = no match).
-A 6-token match is right far more often than a 1-token one, so the adaptive controller keeps
-acceptance per match size and sizes each draft for its kind: long drafts after long matches, short
-or none after short ones (one acceptance profile for all matches was measured mixing them up).
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/prompt_lookup.py".
 """
 
 from __future__ import annotations
 
 from ...errors import SpecrtError
-from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
+from ..verify import Draft
+from .base import EMPTY, Context, Proposer
 
 
-class PromptLookup:
+class PromptLookup(Proposer):
     name = "prompt-lookup"
-    adaptive = True
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (6, 4, 3, 2, 1), max_tokens: int = 16):
         sizes = tuple(sorted(set(int(n) for n in ngram_sizes), reverse=True))
@@ -34,7 +25,7 @@ class PromptLookup:
             raise SpecrtError(f"prompt-lookup max_tokens must be >= 1, got {max_tokens}")
         self.ngram_sizes, self.max_tokens = sizes, max_tokens
         self.buckets = len(sizes) + 1
-        self.match_sizes = sizes  # the match lengths its buckets start at (LookupMedusa routes by them)
+        self.match_sizes = sizes  # the match lengths its buckets start at (a Fallback routes by them)
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self._indexed = 0  # n-grams ending at e < _indexed are in the index
         self._match = (-1, 0, None)  # (context length, bucket, end) of the last lookup
@@ -67,9 +58,6 @@ class PromptLookup:
                     break
             self._match = (ctx.length, *found)
         return self._match[1:]
-
-    def observe(self, result: VerifyResult) -> None:
-        pass  # the index catches up with the context at the next propose
 
     def _catch_up(self, ctx: Context) -> None:
         """Index the n-grams ending at e in [_indexed, length - 1] (each has a next token)."""

@@ -1,21 +1,10 @@
 """Suffix decoding: draft trees from what followed the context's longest suffix, in this request and in earlier answers.
 
-SuffixDecoding (Oliaro et al., NeurIPS 2025; ArcticInference's `suffix` method) keeps two count tries of token
-substrings up to `depth` tokens: one over the current request (prompt and output so far), one over earlier answers
-(the store: one per scope key, bounded in bytes together, least recently used answer out). Each
-round it finds the longest suffix of the context that either trie holds, and grows a tree from that node, most
-frequent continuation first: a node's probability is its count over its siblings' total, a path's the product of
-its nodes', and nodes whose path falls under `threshold` are not drafted. The tree holds at most
-`factor` x the match length tokens (a 2-token match is a weak guess), `max_nodes` in all; the trie with the longer
-match drafts the round, on a tie the one whose tree expects more accepted tokens (the sum of its nodes' path
-probabilities): earlier answers draft only where they match more of the context than this request does, since
-their trees from common phrases out-scored the request's own and were rejected on prompts unlike earlier ones
-(BENCHMARKS.md, "Does suffix decoding pay on workloads that repeat?"). The draft is verified like any other tree,
-so the output is the target's.
-
 The tries are plain dicts (node = [count, children, last writer]); adding a token updates the `depth` suffixes
 that end at it, O(depth) dict operations, and an evicted answer is replayed to decrement its counts.
 ArcticInference's C++ tree needs torch (and vLLM's protobuf) to build, which the runtime does not ship.
+
+More: docs/runtime-notes.md, "Module notes: runtime/proposers/suffix.py".
 """
 
 from __future__ import annotations
@@ -28,8 +17,8 @@ from collections import OrderedDict
 import numpy as np
 
 from ...errors import SpecrtError
-from ..verify import Draft, VerifyResult
-from .base import EMPTY, Context
+from ..verify import Draft
+from .base import EMPTY, Context, Proposer
 
 NODE_BYTES = 300  # a node's Python cost (a 2-list, a small dict, an int key in its parent), measured by tracemalloc
 MATCH_BUCKETS = (16, 8, 4, 2, 1)  # the bucket of a draft: the first of these its match length reaches
@@ -194,9 +183,8 @@ class SuffixStores:
         return self.nodes * NODE_BYTES
 
 
-class SuffixDecoding:
+class SuffixDecoding(Proposer):
     name = "suffix"
-    adaptive = True
     buckets = len(MATCH_BUCKETS) + 1
     reads_prompt = True  # the prompt goes into the local trie after the first token, not before it
     match_sizes = MATCH_BUCKETS  # the match lengths its buckets start at (as prompt lookup's n-gram sizes)
@@ -265,9 +253,6 @@ class SuffixDecoding:
         if draft is None or k < 1:
             return EMPTY
         return draft.first(k)  # the best tree of k nodes, as wide a pass as the controller planned
-
-    def observe(self, result: VerifyResult) -> None:
-        pass  # the tries catch up with the context at the next propose
 
 
 def _drop(node: list) -> int:
