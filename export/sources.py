@@ -65,17 +65,14 @@ def _check_gguf(src: Source) -> Source:
     with open(src.path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise SpecrtError(f"'{src.path}' is not a GGUF file (bad magic); check the download or pass a HF directory")
-    from gguf import GGUFReader
-
+    from .gguf_header import gguf_header
     from .spec import SUPPORTED_ARCHITECTURES
 
     try:
-        reader = GGUFReader(str(src.path))
-        field = reader.get_field("general.architecture")
-        arch = field.contents() if field is not None else None
-        scaling = reader.get_field(f"{arch}.rope.scaling.type")
-        scaling = scaling.contents() if scaling is not None else "none"
-        rope_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
+        header = gguf_header(src.path)
+        arch = header.fields.get("general.architecture")
+        scaling = header.fields.get(f"{arch}.rope.scaling.type", "none")
+        rope_freqs = "rope_freqs.weight" in header.tensors
     except Exception as e:  # a truncated or corrupt file fails anywhere in the parser
         raise SpecrtError(f"'{src.path}' is a corrupt GGUF file ({type(e).__name__}); re-download it") from None
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -154,15 +151,11 @@ def vocab_size(src: Source) -> int | None:
     if src.kind == "hf":
         n = json.loads((src.path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
         return n if isinstance(n, int) else None
-    from gguf import GGUFReader
+    from .gguf_header import gguf_header
 
-    reader = GGUFReader(str(src.path))  # memory-mapped: reads the header only
-    arch = reader.get_field("general.architecture").contents()
-    field = reader.get_field(f"{arch}.vocab_size")  # what transformers uses, else the token list's length
-    if field is not None:
-        return int(field.contents())
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    return len(tokens.data) if tokens is not None else None
+    header = gguf_header(src.path)
+    n = header.fields.get(f"{header.fields.get('general.architecture')}.vocab_size")  # what transformers uses,
+    return int(n) if n is not None else header.lengths.get("tokenizer.ggml.tokens")   # else the token list's length
 
 
 def max_positions(src: Source) -> int | None:
@@ -171,11 +164,11 @@ def max_positions(src: Source) -> int | None:
     if src.kind == "hf":
         n = json.loads((src.path / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
         return n if isinstance(n, int) else None
-    from gguf import GGUFReader
+    from .gguf_header import gguf_header
 
-    reader = GGUFReader(str(src.path))
-    field = reader.get_field(f"{reader.get_field('general.architecture').contents()}.context_length")
-    return int(field.contents()) if field is not None else None
+    header = gguf_header(src.path)
+    n = header.fields.get(f"{header.fields.get('general.architecture')}.context_length")
+    return int(n) if n is not None else None
 
 
 def load(src: Source):
