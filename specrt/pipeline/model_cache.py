@@ -50,8 +50,10 @@ def engines_for_model(model: str, opts: ModelBuild, log=_say) -> tuple[Path, str
     fp = fingerprint(src, root / ".cache" / "fingerprints.json")
     key = hashlib.sha256(json.dumps([fp, req.backend, req.precisions, req.max_context, str(req.medusa_heads),
                                      str(req.eagle_head)]).encode()).hexdigest()
-    req = replace(req, name=f"{name}{BACKENDS[req.backend].set_suffix}-{key[:12]}")
-    if not (root / req.name).is_dir():
+    # keyed by content: the same files under another name or path find the entry built before
+    found = sorted(p.name for p in root.glob(f"*-{key[:12]}") if p.is_dir() and not p.name.startswith("."))
+    req = replace(req, name=found[0] if found else f"{name}{BACKENDS[req.backend].set_suffix}-{key[:12]}")
+    if not found:
         log(f"first use of {model}: building its engine set into {root / req.name} (later runs reuse it)")
     return make_engine_set(req, log), name
 
