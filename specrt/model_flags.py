@@ -43,7 +43,7 @@ def eagle_head_option(panel: str | None = None, default: str = "the committed he
 def model_option():
     return typer.Option(None, "--model", "-m", metavar="PATH", show_default=False,
                         help="A Hugging Face model folder, a .gguf file or an embedded name (smollm2-135m): its "
-                             "engine set (the --precision served; the committed heads where the model has them) is "
+                             "engine set (the precision served, with the committed heads where the model has them) is "
                              f"built on first use into the cache, {CACHE_RULE} (here: {cache_root()}), and reused "
                              "after. Not with --engines.")
 
