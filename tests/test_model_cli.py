@@ -131,6 +131,28 @@ def test_serve_model_answers_an_openai_request_from_the_cached_set(built):
     assert len(entries(cache)) >= 1
 
 
+@pytest.mark.slow
+def test_a_killed_build_leaves_no_entry_and_two_first_uses_at_once_build_once(tiny_qwen_dir, tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "SPECRT_CACHE": str(cache)}
+    args = [sys.executable, "-m", "specrt.cli", "generate", "--model", str(tiny_qwen_dir), "--prompt", PROMPT,
+            "--max-new-tokens", str(N), "--json", "--threads", "1"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    for line in proc.stderr:  # killed while the set is being written
+        if "building onnxruntime target engine" in line:
+            proc.kill()
+            break
+    proc.wait(30)
+    assert proc.returncode != 0 and entries(cache) == []  # only a .tmp-* folder, which no run takes as a set
+    runs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)]
+    done = [(p.communicate(timeout=300), p.returncode) for p in runs]
+    assert [rc for _, rc in done] == [0, 0], [err for (_, err), _ in done]
+    assert sum("wrote" in err for (_, err), _ in done) == 1  # one built, the other waited and reused it
+    assert json.loads(done[0][0][0])["token_ids"] == json.loads(done[1][0][0])["token_ids"]
+    assert len(entries(cache)) == 1
+
+
 def _gguf(path: Path, arch: str, strings: int = 3) -> Path:
     import gguf
     import numpy as np
