@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,17 +65,14 @@ def _check_gguf(src: Source) -> Source:
     with open(src.path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise SpecrtError(f"'{src.path}' is not a GGUF file (bad magic); check the download or pass a HF directory")
-    from gguf import GGUFReader
-
     from .families import family_for_gguf, supported
+    from .gguf_header import gguf_header
 
     try:
-        reader = GGUFReader(str(src.path))
-        field = reader.get_field("general.architecture")
-        arch = field.contents() if field is not None else None
-        scaling = reader.get_field(f"{arch}.rope.scaling.type")
-        scaling = scaling.contents() if scaling is not None else "none"
-        rope_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
+        header = gguf_header(src.path)
+        arch = header.fields.get("general.architecture")
+        scaling = header.fields.get(f"{arch}.rope.scaling.type", "none")
+        rope_freqs = "rope_freqs.weight" in header.tensors
     except Exception as e:  # a truncated or corrupt file fails anywhere in the parser
         raise SpecrtError(f"'{src.path}' is a corrupt GGUF file ({type(e).__name__}); re-download it") from None
     if family_for_gguf(arch) is None:
@@ -89,15 +88,61 @@ def _check_gguf(src: Source) -> Source:
     return src
 
 
-def fingerprint(src: Source) -> str:
-    """sha256 over the source's files (name + bytes): what decides whether export must re-run."""
+def fingerprint(src: Source, memo: Path | None = None) -> str:
+    """sha256 over the source's files (name + bytes): what decides whether export must re-run. Remembered, in
+    this process and in the JSON file `memo` if given, against each file's identity and change time (size, mtime,
+    ctime, inode), which any write changes, so an unchanged multi-GB model is not read again (git's index does the
+    same)."""
+    files = src.files()
+    stats = [[p.name, *_identity(p)] for p in files]
+    key = str(src.path)
+    known = _FINGERPRINTS.get(key) or _read_memo(memo).get(key)
+    if known is not None and known.get("stats") == stats:
+        _FINGERPRINTS[key] = known
+        return known["sha256"]
     h = hashlib.sha256()
-    for p in src.files():
+    for p in files:
         h.update(p.name.encode())
         with open(p, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
+    if [[p.name, *_identity(p)] for p in files] == stats:  # not changed while it was read
+        _FINGERPRINTS[key] = {"stats": stats, "sha256": h.hexdigest()}
+        if memo is not None:
+            _write_memo(memo, key, _FINGERPRINTS[key])
     return h.hexdigest()
+
+
+_FINGERPRINTS: dict[str, dict] = {}  # str(source path) -> {"stats": ..., "sha256": ...}
+
+
+def _identity(p: Path) -> list[int]:
+    st = p.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _read_memo(memo: Path | None) -> dict:
+    try:
+        return json.loads(memo.read_text()) if memo is not None else {}
+    except (OSError, ValueError):  # none yet, or unreadable: hash again
+        return {}
+
+
+def _write_memo(memo: Path, key: str, entry: dict) -> None:
+    """Add one entry (a temp file renamed over the memo: a reader never sees half of it; a read-only cache only
+    costs the next run a hash)."""
+    found = {**_read_memo(memo), key: entry}
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-fingerprints-", dir=memo.parent)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(found, f)
+        os.replace(tmp, memo)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def vocab_size(src: Source) -> int | None:
@@ -106,15 +151,24 @@ def vocab_size(src: Source) -> int | None:
     if src.kind == "hf":
         n = json.loads((src.path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
         return n if isinstance(n, int) else None
-    from gguf import GGUFReader
+    from .gguf_header import gguf_header
 
-    reader = GGUFReader(str(src.path))  # memory-mapped: reads the header only
-    arch = reader.get_field("general.architecture").contents()
-    field = reader.get_field(f"{arch}.vocab_size")  # what transformers uses, else the token list's length
-    if field is not None:
-        return int(field.contents())
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    return len(tokens.data) if tokens is not None else None
+    header = gguf_header(src.path)
+    n = header.fields.get(f"{header.fields.get('general.architecture')}.vocab_size")  # what transformers uses,
+    return int(n) if n is not None else header.lengths.get("tokenizer.ggml.tokens")   # else the token list's length
+
+
+def max_positions(src: Source) -> int | None:
+    """The positions the model was trained for, from its config or GGUF header without loading weights (None if
+    it does not say)."""
+    if src.kind == "hf":
+        n = json.loads((src.path / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+        return n if isinstance(n, int) else None
+    from .gguf_header import gguf_header
+
+    header = gguf_header(src.path)
+    n = header.fields.get(f"{header.fields.get('general.architecture')}.context_length")
+    return int(n) if n is not None else None
 
 
 def check_family(src: Source) -> None:

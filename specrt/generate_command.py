@@ -10,10 +10,9 @@ from typing import Optional
 
 import typer
 
+from . import model_flags as mf
 from .errors import SpecrtError
 from .runtime.methods import modes_help
-
-DEFAULT_ENGINES = Path("engines/smollm2-135m")
 
 
 def generate(
@@ -21,7 +20,9 @@ def generate(
                                          help="User message (formatted with the model's chat template)."),
     messages: Optional[Path] = typer.Option(None, "--messages",
                                             help='JSON file: [{"role": "user", "content": "..."}, ...].'),
-    engines_dir: Path = typer.Option(DEFAULT_ENGINES, "--engines", "-e", help="Engine set folder."),
+    engines_dir: Optional[Path] = typer.Option(None, "--engines", "-e", show_default=False,
+                                               help="Engine set folder. Default engines/smollm2-135m."),
+    model: Optional[str] = mf.model_option(),
     precision: str = typer.Option("fp32", "--precision",
                                   help="Which target engine of the set to run: fp32 (exact), int8, int4 or int4-fp32 "
                                        "(those the set was built with; `specrt info` lists them)."),
@@ -53,6 +54,10 @@ def generate(
                                             "print one line: tau, both times, the speedup, whether the output is "
                                             "identical (with --json: a compare_plain object). Each run is timed "
                                             "after a one-token warm-up."),
+    backend: Optional[str] = mf.backend_option(mf.MODEL_PANEL),
+    max_context: Optional[int] = mf.max_context_option(mf.MODEL_PANEL, mf.MODEL_CONTEXT_DEFAULT),
+    medusa_heads: Optional[str] = mf.medusa_heads_option(mf.MODEL_PANEL),
+    eagle_head: Optional[str] = mf.eagle_head_option(mf.MODEL_PANEL, mf.MODEL_EAGLE_DEFAULT),
 ):
     """Generate from an engine set; streams text, then prints stats to stderr."""
     from . import compare_plain as cmp
@@ -70,6 +75,7 @@ def generate(
         raise SpecrtError(re.sub(r"\b(temperature|top_k|top_p)\b=?",
                                  lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
                                  str(e))) from None
+    engines_dir = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads, eagle_head)[0]
     from .runtime.engine import EngineOptions
     from .runtime.session import load
     from .runtime.speculative import SpeculativeConfig

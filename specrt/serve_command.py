@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from . import model_flags as mf
 from .errors import SpecrtError
 from .runtime.methods import modes_help
 from .scopes import SUFFIX_SCOPES
@@ -52,7 +53,13 @@ PREFILL_CHUNK_HELP = ("With --parallel: a prompt longer than this many tokens is
 
 
 def serve(
-    engines_dir: Path = typer.Option(Path("engines/smollm2-135m"), "--engines", "-e", help="Engine set folder."),
+    engines_dir: Optional[Path] = typer.Option(None, "--engines", "-e", show_default=False,
+                                               help="Engine set folder. Default engines/smollm2-135m."),
+    model: Optional[str] = mf.model_option(),
+    backend: Optional[str] = mf.backend_option(mf.MODEL_PANEL),
+    max_context: Optional[int] = mf.max_context_option(mf.MODEL_PANEL, mf.MODEL_CONTEXT_DEFAULT),
+    medusa_heads: Optional[str] = mf.medusa_heads_option(mf.MODEL_PANEL),
+    eagle_head: Optional[str] = mf.eagle_head_option(mf.MODEL_PANEL, mf.MODEL_EAGLE_DEFAULT),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 = every interface)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     speculate: str = typer.Option("auto", "--speculate", help=modes_help()),
@@ -101,15 +108,17 @@ def serve(
     from .runtime.session import load
     from .runtime.speculative import SpeculativeConfig, resolve_mode
 
+    config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
+                               suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
+    config.check()  # before a --model build
+    engines_dir, served = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads,
+                                            eagle_head)
     manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
     manifest.engine("target", precision)
     mode = resolve_mode(speculate, manifest, precision)  # the session gets both: neither is loaded or resolved again
-    config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
-                               suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
-    config.check()
     run_server(lambda: load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
                             parallel=parallel, prefill_chunk=prefill_chunk),
-               manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
+               served or manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
                suffix_scope.value)
 
 

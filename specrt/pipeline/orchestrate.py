@@ -69,17 +69,12 @@ def check_destination(out_root: Path, name: str) -> None:
                           "which is kept for the build cache); pass e.g. --name mymodel")
 
 
-def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
-    """Export (cached per source, context and tool versions), build every requested engine, write the
-    manifest, and move the set into req.out_root / req.name in one rename -> that path. Validates the
-    request before any work; skips everything when the set there was built from the same inputs and still
-    loads; one build per out_root at a time. Errors are one-line SpecrtErrors and leave no partial set."""
-    from ..build.ort import build_key, precision
-    from ..export.sources import fingerprint, resolve, vocab_size
+def check_request(req: EngineSetRequest) -> EngineSetRequest:
+    """Before any work: a missing library, unknown precision or architecture, or an option the request cannot
+    honour is one line -> the request with the GPU architectures to compile for filled in."""
+    from ..build.ort import precision
 
-    check_destination(Path(req.out_root), req.name)
     built = req.precisions + (req.draft_precisions if req.draft_source else ())
-    # before any work: a missing library, precision or architecture is one line
     req = replace(req, gpu_archs=check_backend(req.backend, built, req.gpu_archs) or None)
     portable = req.backend in PORTABLE_BACKENDS
     for p in ([] if portable else built):
@@ -104,13 +99,42 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
                               "0.85, int4-awq 0.70)")
     if req.max_context < MIN_CONTEXT:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
+    if req.medusa_heads is not None and not Path(req.medusa_heads).is_file():
+        raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
+    if req.eagle_head is not None:
+        if not Path(req.eagle_head).is_file():
+            raise SpecrtError(f"EAGLE head file '{req.eagle_head}' not found; train it with `specrt train-eagle`")
+        from .eagle import check_head
+
+        check_head(Path(req.eagle_head))
+    return req
+
+
+def heads_file(flag: str | None, default: Path | None) -> Path | None:
+    """--medusa-heads / --eagle-head: 'none' = no heads, a path = that file, not given = the committed default."""
+    return None if flag == "none" else Path(flag) if flag else default
+
+
+def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
+    """Export (cached per source, context and tool versions), build every requested engine, write the
+    manifest, and move the set into req.out_root / req.name in one rename -> that path. Validates the
+    request before any work; skips everything when the set there was built from the same inputs and still
+    loads; one build per out_root at a time. Errors are one-line SpecrtErrors and leave no partial set."""
+    from ..build.ort import build_key, precision
+    from ..export.sources import fingerprint, resolve, vocab_size
+
+    check_destination(Path(req.out_root), req.name)
+    req = check_request(req)
+    built = req.precisions + (req.draft_precisions if req.draft_source else ())
+    portable = req.backend in PORTABLE_BACKENDS
     src = resolve(req.source)
     dsrc = resolve(req.draft_source) if req.draft_source else None
     if dsrc is not None:  # from the configs, before minutes of export; the tokenizers are compared after it
         _check_same_vocab(req, vocab_size(src), vocab_size(dsrc))
     final = req.out_root / req.name
+    memo = req.out_root / ".cache" / "fingerprints.json"
     log(f"fingerprinting {src.path.name}")
-    fp = fingerprint(src)
+    fp = fingerprint(src, memo)
 
     if portable:
         from ..build.quantize import FORMAT as QDQ_FORMAT
@@ -131,24 +155,21 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     key = [fp, sorted(req.precisions), req.max_context, EXPORT_FORMAT, tools, recipes, SCHEMA_VERSION]
     if dsrc is not None:
         log(f"fingerprinting {dsrc.path.name}")
-        dfp = fingerprint(dsrc)
+        dfp = fingerprint(dsrc, memo)
         key += [dfp, sorted(req.draft_precisions)]
     if req.medusa_heads is not None:
-        if not Path(req.medusa_heads).is_file():
-            raise SpecrtError(f"Medusa heads file '{req.medusa_heads}' not found; train it with `make heads`")
         from ..export.medusa import HEADS_ENGINE
         from ..export.medusa_tree import TREE_TOLERANCE
 
         key += [file_sha256(Path(req.medusa_heads)), req.medusa_tree_nodes, TREE_TOLERANCE, TREE_COSTS, HEADS_ENGINE]
     if req.eagle_head is not None:
-        if not Path(req.eagle_head).is_file():
-            raise SpecrtError(f"EAGLE head file '{req.eagle_head}' not found; train it with `specrt train-eagle`")
         from ..export.eagle import EAGLE_FORMAT
-        from .eagle import check_head
 
-        check_head(Path(req.eagle_head))
         key += [file_sha256(Path(req.eagle_head)), EAGLE_FORMAT, TREE_COSTS]
     inputs_key = hashlib.sha256(json.dumps(key).encode()).hexdigest()
+    if _up_to_date(final, inputs_key):  # a set is swapped in by rename: read without waiting for the lock
+        log(f"{final} is up to date")
+        return final
     with one_build_at_a_time(Path(req.out_root), log):
         if _up_to_date(final, inputs_key):
             log(f"{final} is up to date")
