@@ -166,6 +166,10 @@ class BatchSession:
     def decoder(self):
         return self.slots[0].decoder
 
+    @property
+    def codec(self):
+        return self.slots[0].generator.codec  # one TextCodec, shared by the slots
+
     def enable_reuse(self, store: PrefixStore | None) -> None:
         """KV reuse across requests: each slot keeps its last sequence, others go to `store` (shared)."""
         self.prefix_store = store

@@ -42,9 +42,10 @@ class Shapes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage(stats), "metrics": metrics(stats)}
 
-    def completion(self, text: str, stats: Stats, calls: list[ToolCall] | None = None) -> dict:
-        """The whole reply; calls: the tool calls parsed out of it (text is then what is outside them)."""
-        finish = finish_reason(stats, calls)
+    def completion(self, text: str, stats: Stats, calls: list[ToolCall] | None = None, cut: bool = False) -> dict:
+        """The whole reply; calls: the tool calls parsed out of it (text is then what is outside them); cut: the
+        markup of a call was cut off (tool_calls.CallParser.cut)."""
+        finish = finish_reason(stats, calls, cut)
         if self.chat:
             message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
             if calls:
@@ -56,10 +57,11 @@ class Shapes:
         return {**self._base(obj), "choices": [choice], "usage": usage(stats), "metrics": metrics(stats)}
 
 
-def finish_reason(stats: Stats, calls) -> str:
-    """OpenAI's finish_reason: "tool_calls" when a reply that ended by itself called tools."""
+def finish_reason(stats: Stats, calls, cut: bool = False) -> str:
+    """OpenAI's finish_reason: "tool_calls" when a reply called tools and ended by itself or in the markup of a
+    call it had no room to finish (dropped); "length" when the budget cut its text, or its only call."""
     finish = FINISH[stats.finish_reason]
-    return "tool_calls" if calls and finish == "stop" else finish
+    return "tool_calls" if calls and (finish == "stop" or cut) else finish
 
 
 def call_json(c: ToolCall) -> dict:

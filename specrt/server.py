@@ -138,7 +138,8 @@ class Server:
             self._grammar(source, f"{where}: its parameters", "tools")
         if req.call_tools:
             grammar = self._grammar(tools_grammar(list(req.call_tools), req.call_required, req.call_parallel,
-                                                  self.session.grammar_literal), "tools", "tools")
+                                                  self.session.grammar_literal, self.session.codec.tool_format),
+                                    "tools", "tools")
         elif req.grammar is not None:
             grammar = self._grammar(req.grammar, "response_format", "response_format")
         try:
@@ -197,7 +198,7 @@ class Server:
         if this body never runs). parse_calls: <tool_call> blocks go out as delta.tool_calls (id and name first,
         then the arguments), the text around them as content."""
         first = True
-        parser = CallParser() if parse_calls else None
+        parser = CallParser(self.session.codec.tool_format) if parse_calls else None
 
         def chunks(events: list[Event]):
             nonlocal first
@@ -231,10 +232,11 @@ class Server:
                     for line in chunks([Event(content=value)] if parser is None else parser.feed(value)):
                         yield line
                 elif kind == "done":
-                    if parser is not None:  # what it held: a call cut short by max_tokens, or text
-                        for line in chunks(parser.finish()):
+                    if parser is not None:  # what it held: text, or the markup of a call cut short (dropped)
+                        for line in chunks(parser.finish(cut(value))):
                             yield line
-                    chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls))
+                    chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls,
+                                                                    parser is not None and parser.cut))
                     if include_usage:
                         chunk["usage"] = None
                     yield sse_event(chunk)
@@ -256,8 +258,8 @@ class Server:
                 kind, value = await queue.get()
                 if kind == "done":
                     if parse_calls:
-                        text, calls = split(value.text)
-                        return shapes.completion(text, value.stats, calls)
+                        text, calls, markup_cut = split(value.text, self.session.codec.tool_format, cut(value))
+                        return shapes.completion(text, value.stats, calls, markup_cut)
                     return shapes.completion(value.text, value.stats)
                 if kind == "error":
                     raise RuntimeError(first_line(value))
@@ -272,6 +274,11 @@ class Server:
 
 
 RETRY_AFTER_S = 1
+
+
+def cut(result) -> bool:
+    """The token budget or the context ended the reply."""
+    return result.stats.finish_reason in ("length", "context")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
