@@ -42,10 +42,9 @@ class Shapes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage(stats), "metrics": metrics(stats)}
 
-    def completion(self, text: str, stats: Stats, calls: list[ToolCall] | None = None, cut: bool = False) -> dict:
-        """The whole reply; calls: the tool calls parsed out of it (text is then what is outside them); cut: the
-        markup of a call was cut off (tool_calls.CallParser.cut)."""
-        finish = finish_reason(stats, calls, cut)
+    def completion(self, text: str, stats: Stats, calls: list[ToolCall] | None = None) -> dict:
+        """The whole reply; calls: the tool calls parsed out of it (text is then what is outside them)."""
+        finish = finish_reason(stats, calls)
         if self.chat:
             message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
             if calls:
@@ -57,11 +56,11 @@ class Shapes:
         return {**self._base(obj), "choices": [choice], "usage": usage(stats), "metrics": metrics(stats)}
 
 
-def finish_reason(stats: Stats, calls, cut: bool = False) -> str:
-    """OpenAI's finish_reason: "tool_calls" when a reply called tools and ended by itself or in the markup of a
-    call it had no room to finish (dropped); "length" when the budget cut its text, or its only call."""
-    finish = FINISH[stats.finish_reason]
-    return "tool_calls" if calls and (finish == "stop" or cut) else finish
+def finish_reason(stats: Stats, calls) -> str:
+    """OpenAI's finish_reason: "tool_calls" when a reply has complete calls (calls end a turn: whatever the budget
+    cut after them was the markup of a call with no room, dropped); else "length" when the budget cut the reply
+    (its text, or the markup of its only call), "stop" when it ended by itself."""
+    return "tool_calls" if calls else FINISH[stats.finish_reason]
 
 
 def call_json(c: ToolCall) -> dict:

@@ -48,7 +48,7 @@ from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
 from .scopes import store_key
-from .tool_calls import CallParser, Event, split
+from .tool_calls import CallParser, Event, split, text_grammar
 from .tool_calls import grammar as tools_grammar
 from .worker import Loading, Overloaded, run_stream, sse_event
 
@@ -142,6 +142,8 @@ class Server:
                                     "tools", "tools")
         elif req.grammar is not None:
             grammar = self._grammar(req.grammar, "response_format", "response_format")
+        elif req.tool_grammars:  # tool_choice "none": a model that knows tools may still open a call
+            grammar = self._grammar(text_grammar(self.session.codec.tool_format), "tools", "tools")
         try:
             stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
                                          stop=req.stop, chat=chat, ignore_eos=req.ignore_eos, grammar=grammar,
@@ -235,8 +237,7 @@ class Server:
                     if parser is not None:  # what it held: text, or the markup of a call cut short (dropped)
                         for line in chunks(parser.finish(cut(value))):
                             yield line
-                    chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls,
-                                                                    parser is not None and parser.cut))
+                    chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls))
                     if include_usage:
                         chunk["usage"] = None
                     yield sse_event(chunk)
@@ -258,8 +259,8 @@ class Server:
                 kind, value = await queue.get()
                 if kind == "done":
                     if parse_calls:
-                        text, calls, markup_cut = split(value.text, self.session.codec.tool_format, cut(value))
-                        return shapes.completion(text, value.stats, calls, markup_cut)
+                        text, calls, _ = split(value.text, self.session.codec.tool_format, cut(value))
+                        return shapes.completion(text, value.stats, calls)
                     return shapes.completion(value.text, value.stats)
                 if kind == "error":
                     raise RuntimeError(first_line(value))

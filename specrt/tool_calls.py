@@ -58,6 +58,14 @@ def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=js
     return head + f'start: TEXT | trig {rest}\ntrig[lazy]: TEXT {open_}\n' + TEXT
 
 
+def text_grammar(fmt: ToolFormat = HERMES) -> str:
+    """A reply of text that never opens a call (tool_choice "none" with tools given: the model may still try)."""
+    if not fmt.open:
+        return '%llguidance {}\nstart: TEXT?\nTEXT: /[^{](.|\\n)*/\n'
+    mark = "".join("\\" + c if c in "\\.^$*+?{}[]|()/" else c for c in fmt.open)
+    return f'%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{mark}(.|\\n)*/\n'
+
+
 @dataclass
 class Event:
     """One thing to send: content text, or a call (complete: `start` is it, `arguments` its arguments)."""
@@ -144,9 +152,10 @@ class CallParser:
 
     def finish(self, cut: bool = False) -> list[Event]:
         """The events still held at the end. cut: the token budget ended the reply; then a held tail that may open
-        a call is markup too. A call the reply ended inside is dropped (`cut` set)."""
+        a call (or the whitespace after one, before the next) is markup too. A call the reply ended inside is dropped
+        (`cut` set)."""
         out = []
-        if self.in_call or (cut and self.buf and self.fmt.open):
+        if self.in_call or (cut and ((self.buf and self.fmt.open) or self.space)):
             self.cut = True
         elif not (self.fmt.open == "" and self.at_start):
             self._text(self.buf, out)
