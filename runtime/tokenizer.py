@@ -91,6 +91,7 @@ class TextCodec:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now  # transformers gives templates today's date (Llama 3.x)
             env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(chat_template)
@@ -183,6 +184,12 @@ def _prompted_rows(messages: list[Message], tools: list[dict] | None, fmt: ToolF
         else:
             rows.insert(0, {"role": "system", "content": prompt})
     return rows
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _raise(message: str):

@@ -11,9 +11,13 @@ import typer
 
 from .errors import SpecrtError
 from .runtime.methods import modes_help
+from .runtime.tool_formats import NAMES as TOOL_FORMATS
 from .scopes import SUFFIX_SCOPES
 
 SuffixScope = Enum("SuffixScope", {s: s for s in SUFFIX_SCOPES}, type=str)  # --suffix-scope's choices, for typer
+ToolFormatName = Enum("ToolFormatName", {s: s for s in ("auto", *TOOL_FORMATS)}, type=str)
+TOOL_FORMAT_HELP = ("How the model writes tool calls and is shown tools (docs/formats.md): auto (from the chat "
+                    "template and the tokenizer's special tokens) or one of " + ", ".join(TOOL_FORMATS) + ".")
 
 
 def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
@@ -85,6 +89,7 @@ def serve(
                                        "llama.cpp's server --cache-ram."),
     default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",  # server.DEFAULT_MAX_TOKENS
                                            help=DEFAULT_MAX_TOKENS_HELP),
+    tool_format: ToolFormatName = typer.Option("auto", "--tool-format", metavar="NAME", help=TOOL_FORMAT_HELP),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
@@ -107,10 +112,19 @@ def serve(
     config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
                                suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
     config.check()
-    run_server(lambda: load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
-                            parallel=parallel, prefill_chunk=prefill_chunk),
+    run_server(lambda: with_tool_format(load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
+                                             parallel=parallel, prefill_chunk=prefill_chunk), tool_format.value),
                manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
                suffix_scope.value)
+
+
+def with_tool_format(session, name: str):
+    """The session, its replies read and its prompts written in the format `name` ("auto": the detected one)."""
+    if name != "auto":
+        from .runtime.tool_formats import by_name
+
+        session.codec.use_format(by_name(name))
+    return session
 
 
 def run_server(loader, model: str, host: str, port: int, api_key: str | None, max_queue: int, cache_ram_mib: int,

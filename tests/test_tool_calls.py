@@ -90,7 +90,7 @@ def test_detection_is_data_and_one_call_a_turn_is_refused_in_a_history():
     assert detect(None, vocab.__contains__).name == "mistral"
     assert detect("", {"<|tool_call|>", "<|/tool_call|>"}.__contains__).name == "phi4-mini"
     assert detect("", {"<|tool_call|>"}.__contains__).name == "granite"
-    assert detect('{"name": x, "parameters": y}', {"<|eot_id|>"}.__contains__).name == "llama3-json"
+    assert detect('{"name": function name, "parameters": dict}', set().__contains__).name == "llama3-json"
     assert detect("<start_of_turn>", set().__contains__).name == "gemma-json"
     assert detect("{{ x }}", set().__contains__) is FORMATS[-1]
     from specrt.errors import SpecrtError
