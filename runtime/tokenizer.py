@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..errors import SpecrtError, first_line
-from .tool_formats import FORMATS, ToolFormat, detect
+from .tool_formats import FORMATS, ThinkFormat, ToolFormat, detect, detect_thinking
 
 HERMES = FORMATS[-1]
 
@@ -95,14 +95,17 @@ class TextCodec:
             env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(chat_template)
-                self.template_takes_tools = "tools" in meta.find_undeclared_variables(env.parse(chat_template))
+                self.template_variables = frozenset(meta.find_undeclared_variables(env.parse(chat_template)))
+                self.template_takes_tools = "tools" in self.template_variables
                 self.template_renders_calls = "tool_calls" in chat_template
             except TemplateSyntaxError as e:
                 raise SpecrtError(f"the chat template does not parse (line {e.lineno}: {e.message}); rebuild the "
                                   "engine set with `specrt engines`") from None
         self.keep: frozenset[int] = frozenset()
+        self.think: ThinkFormat | None = detect_thinking(chat_template, self.template_variables)
         self.use_format(detect(chat_template, self._one_token))
 
+    template_variables: frozenset[str] = frozenset()  # what the chat template reads: chat_template_kwargs' keys
     template_takes_tools = False
     template_renders_calls = False
 
@@ -113,12 +116,14 @@ class TextCodec:
         """The tool-call format prompts are rendered in and replies read in (tool_formats.py); its markers that are
         special tokens are kept in decoded text, where the parser finds them."""
         self.tool_format = fmt
+        marks = (fmt.open, fmt.close) + ((self.think.open, self.think.close) if self.think else ())
         special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
-        self.keep = frozenset(special.intersection(self.tokenizer.token_to_id(m) for m in (fmt.open, fmt.close) if m))
+        self.keep = frozenset(special.intersection(self.tokenizer.token_to_id(m) for m in marks if m))
 
-    def render_chat(self, messages: list[Message], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[Message], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
         """The prompt of a chat; tools: OpenAI's [{"type": "function", "function": {...}}], given to a template that
-        takes them, else written into the system turn as the Hermes prompt (tool rounds in the history likewise)."""
+        takes them, else written in the tool-call format's own prompt (tool rounds in the history likewise);
+        kwargs: more variables for the template (a request's chat_template_kwargs, --reasoning off's switch)."""
         if self._template is None:
             return "".join(m.content for m in messages)
         eos = self.tokenizer.id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
@@ -128,8 +133,8 @@ class TextCodec:
             extra = {"tools": tools} if tools else {}
         else:
             rows, extra = _prompted_rows(messages, tools, fmt), {}
-        return self._template.render(messages=rows, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                     eos_token=eos, **extra)
+        return self._template.render(**(kwargs or {}), messages=rows, add_generation_prompt=True,
+                                     bos_token=self.bos_token or "", eos_token=eos, **extra)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -114,3 +114,24 @@ def detect(template: str | None, has_token) -> ToolFormat:
         if all(map(has_token, f.tokens)) and all(s in source for s in f.template):
             return f
     return FORMATS[-1]
+
+
+@dataclass(frozen=True)
+class ThinkFormat:
+    """Where a thinking model's reasoning goes: between `open` and `close`; `switch`: the template variable that
+    turns thinking off when false (Qwen3's and SmolLM3's enable_thinking), None where the template has none."""
+    open: str
+    close: str
+    switch: str | None = None
+
+
+# detection: the first pair whose markers are both in the chat template's source
+THINKING = (ThinkFormat("<think>", "</think>", "enable_thinking"), ThinkFormat("[THINK]", "[/THINK]"))
+
+
+def detect_thinking(template: str | None, variables) -> ThinkFormat | None:
+    """The reasoning markers of a chat template (variables: those it reads), None for a model that does not think."""
+    for t in THINKING:
+        if template and t.open in template and t.close in template:
+            return ThinkFormat(t.open, t.close, t.switch if t.switch in variables else None)
+    return None

@@ -68,9 +68,11 @@ def text_grammar(fmt: ToolFormat = HERMES) -> str:
 
 @dataclass
 class Event:
-    """One thing to send: content text, or a call (complete: `start` is it, `arguments` its arguments)."""
+    """One thing to send: content text, reasoning text, or a call (complete: `start` is it, `arguments` its
+    arguments)."""
 
     content: str = ""
+    reasoning: str = ""
     start: ToolCall | None = None
     arguments: str = ""
     call: ToolCall | None = None
