@@ -166,6 +166,10 @@ class BatchSession:
     def decoder(self):
         return self.slots[0].decoder
 
+    @property
+    def codec(self):
+        return self.slots[0].generator.codec  # one TextCodec, shared by the slots
+
     def enable_reuse(self, store: PrefixStore | None) -> None:
         """KV reuse across requests: each slot keeps its last sequence, others go to `store` (shared)."""
         self.prefix_store = store
@@ -179,8 +183,8 @@ class BatchSession:
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), chat: bool = True,
                ignore_eos: bool = False, grammar=None, tools: list[dict] | None = None,
-               store_key: str | None = None) -> Stream:
-        ids = self.slots[0].generator.prepare(prompt, chat, max_new_tokens, tools)
+               store_key: str | None = None, template_kwargs: dict | None = None) -> Stream:
+        ids = self.slots[0].generator.prepare(prompt, chat, max_new_tokens, tools, template_kwargs)
         stream = Stream(iter(()))
         run = self._run(ids, stream, dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                           ignore_eos=ignore_eos, grammar=grammar, store_key=store_key))

@@ -234,13 +234,14 @@ class Generator:
         """The tokenizer as the grammar engine reads it (grammar.GrammarTokenizer: built once, ~0.4 s)."""
         return grammar_tokenizer(self.codec, self.engine.vocab_size)
 
-    def prompt_ids(self, prompt: str | list[Message], chat: bool = True, tools: list[dict] | None = None) -> list[int]:
-        """tools: OpenAI's function tools, rendered with a chat (TextCodec.render_chat)."""
+    def prompt_ids(self, prompt: str | list[Message], chat: bool = True, tools: list[dict] | None = None,
+                   template_kwargs: dict | None = None) -> list[int]:
+        """tools: OpenAI's function tools, rendered with a chat (TextCodec.render_chat), as template_kwargs are."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SpecrtError("the prompt is empty; pass some text with --prompt or a --messages file")
             prompt = [Message("user", prompt)] if chat else self.codec.plain_prompt(prompt)
-        text = self.codec.render_chat(prompt, tools) if isinstance(prompt, list) else prompt
+        text = self.codec.render_chat(prompt, tools, template_kwargs) if isinstance(prompt, list) else prompt
         ids = self.codec.encode(text)
         if not ids:
             raise SpecrtError("the prompt encodes to no tokens; pass some text")
@@ -252,7 +253,8 @@ class Generator:
     def stream(self, prompt: str | list[Message], *, max_new_tokens: int = 256,
                sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (),
                chat: bool = True, decode=None, ignore_eos: bool = False, grammar: Grammar | None = None,
-               tools: list[dict] | None = None, store_key: str | None = None) -> Stream:
+               tools: list[dict] | None = None, store_key: str | None = None,
+               template_kwargs: dict | None = None) -> Stream:
         """decode: a strategy like `plain_decode` (the default); speculative decoders plug in here.
         ignore_eos: keep decoding through EOS tokens (kept in token_ids) until max_new_tokens or a stop
         string, like vLLM's `ignore_eos`; for benchmarks that need equal lengths. Logits are not changed.
@@ -260,18 +262,18 @@ class Generator:
         tools: OpenAI's function tools, shown to the model with the chat (TextCodec.render_chat).
         store_key: this request's scope in what the decoder keeps across requests (suffix decoding's store of
         earlier answers: requests with the same key share one; None: the one shared by every unkeyed request)."""
-        ids = self.prepare(prompt, chat, max_new_tokens, tools)
+        ids = self.prepare(prompt, chat, max_new_tokens, tools, template_kwargs)
         stream = Stream(iter(()))
         stream._it = self.run_ids(ids, stream, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                   decode=decode, ignore_eos=ignore_eos, grammar=grammar, store_key=store_key)
         return stream
 
     def prepare(self, prompt: str | list[Message], chat: bool, max_new_tokens: int,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """A request's checked prompt tokens (one-line errors before anything runs)."""
         if max_new_tokens < 1:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        return self.prompt_ids(prompt, chat, tools)
+        return self.prompt_ids(prompt, chat, tools, template_kwargs)
 
     def run_ids(self, ids: list[int], stream: Stream, *, max_new_tokens: int = 256,
                 sampling: SamplingParams = SamplingParams(), stop: tuple[str, ...] = (), decode=None,

@@ -35,6 +35,11 @@ class Session:
     def engine(self) -> Engine:
         return self.generator.engine
 
+    @property
+    def codec(self):
+        """The tokenizer and chat template (tokenizer.TextCodec), its tool-call format included."""
+        return self.generator.codec
+
     def stream(self, prompt: str | list[Message], **kwargs) -> Stream:
         """Generator.stream's arguments (max_new_tokens, sampling, stop, chat, ignore_eos), this session's decoder."""
         return self.generator.stream(prompt, decode=self.decoder, **kwargs)

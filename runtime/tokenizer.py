@@ -10,6 +10,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..errors import SpecrtError, first_line
+from .tool_formats import FORMATS, ThinkFormat, ToolFormat, detect, detect_thinking
+
+HERMES = FORMATS[-1]
 
 
 @dataclass(frozen=True)
@@ -28,18 +31,9 @@ class Message:
     tool_call_id: str | None = None         # a role "tool" turn: the call it answers
 
 
-# Tools for chat templates that take none (SmolLM2's): the Hermes function-calling prompt, which Qwen2.5's own template
-# also writes, so one parser reads both (docs/runtime-notes.md, "Tool calls")
-HERMES_TOOLS = (
-    "You may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
-
-
 def tool_call_text(call: ToolCall) -> str:
     """A call as the Hermes format writes it."""
-    return f'<tool_call>\n{{"name": {json.dumps(call.name)}, "arguments": {call.arguments}}}\n</tool_call>'
+    return HERMES.calls_text([call])
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
@@ -100,28 +94,49 @@ class TextCodec:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now  # transformers gives templates today's date (Llama 3.x)
             env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(chat_template)
-                self.template_takes_tools = "tools" in meta.find_undeclared_variables(env.parse(chat_template))
+                self.template_variables = frozenset(meta.find_undeclared_variables(env.parse(chat_template)))
+                self.template_takes_tools = "tools" in self.template_variables
+                self.template_renders_calls = "tool_calls" in chat_template
             except TemplateSyntaxError as e:
                 raise SpecrtError(f"the chat template does not parse (line {e.lineno}: {e.message}); rebuild the "
                                   "engine set with `specrt engines`") from None
+        self.keep: frozenset[int] = frozenset()
+        self.think: ThinkFormat | None = detect_thinking(chat_template, self.template_variables)
+        self.use_format(detect(chat_template, self._one_token))
 
+    template_variables: frozenset[str] = frozenset()  # what the chat template reads: chat_template_kwargs' keys
     template_takes_tools = False
+    template_renders_calls = False
 
-    def render_chat(self, messages: list[Message], tools: list[dict] | None = None) -> str:
+    def _one_token(self, text: str) -> bool:
+        return self.tokenizer.token_to_id(text) is not None
+
+    def use_format(self, fmt: ToolFormat) -> None:
+        """The tool-call format prompts are rendered in and replies read in (tool_formats.py); its markers that are
+        special tokens are kept in decoded text, where the parser finds them."""
+        self.tool_format = fmt
+        marks = (fmt.open, fmt.close) + ((self.think.open, self.think.close) if self.think else ())
+        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        self.keep = frozenset(special.intersection(self.tokenizer.token_to_id(m) for m in marks if m))
+
+    def render_chat(self, messages: list[Message], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
         """The prompt of a chat; tools: OpenAI's [{"type": "function", "function": {...}}], given to a template that
-        takes them, else written into the system turn as the Hermes prompt (tool rounds in the history likewise)."""
+        takes them, else written in the tool-call format's own prompt (tool rounds in the history likewise);
+        kwargs: more variables for the template (a request's chat_template_kwargs, --reasoning off's switch)."""
         if self._template is None:
             return self.plain_prompt("".join(m.content for m in messages))
+        fmt = self.tool_format
         if self.template_takes_tools:
-            rows = [_template_row(m) for m in messages]
+            rows = [_template_row(m, None if self.template_renders_calls else fmt) for m in messages]
             extra = {"tools": tools} if tools else {}
         else:
-            rows, extra = _hermes_rows(messages, tools), {}
-        return self._template.render(messages=rows, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                     eos_token=self._eos_token or "", **extra)
+            rows, extra = _prompted_rows(messages, tools, fmt), {}
+        return self._template.render(**(kwargs or {}), messages=rows, add_generation_prompt=True,
+                                     bos_token=self.bos_token or "", eos_token=self._eos_token or "", **extra)
 
     def plain_prompt(self, text: str) -> str:
         """A prompt no chat template wrote, led by what the tokenizer itself puts before a text (Gemma's and Llama's
@@ -139,13 +154,25 @@ class TextCodec:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        if not self.keep.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        out, start = [], 0  # the format's markers are special tokens: decoded as text, the rest as before
+        for i, t in enumerate(ids + [-1]):
+            if t in self.keep or t == -1:
+                out.append(self.tokenizer.decode(ids[start:i], skip_special_tokens=True))
+                out.append(self.tokenizer.id_to_token(t) if t != -1 else "")
+                start = i + 1
+        return "".join(out)
 
 
-def _template_row(m: Message) -> dict:
-    """A message as chat templates read it (transformers' convention: a call's arguments as an object)."""
+def _template_row(m: Message, fmt: ToolFormat | None = None) -> dict:
+    """A message as chat templates read it (transformers' convention: a call's arguments as an object); fmt: a
+    template that shows tools but not calls (Granite 3.3's) gets them in the turn's text, as the model wrote them."""
     row = {"role": m.role, "content": m.content}
-    if m.tool_calls:
+    if m.tool_calls and fmt is not None:
+        row["content"] = "\n".join([m.content] * bool(m.content) + [fmt.calls_text(m.tool_calls)])
+    elif m.tool_calls:
         row["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in m.tool_calls]
     if m.tool_call_id is not None:
@@ -153,26 +180,35 @@ def _template_row(m: Message) -> dict:
     return row
 
 
-def _hermes_rows(messages: list[Message], tools: list[dict] | None) -> list[dict]:
-    """Tools and tool rounds for a template that knows neither: the tool list in the system turn, calls in the
-    assistant's text, results as `tool` turns in <tool_response> tags (Hermes 2 Pro's format; a small model echoes
-    them back when they come as user turns, as Qwen2.5's template writes them: docs/runtime-notes.md, "Tool calls")."""
+def _prompted_rows(messages: list[Message], tools: list[dict] | None, fmt: ToolFormat) -> list[dict]:
+    """Tools and tool rounds for a template that knows neither, in the format's own words: the tool list in the
+    system turn (or the first user turn), calls in the assistant's text, results as the format's result turns (the
+    Hermes format's: `tool` turns in <tool_response> tags; a small model echoes them back when they come as user
+    turns: docs/runtime-notes.md, "Tool calls")."""
     rows = []
     for m in messages:
         if m.tool_calls:
-            text = "\n".join([m.content] * bool(m.content) + [tool_call_text(c) for c in m.tool_calls])
-            rows.append({"role": m.role, "content": text})
+            rows.append({"role": m.role, "content": "\n".join([m.content] * bool(m.content)
+                                                              + [fmt.calls_text(m.tool_calls)])})
         elif m.role == "tool":
-            rows.append({"role": "tool", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
+            rows.append({"role": fmt.result_role, "content": fmt.result.format(content=m.content)})
         else:
             rows.append({"role": m.role, "content": m.content})
     if tools:
-        prompt = HERMES_TOOLS.format(tools="\n".join(_tojson(t) for t in tools))
-        if rows and rows[0]["role"] == "system":
-            rows[0] = {"role": "system", "content": f"{rows[0]['content']}\n\n{prompt}"}
+        prompt = fmt.prompt.format(tools="\n".join(_tojson(t) for t in tools))
+        at = next((i for i, r in enumerate(rows) if r["role"] == fmt.prompt_turn), None)
+        if at is not None and (fmt.prompt_turn == "user" or at == 0):
+            rows[at] = {"role": rows[at]["role"], "content": f"{rows[at]['content']}\n\n{prompt}"
+                        if fmt.prompt_turn == "system" else f"{prompt}\n\n{rows[at]['content']}"}
         else:
             rows.insert(0, {"role": "system", "content": prompt})
     return rows
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _raise(message: str):

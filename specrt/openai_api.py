@@ -53,6 +53,7 @@ class GenRequest:
     call_required: bool = False         # "required" or a named function: the reply is calls only
     call_parallel: bool = True          # more than one call
     tool_grammars: tuple[tuple[str, str], ...] = ()  # (where, grammar) of each tool's parameters, checked one by one
+    template_kwargs: dict | None = None  # chat_template_kwargs: more variables for the chat template
 
 
 def parse_body(raw: bytes) -> dict:
@@ -113,4 +114,5 @@ def parse(body: dict, chat: bool, max_context: int, default_max_tokens: int | No
                       bool(r.stream_options and r.stream_options.include_usage), r.ignore_eos,
                       tuple(body["tools"]) if choice != "none" else (),  # unseen, they are not called in text either
                       choice != "none", None if schema is None else _schema_grammar(schema, "response_format"),
-                      chosen, choice != "auto", choice in ("auto", "required") and r.parallel_tool_calls, each)
+                      chosen, choice != "auto", choice in ("auto", "required") and r.parallel_tool_calls, each,
+                      r.chat_template_kwargs if chat else None)

@@ -199,6 +199,7 @@ class _Chat(Model):
     parallel_tool_calls: bool = True
     response_format: PlainFormat | SchemaFormat | None = Field(None, discriminator="type")
     max_completion_tokens: Annotated[int | None, AfterValidator(_tokens)] = None
+    chat_template_kwargs: dict | None = None  # each key checked against the template's variables (server.py)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -230,6 +231,7 @@ class _Prompt(Model):
     tools: ChatOnly = None
     tool_choice: ChatOnly = None
     response_format: ChatOnly = None
+    chat_template_kwargs: ChatOnly = None
 
 
 class ChatRequest(_Sampling, _Chat, _Refusals):
@@ -259,6 +261,7 @@ WHAT = {
     ("response_format", "json_schema"): "'response_format' json_schema needs 'json_schema': {\"name\": ..., "
                                         "\"schema\": {...}}",
     ("stream_options",): "'stream_options' must be an object like {\"include_usage\": true}",
+    ("chat_template_kwargs",): "'chat_template_kwargs' must be an object like {\"enable_thinking\": false}",
     ("stop",): "'stop' must be a string or a list of strings",
     ("prompt",): PROMPT,
 }

@@ -12,9 +12,17 @@ import typer
 from . import model_flags as mf
 from .errors import SpecrtError
 from .runtime.methods import modes_help
+from .runtime.tool_formats import NAMES as TOOL_FORMATS
 from .scopes import SUFFIX_SCOPES
 
 SuffixScope = Enum("SuffixScope", {s: s for s in SUFFIX_SCOPES}, type=str)  # --suffix-scope's choices, for typer
+ToolFormatName = Enum("ToolFormatName", {s: s for s in ("auto", *TOOL_FORMATS)}, type=str)
+Reasoning = Enum("Reasoning", {s: s for s in ("separate", "off")}, type=str)
+REASONING_HELP = ("A thinking model's reasoning (docs/formats.md): separate (sent as reasoning_content, never as "
+                  "content) or off (the chat template's no-thinking switch, e.g. enable_thinking=false, where it "
+                  "has one; a request's chat_template_kwargs still decide).")
+TOOL_FORMAT_HELP = ("How the model writes tool calls and is shown tools (docs/formats.md): auto (from the chat "
+                    "template and the tokenizer's special tokens) or one of " + ", ".join(TOOL_FORMATS) + ".")
 
 
 def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, api_key: str | None,
@@ -92,6 +100,8 @@ def serve(
                                        "llama.cpp's server --cache-ram."),
     default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",  # server.DEFAULT_MAX_TOKENS
                                            help=DEFAULT_MAX_TOKENS_HELP),
+    tool_format: ToolFormatName = typer.Option("auto", "--tool-format", metavar="NAME", help=TOOL_FORMAT_HELP),
+    reasoning: Reasoning = typer.Option("separate", "--reasoning", metavar="MODE", help=REASONING_HELP),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
     (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
@@ -116,14 +126,23 @@ def serve(
     manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
     manifest.engine("target", precision)
     mode = resolve_mode(speculate, manifest, precision)  # the session gets both: neither is loaded or resolved again
-    run_server(lambda: load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
-                            parallel=parallel, prefill_chunk=prefill_chunk),
+    run_server(lambda: with_tool_format(load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
+                                             parallel=parallel, prefill_chunk=prefill_chunk), tool_format.value),
                served or manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
-               suffix_scope.value)
+               suffix_scope.value, reasoning.value)
+
+
+def with_tool_format(session, name: str):
+    """The session, its replies read and its prompts written in the format `name` ("auto": the detected one)."""
+    if name != "auto":
+        from .runtime.tool_formats import by_name
+
+        session.codec.use_format(by_name(name))
+    return session
 
 
 def run_server(loader, model: str, host: str, port: int, api_key: str | None, max_queue: int, cache_ram_mib: int,
-               default_max_tokens: int | None, suffix_scope: str) -> None:
+               default_max_tokens: int | None, suffix_scope: str, reasoning: str = "separate") -> None:
     """Listen at once and load the session (loader()) in the background; a failed load stops the server with a
     one-line SpecrtError."""
     import logging
@@ -135,7 +154,7 @@ def run_server(loader, model: str, host: str, port: int, api_key: str | None, ma
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib,
-                     default_max_tokens=default_max_tokens, suffix_scope=suffix_scope)
+                     default_max_tokens=default_max_tokens, suffix_scope=suffix_scope, reasoning=reasoning)
     uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     server = app.state.server
     server.on_load_error = lambda: setattr(uv, "should_exit", True)

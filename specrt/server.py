@@ -48,8 +48,8 @@ from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
 from .scopes import store_key
-from .tool_calls import CallParser, Event, split
-from .tool_calls import grammar as tools_grammar
+from .replies import Reply, cut, open_reply, request_grammar, template_kwargs
+from .tool_calls import Event
 from .worker import Loading, Overloaded, run_stream, sse_event
 
 log = logging.getLogger("specrt.server")
@@ -67,8 +67,10 @@ class Server:
 
     def __init__(self, session: Session | None, model: str | None = None, api_key: str | None = None,
                  max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
-                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS, suffix_scope: str = "server"):
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS, suffix_scope: str = "server",
+                 reasoning: str = "separate"):
         self.session: Session | None = None
+        self.reasoning = reasoning  # --reasoning: "off" renders with the template's no-thinking switch
         self.suffix_scope = suffix_scope  # which store of earlier answers a request drafts from (specrt/scopes.py)
         self.default_max_tokens = default_max_tokens
         self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
@@ -133,29 +135,17 @@ class Server:
         suffix store (specrt/scopes.store_key)."""
         check_model(body, self.model)
         req = parse(body, chat, self.max_context, self.default_max_tokens)
-        grammar = None
-        for where, source in req.tool_grammars:  # each tool's own error names it
-            self._grammar(source, f"{where}: its parameters", "tools")
-        if req.call_tools:
-            grammar = self._grammar(tools_grammar(list(req.call_tools), req.call_required, req.call_parallel,
-                                                  self.session.grammar_literal), "tools", "tools")
-        elif req.grammar is not None:
-            grammar = self._grammar(req.grammar, "response_format", "response_format")
+        codec, tools = self.session.codec, list(req.tools) or None
+        grammar = request_grammar(self.session, req)
+        kwargs = template_kwargs(codec, req.template_kwargs, self.reasoning) if chat else None
         try:
             stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
                                          stop=req.stop, chat=chat, ignore_eos=req.ignore_eos, grammar=grammar,
-                                         tools=list(req.tools) or None, store_key=store_key)
+                                         tools=tools, store_key=store_key, template_kwargs=kwargs)
         except SpecrtError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), "messages" if chat else "prompt", code) from None
-        return req, stream
-
-    def _grammar(self, source: str, what: str, param: str):
-        try:
-            return self.session.grammar(source)
-        except SpecrtError as e:
-            reason = str(e).removeprefix("the grammar does not compile: ")
-            raise ApiError(400, f"{what} cannot be enforced: {reason}; fix the JSON Schema", param) from None
+        return req, stream, open_reply(codec, req, tools, kwargs) if chat else None
 
     def submit(self, stream: Stream) -> asyncio.Queue:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -192,26 +182,18 @@ class Server:
         return queue
 
     async def events(self, shapes: Shapes, stream: Stream, queue: asyncio.Queue, include_usage: bool,
-                     parse_calls: bool = False):
+                     reply: Reply | None = None):
         """The SSE body of a streamed request (submitted already: the worker releases its place in the queue even
-        if this body never runs). parse_calls: <tool_call> blocks go out as delta.tool_calls (id and name first,
-        then the arguments), the text around them as content."""
+        if this body never runs). reply: a chat reply's reader (replies.Reply): its reasoning goes out as
+        delta.reasoning_content, its calls as delta.tool_calls, the rest as content."""
         first = True
-        parser = CallParser() if parse_calls else None
 
         def chunks(events: list[Event]):
             nonlocal first
             for e in events:
-                if e.start is not None:  # OpenAI's order: index, id and name first, then argument fragments
-                    out = shapes.chunk(None, first, calls={"index": e.index, "id": e.start.id,
-                                                           "type": "function",
-                                                           "function": {"name": e.start.name, "arguments": ""}})
-                elif e.arguments:
-                    out = shapes.chunk(None, first, calls={"index": e.index, "function": {"arguments": e.arguments}})
-                elif e.content:
-                    out = shapes.chunk(e.content, first)
-                else:
-                    continue  # a call completed: already streamed
+                out = shapes.event_chunk(e, first)
+                if out is None:
+                    continue
                 if include_usage:
                     out["usage"] = None
                 yield sse_event(out)
@@ -228,18 +210,18 @@ class Server:
                 else:
                     kind, value = await queue.get()
                 if kind == "delta":
-                    for line in chunks([Event(content=value)] if parser is None else parser.feed(value)):
+                    for line in chunks([Event(content=value)] if reply is None else reply.feed(value)):
                         yield line
                 elif kind == "done":
-                    if parser is not None:  # what it held: a call cut short by max_tokens, or text
-                        for line in chunks(parser.finish()):
+                    if reply is not None:  # what it held: text, or the markup of a call cut short (dropped)
+                        for line in chunks(reply.finish(cut(value))):
                             yield line
-                    chunk = shapes.chunk(None, first, finish_reason(value.stats, parser and parser.calls))
+                    chunk = shapes.chunk(None, first, finish_reason(value.stats, reply and reply.calls))
                     if include_usage:
                         chunk["usage"] = None
                     yield sse_event(chunk)
                     if include_usage:
-                        yield sse_event(shapes.usage_chunk(value.stats))
+                        yield sse_event(shapes.usage_chunk(value.stats, self._reasoning_tokens(value, reply)))
                     yield "data: [DONE]\n\n"
                     return
                 else:
@@ -249,20 +231,24 @@ class Server:
         finally:
             stream.close()  # the client went away (or we finished): the loop stops at its next round boundary
 
-    async def complete(self, shapes: Shapes, stream: Stream, parse_calls: bool = False) -> dict:
+    async def complete(self, shapes: Shapes, stream: Stream, reply: Reply | None = None) -> dict:
         queue = self.submit(stream)
         try:
             while True:
                 kind, value = await queue.get()
                 if kind == "done":
-                    if parse_calls:
-                        text, calls = split(value.text)
-                        return shapes.completion(text, value.stats, calls)
-                    return shapes.completion(value.text, value.stats)
+                    if reply is None:
+                        return shapes.completion(value.text, value.stats)
+                    text, reasoning, calls = reply.whole(value.text, cut(value))
+                    return shapes.completion(text, value.stats, calls, reasoning,
+                                             self._reasoning_tokens(value, reply))
                 if kind == "error":
                     raise RuntimeError(first_line(value))
         finally:
             stream.close()
+
+    def _reasoning_tokens(self, result, reply: Reply | None) -> int | None:
+        return None if reply is None else reply.reasoning_tokens(self.session.codec.decode, result.token_ids)
 
     def authorized(self, request: Request) -> bool:
         if self.api_key is None:
@@ -272,7 +258,6 @@ class Server:
 
 
 RETRY_AFTER_S = 1
-
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
@@ -287,15 +272,16 @@ def _retry_later(why: str, code: str) -> JSONResponse:
 def create_app(session: Session | None = None, model: str | None = None, api_key: str | None = None,
                max_queue: int = 16, ping_s: float = 5.0, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
                loader=None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS, suffix_scope: str = "server",
-               ) -> FastAPI:
+               reasoning: str = "separate") -> FastAPI:
     """The FastAPI app for one session; `app.state.server` is its Server. loader (instead of session): a callable
     that loads the session, run in a thread when the app starts, so the port answers (/health 503, /v1 routes
     503 with Retry-After) while the engines load; `model` names it meanwhile. default_max_tokens: a chat reply's
     length when the request names none (None: the rest of the context). suffix_scope: whose earlier answers a
-    request's suffix drafts come from (specrt/scopes.py)."""
+    request's suffix drafts come from (specrt/scopes.py). reasoning: --reasoning (docs/formats.md)."""
     if (session is None) == (loader is None):
         raise ValueError("create_app takes a session or a loader")
-    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens, suffix_scope)
+    server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens, suffix_scope,
+                    reasoning)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -372,15 +358,16 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
         if server.session is None:
             raise Loading()
         body = parse_body(await request.body())
-        req, stream = server.open(body, chat, store_key(server.suffix_scope, request.url.path, body, request.headers))
+        req, stream, reply = server.open(body, chat, store_key(server.suffix_scope, request.url.path, body,
+                                                               request.headers))
         server.admit()  # released when the worker finishes it (submit's push)
         shapes = Shapes(chat, server.model)
         if req.stream:
             queue = server.submit(stream)
-            return StreamingResponse(server.events(shapes, stream, queue, req.include_usage, req.parse_calls),
+            return StreamingResponse(server.events(shapes, stream, queue, req.include_usage, reply),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await server.complete(shapes, stream, req.parse_calls)
+        return await server.complete(shapes, stream, reply)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -1,158 +1,187 @@
-"""Tool calls in the Hermes format (the one Qwen2.5's chat template and runtime/tokenizer.HERMES_TOOLS ask for):
+"""Tool calls in the model's own format (runtime/tool_formats.py: Hermes' <tool_call> JSON, Llama 3.x's bare JSON,
+Mistral's [TOOL_CALLS] list, ...): `grammar` holds the model to it (llguidance's Lark, each call's arguments to its
+tool's JSON Schema), `CallParser` turns the streamed text into content and OpenAI's tool calls.
 
-    <tool_call>
-    {"name": "book_table", "arguments": {"party": 4}}
-    </tool_call>
-
-`grammar` holds the model to it (llguidance's Lark, each call's arguments to its tool's JSON Schema); `CallParser`
-turns the streamed text into content deltas and OpenAI's tool calls, holding back text that may open a call.
+Nothing but text reaches content (docs/formats.md): a call goes out once it is complete, and the markup of a call
+the token budget cut, or of one that does not parse, is dropped, never sent as text.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
+import logging
 from dataclasses import dataclass
 
 from .runtime.generate import stop_prefix
 from .runtime.grammar import JSON_OPTIONS
 from .runtime.tokenizer import ToolCall
+from .runtime.tool_formats import FORMATS, ToolFormat
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+log = logging.getLogger("specrt.server")
+HERMES = FORMATS[-1]
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+TEXT = "TEXT: /(.|\\n)*/\n"
 
 
-def call_schema(tools: list[dict]) -> dict:
-    """One call's JSON: {"name": one of the tools, "arguments": that tool's parameters}."""
+def call_schema(tools: list[dict], key: str = "arguments") -> dict:
+    """One call's JSON: {"name": one of the tools, key: that tool's parameters}."""
     shapes = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                 "arguments": t.get("parameters") or NO_PARAMETERS},
-               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+                                                 key: t.get("parameters") or NO_PARAMETERS},
+               "required": ["name", key], "additionalProperties": False} for t in tools]
     return {**(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}), "x-guidance": JSON_OPTIONS}
 
 
-def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=json.dumps) -> str:
-    """The Lark grammar of a reply: text with calls anywhere (required False: OpenAI's "auto"), or calls alone
-    (required: "required" or a named function, whose one tool is then `tools`). tools: [{"name", "parameters"}].
-    literal: how the grammar writes the tags (GrammarTokenizer.literal: Qwen2.5's are tokens of their own)."""
-    open_, close = literal(OPEN), literal(CLOSE)
-    call = f'"\\n" %json {json.dumps(call_schema(tools))} "\\n" {close}'
+def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=json.dumps,
+            fmt: ToolFormat = HERMES) -> str:
+    """The Lark grammar of a reply: text, or text then calls that end the turn (required False: OpenAI's "auto"),
+    or calls alone (required: "required" or a named function, whose one tool is then `tools`); one call when not
+    parallel (or the format has room for one). tools: [{"name", "parameters"}]. literal: how the grammar writes a
+    marker (GrammarTokenizer.literal: a special token as itself)."""
+    one = f'%json {json.dumps(call_schema(tools, fmt.key))}'
+    pad = f' {json.dumps(fmt.pad)}' if fmt.pad else ""
+    close = f' {literal(fmt.close)}' if fmt.close else ""
+    many = parallel and fmt.parallel
+    if fmt.listed:
+        more = f' (", " {one})*' if many else ""
+        rest = f'{pad} "[" {one}{more} "]"{pad}{close}'
+    else:
+        block = f'{pad} {one}{pad}{close}'
+        rest = f'{block} ("\\n" {literal(fmt.open)} {block})*' if many and fmt.open else block
+    head = '%llguidance {}\n'
+    if not fmt.open:  # a bare JSON object at the reply's start is a call; any other reply is text
+        return head + (f'start: {rest}\n' if required else f'start: {rest} | TEXT?\nTEXT: /[^{{](.|\\n)*/\n')
+    open_ = literal(fmt.open)
     if required:
-        more = ' ("\\n" seg)*' if parallel else ""
-        return f'%llguidance {{}}\nstart: seg{more}\nseg: {open_} {call}\n'
+        return head + f'start: {open_} {rest}\n'
     if not open_.startswith('"'):  # a special token ends the text by itself (llguidance's StructTag does the same)
-        return f'%llguidance {{}}\nstart: seg* tail\nseg: TEXT {open_} {call}\ntail: TEXT\nTEXT: /(.|\\n)*/\n'
-    return (f'%llguidance {{}}\nstart: seg* tail\nseg: trig {call}\ntrig[lazy]: TEXT {open_}\ntail: TEXT\n'
-            f'TEXT: /(.|\\n)*/\n')
+        return head + f'start: TEXT ({open_} {rest})?\n' + TEXT
+    return head + f'start: TEXT | trig {rest}\ntrig[lazy]: TEXT {open_}\n' + TEXT
 
 
-# the head of a call's JSON, up to its arguments' first character (the grammar writes "name" first)
-HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+def text_grammar(fmt: ToolFormat = HERMES) -> str:
+    """A reply of text that never opens a call (tool_choice "none" with tools given: the model may still try)."""
+    if not fmt.open:
+        return '%llguidance {}\nstart: TEXT?\nTEXT: /[^{](.|\\n)*/\n'
+    mark = "".join("\\" + c if c in "\\.^$*+?{}[]|()/" else c for c in fmt.open)
+    return f'%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{mark}(.|\\n)*/\n'
 
 
 @dataclass
 class Event:
-    """One thing to send: content text, a call's start (`start`: its id and name, arguments empty), a fragment of
-    the arguments of the call last started, or a call completed (`call`, whole)."""
+    """One thing to send: content text, reasoning text, or a call (complete: `start` is it, `arguments` its
+    arguments)."""
 
     content: str = ""
+    reasoning: str = ""
     start: ToolCall | None = None
     arguments: str = ""
     call: ToolCall | None = None
-    index: int = 0  # of the call started or streaming, in the reply's calls
+    index: int = 0  # of the call, in the reply's calls
 
 
 class CallParser:
-    """Feed the text deltas of a reply; each feed gives the events to send now. Text that may still become
-    '<tool_call>' is held back, as a stop string's prefix is; inside a call, its id and name go out once the head
-    `{"name": ..., "arguments": ` is read, then the arguments as they come, less a tail that may be the call's own
-    closing brace."""
+    """Feed the text deltas of a reply; each feed gives the events to send now. Text that may still become the
+    format's opening marker is held back, as a stop string's prefix is; a call goes out whole once its markup ends
+    (its closing marker, or the end of its JSON where the format has none). `cut` is set when finish() dropped the
+    markup of a call the reply ended inside."""
 
-    def __init__(self):
-        self.buf, self.in_call, self.calls = "", False, []
-        self.started: ToolCall | None = None  # the call whose arguments are streaming
-        self.sent = 0                          # of its arguments, the characters sent (from buf's start)
+    def __init__(self, fmt: ToolFormat = HERMES):
+        self.fmt, self.buf, self.in_call, self.calls = fmt, "", False, []
+        self.at_start, self.cut, self.space = True, False, ""
 
     def feed(self, delta: str) -> list[Event]:
         self.buf += delta
-        out = []
+        out: list[Event] = []
         while True:
             if self.in_call:
-                if self.started is None and (m := HEAD.match(self.buf)) and m.end() < len(self.buf):
-                    self.started = ToolCall("call_" + uuid.uuid4().hex[:24], json.loads(m.group(1)), "")
-                    self.buf, self.sent = self.buf[m.end():], 0
-                    out.append(Event(start=self.started, index=len(self.calls)))
-                end = self.buf.find(CLOSE)
+                end = self._end()
                 if end < 0:
-                    if self.started is not None:
-                        self._fragment(self._held(self.buf), out)
                     return out
-                body, self.buf, self.in_call = self.buf[:end], self.buf[end + len(CLOSE):], False
-                if self.started is not None:  # the arguments end before the call's own closing brace
-                    args = body.rstrip()[:-1].rstrip() if body.rstrip().endswith("}") else body.rstrip()
-                    self._fragment(len(args), out, body)
-                    call, self.started = ToolCall(self.started.id, self.started.name, args), None
-                    self.calls.append(call)
-                    out.append(Event(call=call))
-                    continue
-                call = _parse(body)
-                if call is None:  # not a call after all (only without a grammar): its text is content
-                    out.append(Event(content=OPEN + body + CLOSE))
-                else:
-                    i = len(self.calls)
-                    self.calls.append(call)
-                    out += [Event(start=call, index=i), Event(arguments=call.arguments, index=i), Event(call=call)]
+                body, self.buf, self.in_call = self.buf[:end], self.buf[end:], False
+                self._parsed(body, out)
                 continue
-            start = self.buf.find(OPEN)
+            if not self.fmt.open:  # bare JSON: a call only at the reply's start
+                if self.at_start:
+                    if not self.buf.strip():
+                        return out
+                    self.at_start, self.buf = False, self.buf.lstrip()
+                    if self.buf.startswith("{"):
+                        self.in_call = True
+                        continue
+                self._text(self.buf, out)
+                self.buf = ""
+                return out
+            start = self.buf.find(self.fmt.open)
             if start >= 0:
-                if start:
-                    out.append(Event(content=self.buf[:start]))
-                self.buf, self.in_call = self.buf[start + len(OPEN):], True
+                self._text(self.buf[:start], out)
+                self.buf, self.in_call = self.buf[start + len(self.fmt.open):], True
                 continue
-            keep = stop_prefix(self.buf, (OPEN,))
-            if len(self.buf) > keep:
-                out.append(Event(content=self.buf[:len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
+            keep = stop_prefix(self.buf, (self.fmt.open,))
+            self._text(self.buf[:len(self.buf) - keep], out)
+            self.buf = self.buf[len(self.buf) - keep:]
             return out
 
-    def _held(self, text: str) -> int:
-        """How much of a call's arguments text so far may go out: all but a tail that could be whitespace, the
-        call's closing brace, and the start of '</tool_call>'."""
-        h = len(text) - stop_prefix(text, (CLOSE,))
-        while h and text[h - 1].isspace():
-            h -= 1
-        return h - 1 if h and text[h - 1] == "}" else h
+    def _text(self, text: str, out: list) -> None:
+        """Content; after a call, whitespace waits for text (the newlines between calls are markup)."""
+        if self.calls:
+            self.space += text
+            if not self.space.strip():
+                return
+            text, self.space = self.space, ""
+        if text:
+            out.append(Event(content=text))
 
-    def _fragment(self, upto: int, out: list, text: str | None = None) -> None:
-        text = self.buf if text is None else text
-        if upto > self.sent:
-            out.append(Event(arguments=text[self.sent:upto], index=len(self.calls)))
-            self.sent = upto
+    def _end(self) -> int:
+        """Where the markup that started ends in buf (after its closing marker, or its JSON), or -1 (not yet)."""
+        if self.fmt.close:
+            i = self.buf.find(self.fmt.close)
+            return i + len(self.fmt.close) if i >= 0 else -1
+        i = len(self.buf) - len(self.buf.lstrip())
+        try:
+            return json.JSONDecoder().raw_decode(self.buf, i)[1]
+        except json.JSONDecodeError:
+            return -1
 
-    def finish(self) -> list[Event]:
-        """The events still held at the end: an unfinished call cut by max_tokens sends the rest of its arguments
-        if it had started, else goes out as text."""
+    def _parsed(self, body: str, out: list) -> None:
+        calls = parse_calls(body.removesuffix(self.fmt.close), self.fmt)
+        if calls is None:  # without a grammar only: markup that is not a call is dropped, never spoken
+            log.warning("dropped tool-call markup that does not parse as the '%s' format", self.fmt.name)
+            return
+        for call in calls:
+            i = len(self.calls)
+            self.calls.append(call)
+            out += [Event(start=call, index=i), Event(arguments=call.arguments, index=i), Event(call=call)]
+
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The events still held at the end. cut: the token budget ended the reply; then a held tail that may open
+        a call (or the whitespace after one, before the next) is markup too. A call the reply ended inside is dropped
+        (`cut` set)."""
         out = []
-        if self.in_call and self.started is not None:
-            self._fragment(len(self.buf), out)
-        elif self.in_call or self.buf:
-            out.append(Event(content=(OPEN if self.in_call else "") + self.buf))
-        self.buf, self.in_call, self.started = "", False, None
+        if self.in_call or (cut and ((self.buf and self.fmt.open) or self.space)):
+            self.cut = True
+        elif not (self.fmt.open == "" and self.at_start):
+            self._text(self.buf, out)
+        self.buf, self.in_call, self.space = "", False, ""
         return out
 
 
-def _parse(body: str) -> ToolCall | None:
+def parse_calls(body: str, fmt: ToolFormat) -> list[ToolCall] | None:
+    """The calls of one block of markup (between the markers), or None when it is not calls in the format."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
-        return None
-    return ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))
+    items = obj if fmt.listed and isinstance(obj, list) else [obj] if not fmt.listed else []
+    calls = []
+    for o in items:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str) or not isinstance(o.get(fmt.key), dict):
+            return None
+        calls.append(ToolCall(fmt.new_id(), o["name"], json.dumps(o[fmt.key], ensure_ascii=False)))
+    return calls or None
 
 
-def split(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole reply: its content (outside the calls, stripped) and its calls."""
-    p = CallParser()
-    content = "".join(e.content for e in p.feed(text) + p.finish())
-    return content.strip(), p.calls
+def split(text: str, fmt: ToolFormat = HERMES, cut: bool = False) -> tuple[str, list[ToolCall], bool]:
+    """A whole reply: its content (outside the calls, stripped), its calls, and whether markup was cut."""
+    p = CallParser(fmt)
+    content = "".join(e.content for e in p.feed(text) + p.finish(cut))
+    return content.strip(), p.calls, p.cut

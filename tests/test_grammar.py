@@ -289,7 +289,7 @@ def test_tags_that_are_tokens_of_their_own_are_written_as_tokens(tiny_engines, t
         out.append(int(ok[0]))
         g.advance(out[-1:])
     text = tok.decode(out, skip_special_tokens=True)
-    content, calls = split(text)
+    content, calls, _ = split(text)
     assert content == "" and calls[0].name == "book_table" and json.loads(calls[0].arguments)["party"] in (2, 4)
     auto = gt.matcher(grammar(tools, required=False, literal=gt.literal))
     assert auto.allowed()[opened] and auto.allowed().sum() > 100  # text, or the call's token

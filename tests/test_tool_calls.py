@@ -1,5 +1,6 @@
-"""The Hermes tool-call parser (specrt/tool_calls.py): content around calls, a call's id and name as soon as its
-head is read, its arguments streamed as they come and never its closing brace or tag, whatever the deltas."""
+"""The tool-call parser (specrt/tool_calls.py) in every format of runtime/tool_formats.py: content around calls,
+each call whole once its markup ends, whatever the deltas, and never any markup in content (a call cut by the
+budget, a held prefix of a marker, markup that does not parse)."""
 
 from __future__ import annotations
 
@@ -7,52 +8,94 @@ import json
 
 import pytest
 
+from specrt.runtime.tokenizer import ToolCall
+from specrt.runtime.tool_formats import FORMATS, NAMES, by_name, detect
 from specrt.tool_calls import CallParser, split
 
-ARGS = '{"party": 4, "note": "a } inside, and </tool_", "time": "19:30"}'
-REPLY = (f'Sure.<tool_call>\n{{"name": "book_table", "arguments": {ARGS}}}\n</tool_call>'
-         f'<tool_call>\n{{"name": "ping", "arguments": {{}}}}\n</tool_call> done')
+ARGS = '{"party": 4, "note": "a } inside, and </tool_ [x]", "time": "19:30"}'
+CALLS = [ToolCall("a", "book_table", ARGS), ToolCall("b", "ping", "{}")]
 
 
-def _stream(text: str, size: int):
-    p = CallParser()
+def _reply(fmt, calls, before="Sure.") -> str:
+    text = fmt.calls_text(calls)
+    return text if not fmt.open else f"{before}{text} "  # bare JSON: a call only at the reply's start
+
+
+def _stream(fmt, text: str, size: int, cut=False):
+    p = CallParser(fmt)
     events = []
     for i in range(0, len(text), size):
         events += p.feed(text[i:i + size])
-    return p, events + p.finish()
+    return p, events + p.finish(cut)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
-def test_deltas_of_any_size_give_the_same_calls_streamed_in_order(size):
-    p, events = _stream(REPLY, size)
-    content = "".join(e.content for e in events)
-    assert content == "Sure. done"
-    starts = [(e.index, e.start.name) for e in events if e.start]
-    assert starts == [(0, "book_table"), (1, "ping")]
-    for i, args in ((0, ARGS), (1, "{}")):
+@pytest.mark.parametrize("name", NAMES)
+def test_deltas_of_any_size_give_the_same_calls_in_order(name, size):
+    fmt = by_name(name)
+    calls = CALLS if fmt.parallel else CALLS[:1]
+    p, events = _stream(fmt, _reply(fmt, calls), size)
+    assert "".join(e.content for e in events) == ("Sure." if fmt.open else "")
+    assert [(e.index, e.start.name) for e in events if e.start] == [(i, c.name) for i, c in enumerate(calls)]
+    for i, c in enumerate(calls):
         first = next(k for k, e in enumerate(events) if e.start and e.index == i)
-        fragments = [(k, e.arguments) for k, e in enumerate(events) if e.arguments and e.index == i]
-        assert all(k > first for k, _ in fragments)  # the name before any argument
-        assert "".join(f for _, f in fragments) == args
-    assert [c.name for c in p.calls] == ["book_table", "ping"] and p.calls[0].arguments == ARGS
-    assert json.loads(p.calls[0].arguments)["party"] == 4
-    assert split(REPLY)[0] == "Sure. done" and [c.arguments for c in split(REPLY)[1]] == [ARGS, "{}"]
+        args = [(k, e.arguments) for k, e in enumerate(events) if e.arguments and e.index == i]
+        assert all(k > first for k, _ in args) and json.loads("".join(a for _, a in args)) == json.loads(c.arguments)
+    assert [json.loads(c.arguments) for c in p.calls] == [json.loads(c.arguments) for c in calls]
+    content, parsed, cut = split(_reply(fmt, calls), fmt)
+    assert [c.name for c in parsed] == [c.name for c in calls] and not cut
+    if fmt.id_chars:
+        assert all(len(c.id) == fmt.id_chars and c.id.isalnum() for c in parsed)
 
 
-def test_arguments_go_out_before_the_call_closes():
-    p = CallParser()
-    first = p.feed('<tool_call>\n{"name": "book_table", "arguments": {"party": 4, ')
-    assert first[0].start.name == "book_table" and "".join(e.arguments for e in first) == '{"party": 4,'
-    assert "".join(e.arguments for e in p.feed('"time": "19')) == ' "time": "19'  # whitespace waits for more
-    assert "".join(e.arguments for e in p.feed('"}')) == '"'  # this brace may be the call's own
+@pytest.mark.parametrize("name", NAMES)
+def test_no_cut_of_a_call_reaches_content(name):
+    """Every prefix of a reply whose calls the budget cuts: the text before them and the complete calls only."""
+    fmt = by_name(name)
+    calls = CALLS if fmt.parallel else CALLS[:1]
+    reply = _reply(fmt, calls)
+    markup = reply.index(fmt.open or "{")
+    for n in range(len(reply)):
+        for size in (1, 5):
+            p, events = _stream(fmt, reply[:n], size, cut=True)
+            content = "".join(e.content for e in events)
+            assert content in (reply[:n], reply[:n][:markup], reply[:markup]) or not fmt.open, (n, content)
+            for marker in filter(None, (fmt.open, fmt.close, "{", "[", "<", "tool")):
+                assert marker not in content[len(reply[:markup]) if n > markup else n:]
+            if n > markup:
+                assert not content.strip() or content == reply[:markup]
+                assert p.cut or p.calls  # the reply ended in markup
+            assert all(json.loads(c.arguments) == json.loads(calls[i].arguments) for i, c in enumerate(p.calls))
 
 
-def test_a_call_cut_short_sends_what_it_had_and_no_text():
-    p, events = _stream('<tool_call>\n{"name": "book_table", "arguments": {"party": 4, "ti', 5)
-    assert not any(e.content for e in events) and not p.calls
-    assert "".join(e.arguments for e in events) == '{"party": 4, "ti'
+def test_a_held_prefix_of_the_marker_is_text_when_the_reply_ended_by_itself():
+    fmt = by_name("hermes")
+    assert split("a <tool_", fmt) == ("a <tool_", [], False)
+    assert split("a <tool_", fmt, cut=True) == ("a", [], True)
 
 
-def test_text_that_only_looks_like_a_call_stays_text():
-    p, events = _stream("a <tool_c b <tool_call>not json</tool_call>", 4)
-    assert "".join(e.content for e in events) == "a <tool_c b <tool_call>not json</tool_call>" and not p.calls
+def test_markup_that_does_not_parse_is_dropped():
+    p, events = _stream(by_name("hermes"), "a <tool_c b <tool_call>not json</tool_call> c", 4)
+    assert "".join(e.content for e in events) == "a <tool_c b  c" and not p.calls
+
+
+def test_whitespace_between_calls_is_markup():
+    fmt = by_name("hermes")
+    p, events = _stream(fmt, fmt.calls_text(CALLS) + "\n\n", 3)
+    assert not any(e.content for e in events) and len(p.calls) == 2
+
+
+def test_detection_is_data_and_one_call_a_turn_is_refused_in_a_history():
+    vocab = {"[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>", "<|eot_id|>"}
+    assert detect(None, vocab.__contains__).name == "mistral"
+    assert detect("", {"<|tool_call|>", "<|/tool_call|>"}.__contains__).name == "phi4-mini"
+    assert detect("", {"<|tool_call|>"}.__contains__).name == "granite"
+    assert detect('{"name": function name, "parameters": dict}', set().__contains__).name == "llama3-json"
+    assert detect("<start_of_turn>", set().__contains__).name == "gemma-json"
+    assert detect("{{ x }}", set().__contains__) is FORMATS[-1]
+    from specrt.errors import SpecrtError
+
+    with pytest.raises(SpecrtError, match="one call a turn"):
+        by_name("llama3-json").calls_text(CALLS)
+    with pytest.raises(SpecrtError, match="mistral, .*, hermes"):
+        by_name("chatml")

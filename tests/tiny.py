@@ -23,24 +23,33 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out: Path, vocab: int = 384) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # unk/pad, bos (id 1), eos (id 2)
+
+
+def make_tokenizer(out: Path, vocab: int = 384, specials: tuple[str, ...] = SPECIALS, plain: tuple[str, ...] = (),
+                   template: str = CHAT_TEMPLATE) -> None:
+    """specials: unk, bos and eos (ids 0-2, as the checkpoints' config says), then more special tokens; plain:
+    tokens of their own that are not special (Qwen's <tool_call>, <think>), the vocabulary's last ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(plain), special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    assert tok.get_vocab_size() == vocab
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[2], bos_token=specials[1],
+                                   unk_token=specials[0], pad_token=specials[0])
+    fast.chat_template = template
     fast.save_pretrained(str(out))
 
 
 def make_checkpoint(out: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-                    vocab: int = 384, noise: float = 0.0, tie: bool | None = None, positions: int = 512) -> Path:
+                    vocab: int = 384, noise: float = 0.0, tie: bool | None = None, positions: int = 512,
+                    tokenizer: dict | None = None, favour: dict[str, float] | None = None) -> Path:
     """A random decoder saved as a Hugging Face directory (config, safetensors, tokenizer).
 
     The output must depend on the whole context, or tests of the KV cache cannot fail: a random
@@ -51,7 +60,9 @@ def make_checkpoint(out: Path, arch: str = "llama", seed: int = 0, layers: int =
     though it settles into short cycles: the Qwen2 default, tied like the small Qwen2.5 models, so
     the tied export path is tested too). `noise` > 0 adds Gaussian noise of that many weight standard
     deviations to every matrix after init: with the same seed, a draft that agrees with its target
-    on some tokens and not on others."""
+    on some tokens and not on others. tokenizer: make_tokenizer's specials, plain and template (another family's
+    markers); favour: {token: weight} raises those tokens' logits (an untied model; a model that writes a format's
+    markers by itself)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -72,13 +83,22 @@ def make_checkpoint(out: Path, arch: str = "llama", seed: int = 0, layers: int =
             model.model.norm.weight.copy_((torch.randint(0, 2, (hidden,)) * 2 - 1).float() * 8.0)
         else:
             model.lm_head.weight.mul_(8.0)
+        if favour:  # every embedding gets a shared component, which the favoured rows of lm_head read
+            model.model.embed_tokens.weight[:, 0] = 0.02
+            model.lm_head.weight[:, 0] = 0.0
+            from tokenizers import Tokenizer
+
+            make_tokenizer(out, vocab, **(tokenizer or {}))
+            tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+            for t, w in favour.items():
+                model.lm_head.weight[tok.token_to_id(t), 0] = w
         if noise:
             g = torch.Generator().manual_seed(10_000 + seed)
             for w in model.parameters():
                 if w.dim() > 1:
                     w.add_(torch.randn(w.shape, generator=g) * w.std() * noise)
     model.save_pretrained(str(out))
-    make_tokenizer(out, vocab)
+    make_tokenizer(out, vocab, **(tokenizer or {}))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == arch
     return out

@@ -1,0 +1,99 @@
+"""Nothing but text in `content` (docs/formats.md): a tiny model that writes <tool_call> by itself (its lm_head
+favours the token), served with tools, over every tool_choice x parallel_tool_calls x stream x max_tokens 8-256.
+A call cut by the budget, or a second one with no room, never shows its markup; a complete call comes back in
+tool_calls; `parallel_tool_calls: false` ends the turn after one call; streamed and whole replies agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llguidance")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from specrt.runtime.session import load  # noqa: E402
+from specrt.server import create_app  # noqa: E402
+from test_server import sse  # noqa: E402
+from test_server_tools import ASK, BOOK, HOURS  # noqa: E402
+
+MARKUP = ("tool_call", "<tool", "</", '{"name"', '"arguments"')
+CHOICES = {"unset": None, "none": "none", "auto": "auto", "required": "required",
+           "named": {"type": "function", "function": {"name": "book_table"}}}
+PARALLEL = {"unset": None, "true": True, "false": False}
+BUDGETS = (8, 16, 32, 48, 64, 96, 128, 256)
+PROMPTS = (ASK, [{"role": "user", "content": "What time do you open?"}])
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from tiny import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-caller", "llama", seed=0, positions=2048,
+                           tokenizer={"plain": ("<tool_call>", "</tool_call>")}, favour={"<tool_call>": 4.5})
+    engines = make_engine_set(EngineSetRequest(str(ckpt), "tiny", ("fp32",), 2048, tmp_path_factory.mktemp("caller")),
+                              log=lambda m: None)
+    with TestClient(create_app(load(engines, "fp32", "auto")), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _reply(client, body: dict) -> tuple[str, list[dict], str]:
+    """content, tool_calls [{"index", "name", "arguments"}], finish_reason: whole or assembled from the stream."""
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        choice = r.json()["choices"][0]
+        calls = [{"index": i, "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                 for i, c in enumerate(choice["message"].get("tool_calls") or [])]
+        return choice["message"]["content"] or "", calls, choice["finish_reason"]
+    content, calls, finish = "", {}, None
+    for chunk in sse(r.text):
+        if chunk == "[DONE]" or not chunk["choices"]:
+            continue
+        delta = chunk["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for c in delta.get("tool_calls") or []:
+            entry = calls.setdefault(c["index"], {"index": c["index"], "name": "", "arguments": ""})
+            entry["name"] += c["function"].get("name") or ""
+            entry["arguments"] += c["function"].get("arguments") or ""
+        finish = chunk["choices"][0]["finish_reason"] or finish
+    return content.strip(), [calls[i] for i in sorted(calls)], finish
+
+
+def test_no_reply_has_markup_in_content_over_every_combination(client):
+    seen = {"calls": 0, "several": 0, "auto calls": 0, "cut markup": 0, "text": 0}
+    bad = []
+    for choice_name, choice in CHOICES.items():
+        for par_name, parallel in PARALLEL.items():
+            for prompt in PROMPTS:
+                for budget in BUDGETS:
+                    body = {"messages": prompt, "tools": [BOOK, HOURS], "max_tokens": budget, "temperature": 0}
+                    body.update({k: v for k, v in (("tool_choice", choice), ("parallel_tool_calls", parallel))
+                                 if v is not None})
+                    whole = _reply(client, body)
+                    streamed = _reply(client, {**body, "stream": True})
+                    assert streamed == (whole[0].strip(), whole[1], whole[2]), (body, whole, streamed)
+                    content, calls, finish = whole
+                    if any(m in content for m in MARKUP):
+                        bad.append((choice_name, par_name, budget, content))
+                    for i, c in enumerate(calls):
+                        assert c["index"] == i and c["name"] in ("book_table", "opening_hours")
+                        assert isinstance(json.loads(c["arguments"]), dict)
+                    if calls:
+                        assert finish == "tool_calls", (body, whole)
+                    if choice_name == "none":
+                        assert not calls
+                    if par_name == "false" or choice_name == "named":
+                        assert len(calls) <= 1, (body, whole)
+                    if choice_name in ("required", "named"):
+                        assert not content and (calls or finish == "length"), (body, whole)
+                        seen["cut markup"] += not calls
+                    seen["calls"] += bool(calls)
+                    seen["several"] += len(calls) > 1
+                    seen["auto calls"] += bool(calls) and choice_name in ("unset", "auto")
+                    seen["text"] += bool(content)
+    assert not bad, bad
+    assert all(seen.values()), seen  # the sweep reached calls, several calls, cut calls, calls by choice, text
