@@ -260,13 +260,14 @@ def test_unsupported_families_and_features_are_refused_before_any_weight_loads(t
     import re
 
     from specrt.errors import SpecrtError
-    from specrt.export import exporter
+    from specrt.export import exporter, sources
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
     ckpt = make_family(tmp_path / "ckpt", family)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, **change}))
     monkeypatch.setattr(exporter, "load", lambda src: pytest.fail("weights loaded before the family check"))
+    monkeypatch.setattr(sources, "fingerprint", lambda src: pytest.fail("weights hashed before the family check"))
     with pytest.raises(SpecrtError) as e:
         make_engine_set(EngineSetRequest(str(ckpt), "x", ("fp32",), CONTEXT, tmp_path / "sets"), log=lambda m: None)
     msg = str(e.value)
