@@ -23,10 +23,10 @@ from specrt.export.sources import Source, fingerprint, resolve
 PROMPT, N = "Tell me a story about a robot.", 8
 
 
-def specrt(cache: Path, *args, timeout=300):
+def specrt(cache: Path, *args, timeout=300, cwd=None):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "SPECRT_CACHE": str(cache)}
     return subprocess.run([sys.executable, "-m", "specrt.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=timeout, cwd=cwd)
 
 
 def entries(cache: Path) -> list[Path]:
@@ -40,9 +40,9 @@ def stamp(entry: Path) -> tuple:
     return st.st_ino, st.st_mtime_ns
 
 
-def answer(cache: Path, model: Path, *extra):
+def answer(cache: Path, model: Path, *extra, cwd=None):
     r = specrt(cache, "generate", "--model", model, "--prompt", PROMPT, "--max-new-tokens", N, "--json",
-               "--threads", "1", *extra)
+               "--threads", "1", *extra, cwd=cwd)
     assert r.returncode == 0, r.stderr
     return r, json.loads(r.stdout)
 
@@ -85,7 +85,7 @@ def test_a_changed_option_or_file_builds_a_new_entry_and_a_copy_reuses_it(built,
     assert len(entries(cache)) == 2
     copy = tmp_path / "elsewhere"
     shutil.copytree(model, copy)  # the same files elsewhere: keyed by content, so the same entry
-    r, _ = answer(cache, copy)
+    r, _ = answer(cache, Path("."), cwd=copy)  # '.' from inside it too
     assert "up to date" in r.stderr and len(entries(cache)) == 2
     config = json.loads((copy / "generation_config.json").read_text())
     (copy / "generation_config.json").write_text(json.dumps({**config, "note": "changed"}))

@@ -14,7 +14,7 @@ from ..cache_dir import cache_root
 from ..model_flags import DEFAULT_CONTEXT
 from ..errors import SpecrtError
 from .orchestrate import (EngineSetRequest, _say, check_request, default_eagle, default_heads, heads_file,
-                          make_engine_set, source_name)
+                          make_engine_set)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def engines_for_model(model: str, opts: ModelBuild, log=_say) -> tuple[Path, str
         raise SpecrtError(f"--backend {opts.backend} builds precisions {', '.join(b.precisions)}, not "
                           f"'{opts.precision}'; pass e.g. --precision {b.precisions[0]}")
     src = resolve(model)
-    name = _embedded_name(src) or source_name(model)
+    name = _embedded_name(src) or _plain_name(src)
     medusa = heads_file(opts.medusa_heads, default_heads(name))
     eagle = heads_file(opts.eagle_head, default_eagle(name))
     root = cache_root() / "engines"
@@ -56,6 +56,12 @@ def engines_for_model(model: str, opts: ModelBuild, log=_say) -> tuple[Path, str
     if not found:
         log(f"first use of {model}: building its engine set into {root / req.name} (later runs reuse it)")
     return make_engine_set(req, log), name
+
+
+def _plain_name(src) -> str:
+    """A folder's or file's own name (resolved, so '.' names the folder), lower case, as a plain folder name."""
+    name = (src.path.name if src.kind == "hf" else src.path.stem).lower().lstrip(".")
+    return name.replace(" ", "-") or "model"
 
 
 def _embedded_name(src) -> str | None:
