@@ -1,7 +1,7 @@
 """A GGUF file's header (key-value fields, tensor names) without its vocabulary: gguf's GGUFReader builds a numpy view
-of every token string (seconds on a 49k-token vocabulary, per call), while a start of `serve --model` only needs a
-few scalar fields. The layout is the GGUF spec's (gguf's constants name the value types); anything this walk does not
-take (a big-endian file, a nested array) is read by GGUFReader instead."""
+of every token string, the bulk of a cached `serve --model` start (docs/usage.md, "From a model file to an endpoint"),
+where only a few scalar fields are needed. The layout is the GGUF spec's (gguf's constants name the value types);
+what this walk does not take (a v1 or big-endian file, nested arrays) is read by GGUFReader instead."""
 
 from __future__ import annotations
 

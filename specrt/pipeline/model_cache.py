@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..backends import BACKENDS
 from ..cache_dir import cache_root
-from ..model_flags import DEFAULT_CONTEXT
 from ..errors import SpecrtError
+from ..model_flags import DEFAULT_CONTEXT
 from .orchestrate import (EngineSetRequest, _say, check_request, default_eagle, default_heads, heads_file,
-                          make_engine_set, source_name)
+                          make_engine_set)
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,10 @@ def engines_for_model(model: str, opts: ModelBuild, log=_say) -> tuple[Path, str
         raise SpecrtError(f"--backend {opts.backend} builds precisions {', '.join(b.precisions)}, not "
                           f"'{opts.precision}'; pass e.g. --precision {b.precisions[0]}")
     src = resolve(model)
-    name = _embedded_name(src) or source_name(model)
-    medusa = heads_file(opts.medusa_heads, default_heads(name))
-    eagle = heads_file(opts.eagle_head, default_eagle(name))
+    embedded = _embedded_name(src)  # the committed heads are the embedded default's only, as for `specrt engines`
+    name = embedded or _plain_name(src)
+    medusa = heads_file(opts.medusa_heads, default_heads(embedded) if embedded else None)
+    eagle = heads_file(opts.eagle_head, default_eagle(embedded) if embedded else None)
     root = cache_root() / "engines"
     context = (min(DEFAULT_CONTEXT, max_positions(src) or DEFAULT_CONTEXT) if opts.max_context is None
                else opts.max_context)
@@ -56,6 +57,12 @@ def engines_for_model(model: str, opts: ModelBuild, log=_say) -> tuple[Path, str
     if not found:
         log(f"first use of {model}: building its engine set into {root / req.name} (later runs reuse it)")
     return make_engine_set(req, log), name
+
+
+def _plain_name(src) -> str:
+    """A folder's or file's own name (resolved, so '.' names the folder), lower case, as a plain folder name."""
+    name = (src.path.name if src.kind == "hf" else src.path.stem).lower().lstrip(".")
+    return name.replace(" ", "-") or "model"
 
 
 def _embedded_name(src) -> str | None:

@@ -268,7 +268,7 @@ def _up_to_date(final: Path, inputs_key: str) -> bool:
     and its tokenizer is the recorded one (a set missing a file is rebuilt, as the load error tells users)."""
     try:
         return load_manifest(final).raw.get("inputs_key") == inputs_key
-    except SpecrtError:
+    except (SpecrtError, OSError):  # OSError: read while another run swaps a rebuilt set into place
         return False
 
 
