@@ -31,13 +31,14 @@ def engines_for_model(model: str, opts: ModelBuild, log=_say) -> tuple[Path, str
     """-> (the engine set for `model` under cache_root()/engines, built now if no run built it before; the name it
     is served as). Bad input is one line before anything is written to the cache; the build is make_engine_set's
     (a lock per cache, written in a temp folder and renamed into place: nothing half-built is ever taken)."""
-    from ..export.sources import fingerprint, max_positions, resolve
+    from ..export.sources import check_family, fingerprint, max_positions, resolve
 
     b = BACKENDS.get(opts.backend)
     if b is not None and b.precisions and opts.precision not in b.precisions:
         raise SpecrtError(f"--backend {opts.backend} builds precisions {', '.join(b.precisions)}, not "
                           f"'{opts.precision}'; pass e.g. --precision {b.precisions[0]}")
     src = resolve(model)
+    check_family(src)  # an unsupported family or feature: one line, before the weights are hashed
     embedded = _embedded_name(src)  # the committed heads are the embedded default's only, as for `specrt engines`
     name = embedded or _plain_name(src)
     medusa = heads_file(opts.medusa_heads, default_heads(embedded) if embedded else None)
