@@ -177,12 +177,15 @@ def test_bad_model_input_is_one_line_exit_2_and_leaves_no_cache(tmp_path, tiny_e
     (tmp_path / "weights.bin").write_bytes(os.urandom(64))
     (tmp_path / "fake.gguf").write_text("not a gguf at all")
     mamba = _gguf(tmp_path / "mamba.gguf", "mamba")
+    (tmp_path / "bloom").mkdir()  # an HF folder of a family we do not take: refused from config.json alone
+    (tmp_path / "bloom" / "config.json").write_text('{"model_type": "bloom", "architectures": ["BloomForCausalLM"]}')
     cases = [
         (("--model", tmp_path / "nope"), ["not found"]),
         (("--model", tmp_path / "empty-folder"), ["no config.json", "Hugging Face"]),
         (("--model", tmp_path / "weights.bin"), ["not a GGUF"]),     # neither a folder nor a GGUF
         (("--model", tmp_path / "fake.gguf"), ["not a GGUF"]),       # the magic decides, not the suffix
         (("--model", mamba), ["'mamba' is not supported", "llama"]),
+        (("--model", tmp_path / "bloom"), ["bloom"]),
         (("--model", tmp_path / "nope", "--engines", tiny_engines), ["--model", "--engines", "not both"]),
         (("--engines", tiny_engines, "--max-context", "128"), ["--max-context", "--model"]),
         (("--model", "smollm2-135m", "--backend", "onnxruntime-portable", "--precision", "int4"),
