@@ -119,19 +119,23 @@ def detect(template: str | None, has_token) -> ToolFormat:
 @dataclass(frozen=True)
 class ThinkFormat:
     """Where a thinking model's reasoning goes: between `open` and `close`; `switch`: the template variable that
-    turns thinking off when false (Qwen3's and SmolLM3's enable_thinking), None where the template has none."""
+    turns thinking on or off (Qwen3's and SmolLM3's enable_thinking, Granite 3.3's thinking), None where the
+    template has none; `default_on`: whether it thinks when the request does not set the switch."""
     open: str
     close: str
     switch: str | None = None
+    default_on: bool = True
 
 
-# detection: the first pair whose markers are both in the chat template's source
-THINKING = (ThinkFormat("<think>", "</think>", "enable_thinking"), ThinkFormat("[THINK]", "[/THINK]"))
+# detection: the first row whose markers are in the chat template's source and whose switch it reads
+THINKING = (ThinkFormat("<think>", "</think>", "enable_thinking"),
+            ThinkFormat("<think>", "</think>", "thinking", default_on=False),
+            ThinkFormat("<think>", "</think>"), ThinkFormat("[THINK]", "[/THINK]"))
 
 
 def detect_thinking(template: str | None, variables) -> ThinkFormat | None:
     """The reasoning markers of a chat template (variables: those it reads), None for a model that does not think."""
     for t in THINKING:
-        if template and t.open in template and t.close in template:
-            return ThinkFormat(t.open, t.close, t.switch if t.switch in variables else None)
+        if template and t.open in template and t.close in template and (t.switch is None or t.switch in variables):
+            return t
     return None

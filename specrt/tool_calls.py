@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .runtime.generate import stop_prefix
 from .runtime.grammar import JSON_OPTIONS
 from .runtime.tokenizer import ToolCall
-from .runtime.tool_formats import FORMATS, ToolFormat
+from .runtime.tool_formats import FORMATS, ThinkFormat, ToolFormat
 
 log = logging.getLogger("specrt.server")
 HERMES = FORMATS[-1]
@@ -32,11 +32,12 @@ def call_schema(tools: list[dict], key: str = "arguments") -> dict:
 
 
 def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=json.dumps,
-            fmt: ToolFormat = HERMES) -> str:
+            fmt: ToolFormat = HERMES, think: ThinkFormat | None = None, inside: bool = False) -> str:
     """The Lark grammar of a reply: text, or text then calls that end the turn (required False: OpenAI's "auto"),
     or calls alone (required: "required" or a named function, whose one tool is then `tools`); one call when not
     parallel (or the format has room for one). tools: [{"name", "parameters"}]. literal: how the grammar writes a
-    marker (GrammarTokenizer.literal: a special token as itself)."""
+    marker (GrammarTokenizer.literal: a special token as itself). think: a thinking model's markers, its reasoning
+    first (inside: the prompt opened the block)."""
     one = f'%json {json.dumps(call_schema(tools, fmt.key))}'
     pad = f' {json.dumps(fmt.pad)}' if fmt.pad else ""
     close = f' {literal(fmt.close)}' if fmt.close else ""
@@ -47,23 +48,44 @@ def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=js
     else:
         block = f'{pad} {one}{pad}{close}'
         rest = f'{block} ("\\n" {literal(fmt.open)} {block})*' if many and fmt.open else block
-    head = '%llguidance {}\n'
+    pre, rules = _thinking(think, inside, literal)
+    head = '%llguidance {}\n' + rules
     if not fmt.open:  # a bare JSON object at the reply's start is a call; any other reply is text
-        return head + (f'start: {rest}\n' if required else f'start: {rest} | TEXT?\nTEXT: /[^{{](.|\\n)*/\n')
+        return head + (f'start: {pre}{rest}\n' if required else f'start: {pre}({rest} | TEXT?)\n' + BARE)
     open_ = literal(fmt.open)
     if required:
-        return head + f'start: {open_} {rest}\n'
+        return head + f'start: {pre}{open_} {rest}\n'
     if not open_.startswith('"'):  # a special token ends the text by itself (llguidance's StructTag does the same)
-        return head + f'start: TEXT ({open_} {rest})?\n' + TEXT
-    return head + f'start: TEXT | trig {rest}\ntrig[lazy]: TEXT {open_}\n' + TEXT
+        return head + f'start: {pre}TEXT ({open_} {rest})?\n' + TEXT
+    return head + f'start: {pre}(TEXT | trig {rest})\ntrig[lazy]: TEXT {open_}\n' + TEXT
 
 
-def text_grammar(fmt: ToolFormat = HERMES) -> str:
+BARE = 'TEXT: /[^{](.|\\n)*/\n'  # text that is not a bare JSON call
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in "\\.^$*+?{}[]|()/" else c for c in text)
+
+
+def _thinking(think: ThinkFormat | None, inside: bool, literal) -> tuple[str, str]:
+    """The start of a reply that may reason first (llguidance reads added tokens such as Qwen3's <think> as
+    special: no text lexeme makes them, so the grammar names them), and its rules."""
+    if think is None:
+        return "", ""
+    opening = "" if inside else literal(think.open) + " "
+    rules = (f'think: {opening}THINK {literal(think.close)} SPACE\n'
+             f'THINK: /(.|\\n)*/ & ~/(.|\\n)*{_escape(think.close)}(.|\\n)*/\nSPACE: /[ \\n]*/\n')
+    return ("think " if inside else "think? "), rules
+
+
+def text_grammar(fmt: ToolFormat = HERMES, think: ThinkFormat | None = None, inside: bool = False,
+                 literal=json.dumps) -> str:
     """A reply of text that never opens a call (tool_choice "none" with tools given: the model may still try)."""
+    pre, rules = _thinking(think, inside, literal)
     if not fmt.open:
-        return '%llguidance {}\nstart: TEXT?\nTEXT: /[^{](.|\\n)*/\n'
-    mark = "".join("\\" + c if c in "\\.^$*+?{}[]|()/" else c for c in fmt.open)
-    return f'%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{mark}(.|\\n)*/\n'
+        return f'%llguidance {{}}\n{rules}start: {pre}TEXT?\n' + BARE
+    return (f'%llguidance {{}}\n{rules}start: {pre}TEXT\n'
+            f'TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_escape(fmt.open)}(.|\\n)*/\n')
 
 
 @dataclass
