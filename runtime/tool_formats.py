@@ -35,8 +35,12 @@ class ToolFormat:
     tokens: tuple[str, ...] = ()    # detection: all in the tokenizer's vocabulary
     template: tuple[str, ...] = ()  # detection: all in the chat template's source
     id_chars: int = 0         # the call ids the template demands (Mistral: 9 letters and digits); 0 = OpenAI's
+    named: str = ""           # a call is name + this + its arguments' JSON (Ministral 3's "[ARGS]"), not an object
+    between: str = "\n"       # between the blocks of several calls (not listed)
 
     def call_json(self, name: str, arguments: str) -> str:
+        if self.named:
+            return name + self.named + arguments
         return '{"name": ' + json.dumps(name, ensure_ascii=False) + f', "{self.key}": ' + arguments + "}"
 
     def calls_text(self, calls) -> str:
@@ -48,7 +52,7 @@ class ToolFormat:
         bodies = [self.call_json(c.name, c.arguments) for c in calls]
         if self.listed:
             return f"{self.open}{self.pad}[{', '.join(bodies)}]{self.pad}{self.close}"
-        return "\n".join(f"{self.open}{self.pad}{b}{self.pad}{self.close}" for b in bodies)
+        return self.between.join(f"{self.open}{self.pad}{b}{self.pad}{self.close}" for b in bodies)
 
     def new_id(self) -> str:
         if self.id_chars:
@@ -74,14 +78,18 @@ def _listed_prompt(open_: str, close: str) -> str:
 
 
 def _row(name, open_, close, key, listed, parallel, pad, prompt, prompt_turn="system", result="{content}",
-         result_role="tool", **detect) -> ToolFormat:
+         result_role="tool", **more) -> ToolFormat:
     return ToolFormat(name, open_, close, key, listed, parallel, pad, prompt, prompt_turn, result, result_role,
-                      **detect)
+                      **more)
 
 
 HERMES_RESULT = "<tool_response>\n{content}\n</tool_response>"
 # detection order: the most specific first; Hermes (Qwen2.5/3, SmolLM2/3, Hermes) matches anything
 FORMATS: tuple[ToolFormat, ...] = (
+    _row("mistral-args", "[TOOL_CALLS]", "", "arguments", False, True, "",
+         "You have access to the following tools:\n{tools}\n\nTo call a tool, respond with [TOOL_CALLS] followed by "
+         "its name, [ARGS] and its arguments as a JSON object.", result="[TOOL_RESULTS]{content}[/TOOL_RESULTS]",
+         result_role="user", tokens=("[TOOL_CALLS]", "[ARGS]"), named="[ARGS]", between=""),
     _row("mistral", "[TOOL_CALLS]", "", "arguments", True, True, "", _listed_prompt("[TOOL_CALLS]", ""),
          result="[TOOL_RESULTS]{{\"content\": {content}}}[/TOOL_RESULTS]", result_role="user",
          tokens=("[TOOL_CALLS]",), id_chars=9),

@@ -23,6 +23,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 TEXT = "TEXT: /(.|\\n)*/\n"
 
 
+def _arguments(tool: dict) -> dict:
+    return {**(tool.get("parameters") or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
+
+
 def call_schema(tools: list[dict], key: str = "arguments") -> dict:
     """One call's JSON: {"name": one of the tools, key: that tool's parameters}."""
     shapes = [{"type": "object", "properties": {"name": {"const": t["name"]},
@@ -39,6 +43,10 @@ def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=js
     marker (GrammarTokenizer.literal: a special token as itself). think: a thinking model's markers, its reasoning
     first (inside: the prompt opened the block)."""
     one = f'%json {json.dumps(call_schema(tools, fmt.key))}'
+    if fmt.named:  # name, the separator, then that tool's arguments
+        sep = literal(fmt.named)
+        one = "(" + " | ".join(f'{json.dumps(t["name"])} {sep} %json {json.dumps(_arguments(t))}'
+                               for t in tools) + ")"
     pad = f' {json.dumps(fmt.pad)}' if fmt.pad else ""
     close = f' {literal(fmt.close)}' if fmt.close else ""
     many = parallel and fmt.parallel
@@ -47,7 +55,8 @@ def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=js
         rest = f'{pad} "[" {one}{more} "]"{pad}{close}'
     else:
         block = f'{pad} {one}{pad}{close}'
-        rest = f'{block} ("\\n" {literal(fmt.open)} {block})*' if many and fmt.open else block
+        between = f'{json.dumps(fmt.between)} ' if fmt.between else ""
+        rest = f'{block} ({between}{literal(fmt.open)} {block})*' if many and fmt.open else block
     pre, rules = _thinking(think, inside, literal)
     head = '%llguidance {}\n' + rules
     if not fmt.open:  # a bare JSON object at the reply's start is a call; any other reply is text
@@ -159,6 +168,11 @@ class CallParser:
             i = self.buf.find(self.fmt.close)
             return i + len(self.fmt.close) if i >= 0 else -1
         i = len(self.buf) - len(self.buf.lstrip())
+        if self.fmt.named:  # the arguments' JSON starts after the name and the separator
+            i = self.buf.find(self.fmt.named)
+            if i < 0:
+                return -1
+            i += len(self.fmt.named)
         try:
             return json.JSONDecoder().raw_decode(self.buf, i)[1]
         except json.JSONDecodeError:
@@ -189,6 +203,9 @@ class CallParser:
 
 def parse_calls(body: str, fmt: ToolFormat) -> list[ToolCall] | None:
     """The calls of one block of markup (between the markers), or None when it is not calls in the format."""
+    if fmt.named:
+        name, _, body = body.partition(fmt.named)
+        body = '{"name": ' + json.dumps(name.strip()) + f', "{fmt.key}": ' + body + "}"
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:

@@ -312,7 +312,8 @@ def sessions(every_proposer):
 
 
 @pytest.mark.parametrize("required", [True, False])
-@pytest.mark.parametrize("fmt", ["hermes", "llama3-json", "mistral", "granite", "phi4-mini", "gemma-json"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3-json", "mistral", "mistral-args", "granite", "phi4-mini",
+                                 "gemma-json"])
 @pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "eagle", "lookup+eagle", "eagle-chain"])
 def test_every_proposer_under_every_tool_formats_grammar_equals_plain(sessions, mode, fmt, required):
     """Greedy speculative output equals plain output under each format's tool-call grammar (forced calls, and

@@ -109,7 +109,8 @@ FAMILY_MARKUP = MARKUP + ('"parameters"', "[TOOL_CALLS]", "<|tool_call|>", "<|/t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3.2", "mistral-nemo", "granite3.3", "phi4-mini", "gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3.2", "mistral-nemo", "ministral3", "granite3.3", "phi4-mini", "gemma2",
+                                    "qwen3"])
 def test_no_markup_in_content_in_each_family_format(family, tmp_path):
     """The sweep on each family's real template and format, the model favouring its opening marker."""
     from llama_templates import template
