@@ -179,3 +179,14 @@ def test_tool_format_overrides_the_detected_one(tiny_engines):
     text = session.codec.render_chat([Message("user", "hi")], [BOOK])
     assert '"parameters": dictionary' in text and "<tool_call>" not in text
     assert with_tool_format(load(tiny_engines, "fp32", "off"), "auto").codec.tool_format.name == "hermes"
+
+
+def test_an_unknown_tool_format_is_one_line_listing_the_names():
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+    from specrt.runtime.tool_formats import NAMES
+
+    r = CliRunner().invoke(app, ["serve", "--tool-format", "chatml"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "chatml" in r.output and all(n in r.output for n in NAMES), r.output
