@@ -43,7 +43,7 @@ BLOCK = 32  # fewer scale bytes than 16, far fewer candidates than 64 (docs/desi
 # more (row, token) candidates in a pass: reading the fp32 lm_head is cheaper than rescoring them
 # (docs/design-notes.md, "Logit screen candidate limit")
 MAX_CANDIDATES = 1024
-FORMAT = 7  # bump when the screen's graph or its build check changes (part of the fp32 engines' build key)
+FORMAT = 8  # bump when the screen's graph or its build check changes (part of the fp32 engines' build key)
 SLACK = 1.0 + 1e-3
 ROUNDING = 1e-4
 

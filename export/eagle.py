@@ -39,10 +39,12 @@ class HeadShape:
     @classmethod
     def of(cls, config) -> "HeadShape":
         """From a transformers config of the target."""
+        from .families import rope_theta
+
         heads = config.num_attention_heads
         return cls(config.hidden_size, heads, getattr(config, "num_key_value_heads", heads),
                    getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                   float(getattr(config, "rope_theta", 10000.0)), float(config.rms_norm_eps))
+                   rope_theta(config), float(config.rms_norm_eps))
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,21 @@ def facts(spec) -> dict:
             d[f.name] = f.default
     n = d["num_layers"]
     d["rotary_dim"] = d["rotary_dim"] or d["head_dim"]
-    d["rope_freqs"] = d["rope_freqs"] or ((tuple(d["rope_inv_freq"]), d["rope_scaling"]),)
+    d["rope_freqs"] = d["rope_freqs"] or ((tuple(d.get("rope_inv_freq", ())), d.get("rope_scaling", 1.0)),)
     d["layer_rope"] = tuple(d["layer_rope"]) or (0,) * n
     d["layer_window"] = tuple(d["layer_window"]) or (0,) * n
     d["attention_scale"] = d["attention_scale"] or float(d["head_dim"]) ** -0.5
     return d
+
+
+def head_lm_head(cache, spec) -> np.ndarray:
+    """The lm_head rows [V, H] as transformers holds them (the graph's carry the logit scale), for the Medusa and EAGLE
+    heads, which are trained on the PyTorch model's."""
+    from ..onnx_files import read_initializers
+
+    (lm_head_t,) = read_initializers(cache / "model.onnx", "lm_head.weight_t")
+    scale = facts(spec)["logit_scale"]
+    return lm_head_t.T if scale == 1 else lm_head_t.T / np.float32(scale)
 
 
 def layer_weight_names(s: dict, i: int) -> list[str]:

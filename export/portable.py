@@ -84,8 +84,10 @@ def build_portable_decoder(spec: dict, weights: dict[str, np.ndarray], max_conte
         return g.op("Mul", [normed, w(weight)], name=name)
 
     mask = g.op("Cast", [ATTENTION_MASK], to=onnx_dtype) if onnx_dtype != TensorProto.FLOAT else ATTENTION_MASK
-    capacity = g.op("Gather", [g.op("Shape", [ATTENTION_MASK]), i64("idx3", 3)], axis=0)  # cache slots
-    masks = window_biases(g, s, mask, POSITION_IDS, capacity, np_dtype)
+    masks = {0: mask}
+    if any(s["layer_window"]):
+        capacity = g.op("Gather", [g.op("Shape", [ATTENTION_MASK]), i64("idx3", 3)], axis=0)  # cache slots
+        masks = window_biases(g, s, mask, POSITION_IDS, capacity, np_dtype)
     shape_qkv, shape_out = i64("shape_qkv", [0, 0, n + 2 * kv, d]), i64("shape_out", [0, 0, n * d])
     split_qk_v, split_q_k = i64("split_qk_v", [n + kv, kv]), i64("split_q_k", [n, kv])
     ropes = {pair: (w(pair[0]), w(pair[1])) for pair in rope_names(s)}  # [max_context, rotary_dim / 2]

@@ -117,14 +117,14 @@ def vocab_size(src: Source) -> int | None:
     return len(tokens.data) if tokens is not None else None
 
 
-def check_family(src: Source):
-    """The family row of a source from its config alone (config.json, or the GGUF header), before any weight loads:
-    an unknown family or a feature no graph implements is one line (export/families.py)."""
+def check_family(src: Source) -> None:
+    """A HF folder's family and features from config.json alone, before any weight loads: an unknown family or a
+    feature no graph implements is one line (export/families.py). A GGUF's architecture was checked from its header
+    by resolve (reading its whole config through transformers parses the file: seconds); DecoderSpec checks the rest."""
     from .families import check_source
 
-    if src.kind == "gguf":
-        return check_source(src.path.parent, src.path.name)
-    return check_source(src.path)
+    if src.kind == "hf":
+        check_source(src.path)
 
 
 def load(src: Source):

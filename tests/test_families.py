@@ -79,13 +79,42 @@ def built(request, tmp_path_factory):
     fam = request.param
     root = tmp_path_factory.mktemp(fam)
     ckpt = make_family(root / "ckpt", fam)
+    heads = dict(medusa_heads=_medusa_file(root / "heads.npz", ckpt), eagle_head=_eagle_file(root / "eagle.npz", ckpt))
     quiet = dict(log=lambda m: None)
     fused = make_engine_set(EngineSetRequest(str(ckpt), "fused", ("fp32",), CONTEXT, root / "sets",
-                                             draft_source=str(ckpt), draft_precisions=("fp32",)), **quiet)
+                                             draft_source=str(ckpt), draft_precisions=("fp32",), **heads), **quiet)
     portable = make_engine_set(EngineSetRequest(str(ckpt), "portable", ("fp32",), CONTEXT, root / "sets",
-                                                backend="onnxruntime-portable"), **quiet)
+                                                backend="onnxruntime-portable", **heads), **quiet)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     return {"family": fam, "ckpt": ckpt, "model": model, "fused": fused, "portable": portable, "root": root}
+
+
+def _medusa_file(path: Path, ckpt: Path) -> Path:
+    """Medusa heads as `specrt train-medusa` writes them, random (their drafts are poor; exactness must hold)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from specrt.export.medusa import HEADS_FORMAT
+    from test_gpu_backends import random_heads
+
+    heads = random_heads(AutoConfig.from_pretrained(str(ckpt)).hidden_size, VOCAB, 3)
+    np.savez(path, **{n: heads[n] for n in ("w1", "b1", "w2", "b2", "vocab")},
+             report=json.dumps({"format": HEADS_FORMAT, "rank_acc": [[0.5, 0.2, 0.1, 0.05]] * 3}))
+    return path
+
+
+def _eagle_file(path: Path, ckpt: Path) -> Path:
+    """An EAGLE head as `specrt train-eagle` writes it, random, shaped by the family's config (HeadShape.of)."""
+    import torch
+    from transformers import AutoConfig
+
+    from specrt.export.eagle import HeadShape, make_head, save_head
+
+    shape = HeadShape.of(AutoConfig.from_pretrained(str(ckpt)))
+    torch.manual_seed(0)
+    save_head(path, make_head(shape), np.arange(VOCAB), {"shape": shape.__dict__})
+    return path
 
 
 def _engine(root: Path):
@@ -143,8 +172,8 @@ def test_a_k_token_pass_equals_k_one_token_passes(built, backend):
     assert np.abs(wide - np.concatenate(narrow)).max() < 1e-4
 
 
-@pytest.mark.parametrize("backend, modes", [("fused", ("prompt-lookup", "suffix", "draft")),
-                                            ("portable", ("prompt-lookup", "suffix"))])
+@pytest.mark.parametrize("backend, modes", [("fused", ("prompt-lookup", "suffix", "draft", "medusa", "eagle")),
+                                            ("portable", ("prompt-lookup", "suffix", "medusa", "eagle"))])
 def test_every_proposer_decodes_what_plain_decoding_does(built, backend, modes):
     from specrt.runtime.session import load
 
@@ -198,6 +227,22 @@ def test_the_fp16_portable_graph_compiles_with_tensorrt_for_rtx(built, tmp_path)
     assert out["engine_bytes"] > 0
 
 
+def test_ministral_exports_with_its_per_layer_windows(tmp_path):
+    """Ministral (the Mistral row's per-layer form): export's own parity check against PyTorch runs the golden prompt
+    and 32 greedy tokens, far past the window, through the reference attention function."""
+    from specrt.export.exporter import export_checkpoint
+    from specrt.export.sources import resolve
+
+    FAMILIES["ministral"] = ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=WINDOW, layer_types=MIXED))
+    try:
+        ckpt = make_family(tmp_path / "ckpt", "ministral")
+    finally:
+        del FAMILIES["ministral"]
+    facts = export_checkpoint(resolve(str(ckpt)), tmp_path / "exp", CONTEXT, log=lambda m: None)
+    assert list(facts["spec"]["layer_window"]) == [WINDOW, 0, WINDOW, WINDOW]
+    assert facts["parity"]["max_abs_logit_diff"] < 1e-4 and facts["parity"]["greedy_agreement"] == 1.0
+
+
 # --- refusals, from config.json before any weight loads ------------------------------------------------------------
 
 @pytest.mark.parametrize("family, change, says", [
@@ -215,16 +260,33 @@ def test_unsupported_families_and_features_are_refused_before_any_weight_loads(t
     import re
 
     from specrt.errors import SpecrtError
-    from specrt.export import exporter
+    from specrt.export import exporter, sources
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
     ckpt = make_family(tmp_path / "ckpt", family)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, **change}))
     monkeypatch.setattr(exporter, "load", lambda src: pytest.fail("weights loaded before the family check"))
+    monkeypatch.setattr(sources, "fingerprint", lambda src: pytest.fail("weights hashed before the family check"))
     with pytest.raises(SpecrtError) as e:
         make_engine_set(EngineSetRequest(str(ckpt), "x", ("fp32",), CONTEXT, tmp_path / "sets"), log=lambda m: None)
     msg = str(e.value)
     assert "\n" not in msg and re.search(says, msg), msg
     assert not (tmp_path / "sets" / "x").exists()
     assert not list((tmp_path / "sets" / ".cache").glob("export-*/model.onnx"))
+
+
+def test_the_cli_refuses_an_unsupported_feature_in_one_line_with_exit_2(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    ckpt = make_family(tmp_path / "ckpt", "olmo2")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "engines", "--source", str(ckpt), "--out",
+                        str(tmp_path / "eng")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [r.stderr.strip().splitlines()[-1]] and "olmo2: activation 'gelu'" in errors[0], r.stderr

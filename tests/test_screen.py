@@ -128,3 +128,37 @@ def test_engine_set_screen_checked_and_exact(tiny_engines):
             gen.engine.screen = False
             off = gen.generate(prompt, max_new_tokens=40, decode=decode, chat=False).token_ids
             assert on == off and len(on) > 0
+
+
+def test_a_zero_lm_head_row_is_left_out_of_the_bound_check(tmp_path, monkeypatch):
+    """transformers zeroes the pad row of the embedding; tied, it is an lm_head row whose bound is 0 and whose error
+    is 0: the build check once read 0/0 = NaN there, and the set fell back to the full lm_head without saying why."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from tiny import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0].zero_()
+    assert model.config.tie_word_embeddings and not model.lm_head.weight[0].any()
+    model.save_pretrained(str(ckpt))
+    said = []
+    out = make_engine_set(EngineSetRequest(str(ckpt), "zero-row", ("fp32",), 128, tmp_path / "sets"), log=said.append)
+    check = json.loads((out / "manifest.json").read_text())["engines"]["target-fp32"]["screen"]["check"]
+    assert check["holds"] and 0.0 < check["max_error_over_bound"] <= 1.0, check
+    assert not [m for m in said if "logit screen" in m]
+    # a check that does not hold falls back to the full lm_head, and says so in one line
+    from specrt.pipeline import checks
+
+    monkeypatch.setattr(checks, "_error_over_bound", lambda err, bound: 1.5)
+    said.clear()
+    out = make_engine_set(EngineSetRequest(str(ckpt), "fallback", ("fp32",), 128, tmp_path / "sets"), log=said.append)
+    (line,) = [m for m in said if "logit screen" in m]
+    assert "full fp32 lm_head" in line and "1.5 of the proven bound" in line and "\n" not in line
+    entry = json.loads((out / "manifest.json").read_text())["engines"]["target-fp32"]
+    assert entry["screen"]["check"]["holds"] is False

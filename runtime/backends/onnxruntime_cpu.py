@@ -165,7 +165,7 @@ class OrtEagleHead:
         self.capacity = 0
         self.length = 0  # real positions the cache holds (slots [0, length))
         self._io = self.session.io_binding()
-        self._layout(self.CAPACITY_STEP, 0)
+        self._layout(min(self.CAPACITY_STEP, capacity), 0)  # a short --max-context holds fewer slots than a step
         # outputs land in buffers of `capacity` rows (the widest call: a whole prompt), bound by address per call
         self._hidden = np.empty((capacity, hidden), np.float32)
         self._tokens = np.empty((capacity, topk), np.int64)

@@ -54,6 +54,7 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
     target, or that the CUDA EP runs as it is."""
     from ..export.eagle import export_eagle_onnx, head_arrays
     from ..export.graph import read_initializers
+    from ..export.layers import head_lm_head
 
     log(f"building the EAGLE head engine from {head_path}")
     _, _, report = head_arrays(head_path)
@@ -65,12 +66,12 @@ def build_eagle(head_path: Path, cache: Path, facts: dict, tmp: Path, log,
     if made_for is not None and made_for != facts["source"]["sha256"]:
         raise SpecrtError(f"EAGLE head '{head_path}' was trained on another checkpoint than this target; train one "
                           "for it with `specrt train-eagle`")
-    embed, lm_head_t = read_initializers(cache / "model.onnx", "embed_tokens.weight", "lm_head.weight_t")
+    (embed,) = read_initializers(cache / "model.onnx", "embed_tokens.weight")
     standard = backend is not None
     name, precision = (COMPILED, "fp32") if standard else (NAME, "int8")
     work = tmp if standard else Path(tempfile.mkdtemp(prefix="eagle-", dir=tmp))  # standard: the graph as written
     graph = work / (COMPILED + ".onnx")
-    info = export_eagle_onnx(head_path, embed, lm_head_t.T, graph, facts["max_context"], TOPK)
+    info = export_eagle_onnx(head_path, embed, head_lm_head(cache, s), graph, facts["max_context"], TOPK)
     if not standard:
         # int8 weights (dynamic activations): a draft step reads a quarter of the bytes, 5x faster on the CPU
         # (docs/design-notes.md, "The EAGLE head in int8"); drafts stay lossless, the target verifies them

@@ -55,8 +55,9 @@ def build_engine(role: str, p: str, cache: Path, facts: dict, tmp: Path, log) ->
         screen["check"] = checks.check_screen(tmp / built.name, facts, cache / "golden.npz", screen,
                                               info.get("session_config"))
         if not screen["check"]["holds"]:
-            log(f"warning: the logit screen did not pass its check on this machine ({screen['check']}); {role}-{p} "
-                "will decode greedy passes with its full fp32 lm_head. Please report it (with `pip list | grep onnx`)")
+            log(f"warning: {role}-{p} decodes greedy passes with its full fp32 lm_head: its logit screen did not pass "
+                f"its check on this machine ({checks.screen_fallback_reason(screen['check'])}); please report it "
+                "(with `pip list | grep onnx`)")
     s = facts["spec"]
     inputs, outputs = decoder_io_description({k: s[k] for k in ("num_kv_heads", "head_dim", "hidden_size",
                                                                 "vocab_size")})

@@ -75,7 +75,7 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
     request before any work; skips everything when the set there was built from the same inputs and still
     loads; one build per out_root at a time. Errors are one-line SpecrtErrors and leave no partial set."""
     from ..build.ort import build_key, precision
-    from ..export.sources import fingerprint, resolve, vocab_size
+    from ..export.sources import check_family, fingerprint, resolve, vocab_size
 
     check_destination(Path(req.out_root), req.name)
     built = req.precisions + (req.draft_precisions if req.draft_source else ())
@@ -106,6 +106,9 @@ def make_engine_set(req: EngineSetRequest, log=_say) -> Path:
         raise SpecrtError(f"--max-context {req.max_context} is too small; use at least {MIN_CONTEXT} (default 4096)")
     src = resolve(req.source)
     dsrc = resolve(req.draft_source) if req.draft_source else None
+    for source in (src, dsrc):  # the family and its features from config.json, before fingerprinting the weights
+        if source is not None:
+            check_family(source)
     if dsrc is not None:  # from the configs, before minutes of export; the tokenizers are compared after it
         _check_same_vocab(req, vocab_size(src), vocab_size(dsrc))
     final = req.out_root / req.name

@@ -271,14 +271,14 @@ def build_quantized_heads(precision: str, fp32_entry, heads_path: Path, target_e
     from dataclasses import replace
 
     from ..build.gptq import calibration_texts as texts
-    from ..export.graph import read_initializers
+    from ..export.layers import head_lm_head
     from ..export.medusa import export_heads_onnx, load_heads
     from ..interface import HEADS_HIDDEN, HEADS_TOKEN
     from ..manifest import engine_memory
 
     name = f"medusa-{precision}"
     heads, info = load_heads(heads_path), fp32_entry.medusa
-    lm_head = read_initializers(cache / "model.onnx", "lm_head.weight_t")[0].T
+    lm_head = head_lm_head(cache, facts["spec"])
     part = Path(tempfile.mkdtemp(prefix=".part-", dir=tmp))
     try:
         graph = part / "heads-fp32.onnx"

@@ -27,14 +27,14 @@ def build_medusa(heads_path: Path, cache: Path, facts: dict, tmp: Path, log, nod
     """Medusa heads as a tiny ONNX engine over the target's hidden state (role "medusa"). built: the set's
     engine entries so far (the tree is sized from the target's pass costs, through its logit screen where
     the runtime will use it, as decoding runs them). nodes > 0: a fixed tree size instead of the measured one."""
-    from ..export.graph import read_initializers
+    from ..export.layers import head_lm_head
     from ..export.medusa import export_heads_onnx, load_heads
     from ..export.medusa_tree import choose_tree, tree_from_accuracies
     from ..runtime.tree import compile_tree
 
     log(f"building Medusa heads engine from {heads_path}")
     heads = load_heads(heads_path)
-    lm_head = read_initializers(cache / "model.onnx", "lm_head.weight_t")[0].T    # [V, H]
+    lm_head = head_lm_head(cache, facts["spec"])    # [V, H]
     report = heads["report"]
     cost = target_pass_costs(built, cache, facts, tmp, log)
     if "tree_order" in report:
