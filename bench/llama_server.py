@@ -54,6 +54,7 @@ SPEC_MODES = (
     SpecMode("draft-simple", ("--spec-type", "draft-simple", "-md"), needs_draft=True),
     SpecMode("ngram-simple", ("--spec-type", "ngram-simple")),
     SpecMode("ngram-map-k", ("--spec-type", "ngram-map-k")),
+    SpecMode("ngram-map-k4v", ("--spec-type", "ngram-map-k4v")),
     SpecMode("ngram-mod", ("--spec-type", "ngram-mod")),
 )
 
