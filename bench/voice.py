@@ -283,6 +283,7 @@ def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack,
                 skip(f"{t.name} failed its probe call: {e}")
                 continue
         tried.append(f"{mode.name} {speed:.1f} tok/s")
+        log(f"voice: probe call on llama-server --spec-type {mode.name}: {speed:.1f} tok/s (turns 2+ median)")
         if speed > best_speed:
             best, best_speed = mode, speed
     if tried:
