@@ -105,6 +105,10 @@ def test_llama_server_command_and_modes(tmp_path):
     spec = ls.command(exe, gguf, 8081, 2, mode, draft)
     assert spec[spec.index("-md") + 1] == str(draft) and spec[spec.index("--spec-type") + 1] == "draft-simple"
     assert all(not m.needs_draft for m in ls.modes_for(None)) and mode in ls.modes_for(draft)
+    assert [m.name for m in ls.modes_for(None, ("ngram-mod",))] == ["ngram-mod"]
+    ls.check_modes(("ngram-mod", "draft-simple"), draft)
+    with pytest.raises(SpecrtError, match="draft-simple needs --llama-draft"):
+        ls.check_modes(("draft-simple",), None)
 
 
 def test_ensure_built_reuses_the_cache_and_names_what_is_missing(tmp_path, monkeypatch):
