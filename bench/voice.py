@@ -74,6 +74,14 @@ def load_workload(path: Path) -> Workload:
     return Workload(str(raw.get("name") or Path(path).stem), system, tuple(tuple(c) for c in calls), n)
 
 
+def sentence_end(text: str) -> int | None:
+    """The index of the mark that ends the first sentence (. ! or ? followed by whitespace or the end), or None."""
+    for i, ch in enumerate(text):
+        if ch in SENTENCE_END and (i + 1 == len(text) or text[i + 1].isspace()):
+            return i
+    return None
+
+
 def first_sentence_s(pieces: list[tuple[float, str]], end_s: float) -> tuple[float, bool]:
     """(seconds until the first sentence is known to have ended, whether a sentence end was seen) from the streamed
     (arrival, text) pieces: the arrival of the piece holding the whitespace after the first . ! or ?, or the stream's
@@ -82,21 +90,20 @@ def first_sentence_s(pieces: list[tuple[float, str]], end_s: float) -> tuple[flo
     for t, part in pieces:
         starts += [t] * len(part)
         text += part
-    for i, ch in enumerate(text):
-        if ch in SENTENCE_END:
-            if i + 1 == len(text):
-                return end_s, True
-            if text[i + 1].isspace():
-                return starts[i + 1], True
-    return end_s, False
+    i = sentence_end(text)
+    if i is None:
+        return end_s, False
+    return (end_s if i + 1 == len(text) else starts[i + 1]), True
 
 
 def turn_figures(rec: dict) -> dict:
     """The per-turn figures from one request record of bench/serve_client.request (with pieces)."""
     ttfs, found = first_sentence_s(rec.pop("pieces"), rec["e2e_s"])
+    end = sentence_end(rec["text"])
     n, ttft = rec["completion_tokens"], rec["ttft_s"]
     decode = (n - 1) / (rec["e2e_s"] - ttft) if ttft is not None and n >= 2 and rec["e2e_s"] > ttft else None
-    return {**rec, "ttfs_s": ttfs if ttft is not None else None, "sentence_end": found, "decode_tok_s": decode}
+    return {**rec, "ttfs_s": ttfs if ttft is not None else None, "sentence_end": found, "decode_tok_s": decode,
+            "first_sentence_chars": len(rec["text"]) if end is None else end + 1}
 
 
 async def _call(target, wl: Workload, k: int, turns: tuple[str, ...], request_timeout_s: float) -> list[dict]:

@@ -78,9 +78,11 @@ def test_first_sentence_on_fake_streams(pieces, end, want):
 
 
 def test_turn_figures():
-    rec = {"ttft_s": 0.1, "e2e_s": 0.5, "completion_tokens": 9, "pieces": [(0.1, "Yes. "), (0.2, "We")]}
+    rec = {"ttft_s": 0.1, "e2e_s": 0.5, "completion_tokens": 9, "pieces": [(0.1, "Yes. "), (0.2, "We")],
+           "text": "Yes. We"}
     out = voice.turn_figures(rec)
     assert out["ttfs_s"] == 0.1 and out["sentence_end"] and out["decode_tok_s"] == pytest.approx(8 / 0.4)
+    assert out["first_sentence_chars"] == 4
     assert "pieces" not in out
 
 
