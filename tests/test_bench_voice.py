@@ -65,6 +65,12 @@ def test_bad_workload_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_voice_options_without_voice_are_refused(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "bench-serve", "--url", "http://127.0.0.1:9",
+                        "--llama-server", "--out", str(tmp_path / "out")], capture_output=True, text=True, env=ENV)
+    assert_user_error(r, "--llama-server", "add --voice")
+
+
 @pytest.mark.parametrize("pieces, end, want", [
     ([(0.1, "Hello"), (0.2, " there."), (0.3, " How"), (0.4, " are you?")], 0.5, (0.3, True)),
     ([(0.1, "Hi!"), (0.2, "\n"), (0.3, "Next.")], 0.4, (0.2, True)),      # a newline ends it too
