@@ -92,6 +92,7 @@ class ServeBenchConfig:
     llama_gguf: Path | None = None           # its model (None: the GGUF the engine set was built from)
     llama_draft: Path | None = None          # its draft model's GGUF (-md), a speculative mode to try
     llama_server_args: tuple[str, ...] = ()  # appended to every llama-server command line
+    llama_modes: tuple[str, ...] = ()        # its speculative modes to try (bench/llama_server.py SPEC_MODES)
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -208,6 +209,12 @@ def plan(cfg: ServeBenchConfig) -> Plan:
     if cfg.overhead_reps > 1 and (cfg.engines is None or not cfg.in_process or 1 not in cfg.concurrency):
         raise SpecrtError("--overhead-reps repeats the single-stream pair of the in-process baseline and the "
                           "launched `specrt serve`: it needs --engines, --in-process and 1 in --concurrency")
+    voice_only = [flag for flag, v in (("--llama-server", cfg.llama_server), ("--ours", cfg.ours),
+                                       ("--llama-draft", cfg.llama_draft), ("--llama-gguf", cfg.llama_gguf),
+                                       ("--llama-spec-types", cfg.llama_modes)) if v]
+    if voice_only:
+        raise SpecrtError(f"{', '.join(voice_only)} belong(s) to the voice workload; add --voice (the prompt-set and "
+                          "multi-turn loads launch llama-cpp-python's server with --llamacpp)")
     targets = [parse_url(u) for u in cfg.urls]
     names = [t.name for t in targets] + (["specrt"] if cfg.engines else []) + (["llamacpp"] if cfg.llamacpp else [])
     dup = next((n for n in names if names.count(n) > 1), None)

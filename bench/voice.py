@@ -74,6 +74,14 @@ def load_workload(path: Path) -> Workload:
     return Workload(str(raw.get("name") or Path(path).stem), system, tuple(tuple(c) for c in calls), n)
 
 
+def sentence_end(text: str) -> int | None:
+    """The index of the mark that ends the first sentence (. ! or ? followed by whitespace or the end), or None."""
+    for i, ch in enumerate(text):
+        if ch in SENTENCE_END and (i + 1 == len(text) or text[i + 1].isspace()):
+            return i
+    return None
+
+
 def first_sentence_s(pieces: list[tuple[float, str]], end_s: float) -> tuple[float, bool]:
     """(seconds until the first sentence is known to have ended, whether a sentence end was seen) from the streamed
     (arrival, text) pieces: the arrival of the piece holding the whitespace after the first . ! or ?, or the stream's
@@ -82,21 +90,20 @@ def first_sentence_s(pieces: list[tuple[float, str]], end_s: float) -> tuple[flo
     for t, part in pieces:
         starts += [t] * len(part)
         text += part
-    for i, ch in enumerate(text):
-        if ch in SENTENCE_END:
-            if i + 1 == len(text):
-                return end_s, True
-            if text[i + 1].isspace():
-                return starts[i + 1], True
-    return end_s, False
+    i = sentence_end(text)
+    if i is None:
+        return end_s, False
+    return (end_s if i + 1 == len(text) else starts[i + 1]), True
 
 
 def turn_figures(rec: dict) -> dict:
     """The per-turn figures from one request record of bench/serve_client.request (with pieces)."""
     ttfs, found = first_sentence_s(rec.pop("pieces"), rec["e2e_s"])
+    end = sentence_end(rec["text"])
     n, ttft = rec["completion_tokens"], rec["ttft_s"]
     decode = (n - 1) / (rec["e2e_s"] - ttft) if ttft is not None and n >= 2 and rec["e2e_s"] > ttft else None
-    return {**rec, "ttfs_s": ttfs if ttft is not None else None, "sentence_end": found, "decode_tok_s": decode}
+    return {**rec, "ttfs_s": ttfs if ttft is not None else None, "sentence_end": found, "decode_tok_s": decode,
+            "first_sentence_chars": len(rec["text"]) if end is None else end + 1}
 
 
 async def _call(target, wl: Workload, k: int, turns: tuple[str, ...], request_timeout_s: float) -> list[dict]:
@@ -272,7 +279,8 @@ def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack,
     if default is None:   # its defaults do not start: no mode will, one line is enough
         return []
     best, best_speed, tried = None, 0.0, []
-    for mode in ls.modes_for(llama.get("draft")):
+    modes = ls.modes_for(llama.get("draft"), llama.get("modes", ()))
+    for mode in modes if len(modes) > 1 else ():   # a single candidate needs no probe
         with ExitStack() as probe:
             t = start(f"llama-server-{mode.name}", mode, probe)
             if t is None:
@@ -283,11 +291,13 @@ def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack,
                 skip(f"{t.name} failed its probe call: {e}")
                 continue
         tried.append(f"{mode.name} {speed:.1f} tok/s")
+        log(f"voice: probe call on llama-server --spec-type {mode.name}: {speed:.1f} tok/s (turns 2+ median)")
         if speed > best_speed:
             best, best_speed = mode, speed
     if tried:
         notes.append("llama-server's speculative modes on one probe call (decode tok/s, turns 2+ median): "
                      + ", ".join(tried) + (f"; best: {best.name}" if best else ""))
+    best = modes[0] if len(modes) == 1 else best
     best_t = start(f"llama-server-{best.name}", best, stack) if best is not None else None
     return [default] + ([best_t] if best_t is not None else [])
 
@@ -332,7 +342,9 @@ def run_bench(cfg, log=print) -> dict:
                               "--llama-gguf FILE.gguf")
         if cfg.llama_draft is not None and not Path(cfg.llama_draft).is_file():
             raise SpecrtError(f"--llama-draft '{cfg.llama_draft}' is not a file; pass the draft model's GGUF")
-        llama = {"gguf": gguf, "draft": cfg.llama_draft, "threads": threads, "args": cfg.llama_server_args}
+        ls.check_modes(cfg.llama_modes, cfg.llama_draft)
+        llama = {"gguf": gguf, "draft": cfg.llama_draft, "threads": threads, "args": cfg.llama_server_args,
+                 "modes": cfg.llama_modes}
     t0 = time.perf_counter()
     res = run_voice(cfg, wl, cfg.voice_calls, ours, llama, log)
     check = plain_check(res["records"], manifest, {t.name: p for t, (p, _) in zip(res["servers"], ours)},

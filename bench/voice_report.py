@@ -36,6 +36,8 @@ def server_row(name: str, recs: list[dict], check: dict | None) -> dict:
         cached = [r["cached_tokens"] for r in rs if r.get("cached_tokens") is not None]
         row[f"cached_{part}"] = float(np.mean(cached)) if cached else None
     row["sentence_end"] = sum(r["sentence_end"] for r in recs)
+    chars = [r["first_sentence_chars"] for r in recs if r["turn"] > 1 and r.get("first_sentence_chars") is not None]
+    row["first_sentence_chars_later"] = float(np.median(chars)) if chars else None
     row["per_turn"] = {t: {key: spread([r[key] * scale for r in recs if r["turn"] == t and r[key] is not None])
                            for key, _, scale, _ in FIGURES} for t in sorted({r["turn"] for r in recs})}
     row["identical_to_plain"] = check
@@ -79,13 +81,15 @@ def _f(s: dict | None, fmt: str = "{:.0f}") -> str:
 def table(res: dict) -> list[str]:
     """The per-server table (printed by the command too)."""
     out = ["| server | turns | TTFT ms, turn 1 | TTFS ms, turn 1 | decode tok/s, turn 1 | TTFT ms, turns 2+ | "
-           "TTFS ms, turns 2+ | decode tok/s, turns 2+ | tokens/turn, 2+ | cached tokens, 2+ | identical to plain |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "TTFS ms, turns 2+ | decode tok/s, turns 2+ | tokens/turn, 2+ | first sentence chars, 2+ | "
+           "cached tokens, 2+ | identical to plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["summary"]["servers"]:
         chk, cached, tokens = r["identical_to_plain"], r["cached_later"], r["tokens_later"]
+        chars = r.get("first_sentence_chars_later")
         out.append(f"| {r['server']} | {r['turns']} | {_f(r['ttft_s_turn1'])} | {_f(r['ttfs_s_turn1'])} | "
                    f"{_f(r['decode_tok_s_turn1'], '{:.1f}')} | {_f(r['ttft_s_later'])} | {_f(r['ttfs_s_later'])} | "
                    f"{_f(r['decode_tok_s_later'], '{:.1f}')} | {'–' if tokens is None else f'{tokens:.1f}'} | "
+                   f"{'–' if chars is None else f'{chars:.0f}'} | "
                    f"{'–' if cached is None else f'{cached:.0f}'} | "
                    + ("–" if chk is None else f"{chk['identical']}/{chk['turns']}") + " |")
     return out
@@ -164,7 +168,9 @@ def plot(res: dict) -> tuple[dict[str, bytes], list[str]]:
             med = np.array([c["median"] for c in cells if c])
             lo, hi = np.array([c["p10"] for c in cells if c]), np.array([c["p90"] for c in cells if c])
             ax.errorbar(xs, med, yerr=[med - lo, hi - med], marker="o", capsize=3, label=row["server"])
+    turns = sorted({t for row in res["summary"]["servers"] for t in row["per_turn"]})
     for ax, what in zip(axes, ("time to first sentence, ms", "decode tok/s")):
+        ax.set_xticks(turns)
         ax.set_xlabel("turn")
         ax.set_ylabel(what)
         ax.set_ylim(bottom=0)

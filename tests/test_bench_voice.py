@@ -65,6 +65,12 @@ def test_bad_workload_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_voice_options_without_voice_are_refused(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "bench-serve", "--url", "http://127.0.0.1:9",
+                        "--llama-server", "--out", str(tmp_path / "out")], capture_output=True, text=True, env=ENV)
+    assert_user_error(r, "--llama-server", "add --voice")
+
+
 @pytest.mark.parametrize("pieces, end, want", [
     ([(0.1, "Hello"), (0.2, " there."), (0.3, " How"), (0.4, " are you?")], 0.5, (0.3, True)),
     ([(0.1, "Hi!"), (0.2, "\n"), (0.3, "Next.")], 0.4, (0.2, True)),      # a newline ends it too
@@ -78,9 +84,11 @@ def test_first_sentence_on_fake_streams(pieces, end, want):
 
 
 def test_turn_figures():
-    rec = {"ttft_s": 0.1, "e2e_s": 0.5, "completion_tokens": 9, "pieces": [(0.1, "Yes. "), (0.2, "We")]}
+    rec = {"ttft_s": 0.1, "e2e_s": 0.5, "completion_tokens": 9, "pieces": [(0.1, "Yes. "), (0.2, "We")],
+           "text": "Yes. We"}
     out = voice.turn_figures(rec)
     assert out["ttfs_s"] == 0.1 and out["sentence_end"] and out["decode_tok_s"] == pytest.approx(8 / 0.4)
+    assert out["first_sentence_chars"] == 4
     assert "pieces" not in out
 
 
@@ -105,6 +113,10 @@ def test_llama_server_command_and_modes(tmp_path):
     spec = ls.command(exe, gguf, 8081, 2, mode, draft)
     assert spec[spec.index("-md") + 1] == str(draft) and spec[spec.index("--spec-type") + 1] == "draft-simple"
     assert all(not m.needs_draft for m in ls.modes_for(None)) and mode in ls.modes_for(draft)
+    assert [m.name for m in ls.modes_for(None, ("ngram-mod",))] == ["ngram-mod"]
+    ls.check_modes(("ngram-mod", "draft-simple"), draft)
+    with pytest.raises(SpecrtError, match="draft-simple needs --llama-draft"):
+        ls.check_modes(("draft-simple",), None)
 
 
 def test_ensure_built_reuses_the_cache_and_names_what_is_missing(tmp_path, monkeypatch):
@@ -220,3 +232,37 @@ def test_voice_command(tiny_engines, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "| specrt-fp32-prompt-lookup | 4 |" in r.stdout and "4/4" in r.stdout
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"report.md", "results.json", "voice.png"}
+
+
+@pytest.mark.parametrize("batches, extra, want", [(True, [], 4), (True, ["--parallel", "1"], 1), (False, [], 1)])
+def test_serve_parallel_default(tiny_engines, monkeypatch, batches, extra, want):
+    """`specrt serve` without --parallel runs 4 streams at once where the set's backend batches, else 1."""
+    import dataclasses
+
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    from specrt.backends import BACKENDS
+
+    monkeypatch.setitem(BACKENDS, "onnxruntime", dataclasses.replace(BACKENDS["onnxruntime"], batch=batches))
+    seen = {}
+
+    def serve_until_loaded(self, *args, **kwargs):  # instead of listening: the app's startup, until the load ends
+        import time
+
+        server = self.config.app.state.server
+        with TestClient(self.config.app):
+            t = time.time()
+            while server.session is None and server.load_error is None and time.time() - t < 60:
+                time.sleep(0.02)
+        seen["parallel"] = server.session.parallel if server.session else server.load_error
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve_until_loaded)
+    r = CliRunner().invoke(app, ["serve", "--engines", str(tiny_engines), "--threads", "1", "--speculate", "off",
+                                 *extra])
+    assert r.exit_code == 0, r.output
+    assert seen["parallel"] == want
