@@ -5,6 +5,7 @@ engine on the device (test_gpu_*.py, test_medusa.py, test_eagle.py, test_tensorr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -351,13 +352,10 @@ def plain(target, prompt, new_tokens: int) -> list[int]:
     from specrt.runtime.generate import Stats, plain_decode
     from specrt.runtime.sampling import SamplingParams
 
-    out, it = [], plain_decode(target, list(prompt), SamplingParams(), np.random.default_rng(0), Stats())
-    for tokens in it:
-        out += tokens
-        if len(out) >= new_tokens:
-            break
-    it.close()
-    return out[:new_tokens]
+    rounds = plain_decode(target, list(prompt), SamplingParams(), np.random.default_rng(0), Stats())
+    out = list(itertools.islice(itertools.chain.from_iterable(rounds), new_tokens))  # no round past the last token
+    rounds.close()
+    return out
 
 
 def fake_target(path: Path, backend: str):
