@@ -17,10 +17,10 @@ from .int4 import AWQ_ROWS, awq_scale, fit_scale, int4_block, quantize_int4
 FORMAT = 4  # bump when the Q/DQ recipe changes: cached quantized graphs are keyed on it
 PRECISIONS = {"fp8": ("float8_e4m3fn", 448.0), "int8": ("int8", 127.0), "int4-awq": ("int4", 7.0)}
 WEIGHT_ONLY = ("int4-awq",)
-# int8's SmoothQuant alpha: per-tensor int8 activations alone lose half the top-1 tokens on SmolLM2, whose
-# down_proj inputs reach ~500x the median GEMM input (docs/design-notes.md, "INT8 outlier activations")
+# int8's SmoothQuant alpha: a few down_proj input channels set a per-tensor int8 scale otherwise; with the outlier
+# channels in float, less migration pays (docs/design-notes.md, "INT8 outlier activations")
 SMOOTHQUANT_ALPHA = 0.8
-SMOOTHQUANT_ALPHA_SPLIT = 0.5  # with the outlier channels in float, less migration measured better (both models)
+SMOOTHQUANT_ALPHA_SPLIT = 0.5
 # input channels per activation kept in float by default (LLM.int8()'s split; BENCHMARKS.md, "What do FP8, INT8
 # and INT4-AWQ cost in accuracy?"): int8's per-tensor scale is otherwise set by a few channels hundreds of times
 # the rest

@@ -150,7 +150,7 @@ class SpeculativeConfig:
     draft_max_tokens: int = 8
     draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
     eagle_tree: bool = True                 # EAGLE-2's dynamic tree (False: a chain, its length adaptive)
-    eagle_depth: int = 3                    # the deepest chain or tree (3 measured best on this CPU: BENCHMARKS.md,
+    eagle_depth: int = 3                    # the deepest chain or tree (the depth that paid best: BENCHMARKS.md,
                                             # "Does EAGLE pay on this CPU?")
     eagle_beam: int = 6                     # tree nodes expanded per level
     eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)

@@ -341,13 +341,13 @@ def test_eagle_variants_names_a_bad_variant_before_any_work(spec, message, capsy
 def fake_gpu_eagle(tmp_path_factory):
     """A random portable target (hidden 32, vocab 96) and a random EAGLE head for it, the head's graph with its
     cache capacity fixed at 320 as build/tensorrt.py compiles it."""
-    from test_gpu_backends import _random_portable
+    from gpu_fakes import random_portable
 
     from specrt.build.tensorrt import fix_capacity
     from specrt.export.eagle import export_eagle_onnx, save_head
 
     out = tmp_path_factory.mktemp("fake-gpu-eagle")
-    _random_portable(out / "target-fp32.onnx")
+    random_portable(out / "target-fp32.onnx")
     torch.manual_seed(0)
     save_head(out / "head.npz", make_head(SHAPE), np.arange(96), {"shape": SHAPE.__dict__})
     rng = np.random.default_rng(0)
@@ -365,7 +365,7 @@ def _gpu_eagle(root, tree: bool, on_device: bool = True, backend: str = "tensorr
     a TensorRT target and TrtEagleHead (TensorRT faked), or a CUDA EP one and OrtCudaEagleHead (a CPU session bound by
     address, 16 rows a call as the fake compiled head's prefill profile), the head reading the target's rows on the
     device, or with on_device False the same head class on the host path."""
-    from test_gpu_backends import fake_target
+    from gpu_fakes import fake_target
 
     head, proposer = _eagle_on(root, tree, on_device, backend)
     return fake_target(root / "target-fp32.onnx", backend), head, proposer
@@ -374,7 +374,7 @@ def _gpu_eagle(root, tree: bool, on_device: bool = True, backend: str = "tensorr
 def _eagle_on(root, tree: bool, on_device: bool, backend: str):
     """_gpu_eagle's (head, proposer), without the target."""
     import onnxruntime as ort
-    from test_gpu_backends import CountingMemory, HostEagleEngine
+    from gpu_fakes import CountingMemory, HostEagleEngine
 
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
     from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
@@ -404,7 +404,7 @@ def test_eagle_features_stay_on_the_device_beside_a_gpu_target(fake_gpu_eagle, t
     device path (the host path downloads both); KV reuse's copy of the features equal. A device copy skipped, or
     of the wrong rows, drafts otherwise. For a compiled head (TensorRT) and one on the CUDA EP."""
     from specrt.interface import HIDDEN_STATES
-    from test_gpu_backends import hidden_fetched, speculate
+    from gpu_fakes import hidden_fetched, speculate
 
     host_t, host_h, host_p = _gpu_eagle(fake_gpu_eagle, tree, on_device=False, backend=backend)
     want, host_drafts = speculate(host_t, host_p, PROMPT, 60, 4, forced=True)
@@ -453,7 +453,7 @@ def test_eagle_features_stay_on_the_device_beside_a_gpu_target(fake_gpu_eagle, t
 def test_greedy_eagle_on_the_device_keeps_the_targets_output(fake_gpu_eagle, tree, backend):
     """Greedy speculative decoding with the head on the device path (real verification) gives plain greedy
     decoding's tokens, and drafts on the way."""
-    from test_gpu_backends import fake_target, hidden_fetched, plain, speculate
+    from gpu_fakes import fake_target, hidden_fetched, plain, speculate
 
     target, _, proposer = _gpu_eagle(fake_gpu_eagle, tree, backend=backend)
     got, drafts = speculate(target, proposer, PROMPT, 50, 4)
@@ -472,7 +472,7 @@ def test_eagle_streams_in_a_batch_keep_their_features_on_the_device(fake_gpu_eag
     reads another slot's rows, a stale pass's, or a chunk's rows copied to the wrong offset drafts otherwise."""
 
     from specrt.interface import HIDDEN_STATES
-    from test_gpu_backends import (batch_hidden_fetched, batch_sabotages, fake_batch, fake_target, plain, speculate,
+    from gpu_fakes import (batch_hidden_fetched, batch_sabotages, fake_batch, fake_target, plain, speculate,
                                    speculate_batch)
 
     rng = np.random.default_rng(5)
@@ -528,7 +528,7 @@ def test_the_cuda_ep_head_drafts_what_the_cpu_head_does(fake_gpu_eagle):
     from specrt.runtime.backends.cuda_memory import HostMemory
     from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
-    from test_gpu_backends import eagle_heads_agree
+    from gpu_fakes import eagle_heads_agree
 
     graph = fake_gpu_eagle / "eagle.onnx"
     dims = dict(hidden=32, kv_heads=2, head_dim=8, topk=8)

@@ -531,7 +531,7 @@ def test_heads_beside_either_gpu_backends_target_keep_its_hidden_states_on_the_d
     no hidden row downloaded on the device path (the host path downloads them); greedy output equals plain decoding's. A
     row of the wrong position drafts otherwise."""
     import onnxruntime as ort
-    from test_gpu_backends import (HostEngine, _random_portable, fake_target, hidden_fetched, plain, random_heads,
+    from gpu_fakes import (HostEngine, random_portable, fake_target, hidden_fetched, plain, random_heads,
                                    speculate)
 
     from specrt.export.medusa import export_heads_onnx
@@ -540,7 +540,7 @@ def test_heads_beside_either_gpu_backends_target_keep_its_hidden_states_on_the_d
     from specrt.runtime.backends.tensorrt_heads import TrtHeads
     from specrt.runtime.proposers.medusa import Medusa
 
-    _random_portable(tmp_path / "target-fp32.onnx")
+    random_portable(tmp_path / "target-fp32.onnx")
     graph = tmp_path / "medusa-fp32.onnx"
     export_heads_onnx(random_heads(32, 96), np.random.default_rng(2).standard_normal((96, 32)).astype(np.float32),
                       graph, topk=4)
@@ -584,7 +584,7 @@ def test_heads_on_the_device_read_each_batched_streams_own_rows(tmp_path, backen
     pass's, or a chunk's rows copied to the wrong offset, drafts otherwise."""
 
     import onnxruntime as ort
-    from test_gpu_backends import (HostEngine, _random_portable, batch_hidden_fetched, batch_sabotages, fake_batch,
+    from gpu_fakes import (HostEngine, random_portable, batch_hidden_fetched, batch_sabotages, fake_batch,
                                    fake_target, plain, random_heads, speculate, speculate_batch)
 
     from specrt.export.medusa import export_heads_onnx
@@ -595,7 +595,7 @@ def test_heads_on_the_device_read_each_batched_streams_own_rows(tmp_path, backen
     from specrt.runtime.proposers.medusa import Medusa
 
     target_graph = tmp_path / "target-fp32.onnx"
-    _random_portable(target_graph)
+    random_portable(target_graph)
     graph = tmp_path / "medusa-fp32.onnx"
     export_heads_onnx(random_heads(32, 96), np.random.default_rng(2).standard_normal((96, 32)).astype(np.float32),
                       graph, topk=4)

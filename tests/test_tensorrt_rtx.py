@@ -19,10 +19,10 @@ import onnx
 import pytest
 
 from specrt.errors import SpecrtError
-from test_gpu_backends import HostEagleEngine as _HostEagleEngine
-from test_gpu_backends import eagle_heads_agree
-from test_gpu_backends import HostEngine as _HostEngine
-from test_gpu_backends import random_heads as _random_heads
+from gpu_fakes import HostEagleEngine as _HostEagleEngine
+from gpu_fakes import eagle_heads_agree
+from gpu_fakes import HostEngine as _HostEngine
+from gpu_fakes import random_heads as _random_heads
 
 try:
     import tensorrt_rtx_bindings  # noqa: F401

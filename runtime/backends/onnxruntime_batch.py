@@ -106,7 +106,8 @@ class OrtBatchEngine:
     max_pass_tokens = 64
     wide_rows_alone = True  # see the module docstring
     rows_on_device = False  # hidden rows come to the host (PassRow.hidden)
-    screen_max_rows = 8  # a batched one-token pass reads the screen up to this many rows (8: 43 -> 30 ms measured)
+    screen_max_rows = 8  # a batched one-token pass reads the screen up to this many rows (docs/runtime-notes.md,
+    # "Batched logit screen rows")
     CAPACITY_STEP = 256  # one slot: reserve() rounds its cache layout up to a multiple of this many positions
     screen_note: str | None = None  # why the logit screen is not in use (open_batch: the entry's rule)
 
