@@ -3,7 +3,8 @@
 Contract: pure functions of (p, draft, rng). No model code, no KV cache, no
 logits: probabilities come from ``runtime.sampling.probs_from_logits``, the
 same function plain sampling uses, so p and q are exactly the distributions
-that were (or would have been) sampled from.
+that were (or would have been) sampled from. One function is lossy and opt-in:
+verify_typical, Medusa's typical acceptance.
 
 More: docs/runtime-notes.md, "Module notes: runtime/verify.py".
 """
