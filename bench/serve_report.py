@@ -9,12 +9,13 @@ reports none). Multi-turn: per turn the median over conversations.
 
 from __future__ import annotations
 
-import io
 import json
 import statistics
 from pathlib import Path
 
 import numpy as np
+
+from .plotting import png, pyplot
 
 GOAL_TOK_S_RATIO = 0.95   # server tok/s at least this share of the in-process API's, single stream
 GOAL_TTFT_MS = 15.0       # server TTFT at most this many ms above the in-process API's
@@ -284,21 +285,10 @@ def markdown(res: dict) -> str:
 
 def plots(res: dict) -> tuple[dict[str, bytes], list[str]]:
     """PNG bytes by file name, and notes (matplotlib missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return {}, ["plots skipped: matplotlib is not installed (pip install 'specrt[bench]')"]
+    plt, note = pyplot()
+    if plt is None:
+        return {}, [note]
     sm, files = res["summary"], {}
-
-    def png(fig) -> bytes:
-        buf = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
-        return buf.getvalue()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for s in _order(res):
@@ -316,7 +306,7 @@ def plots(res: dict) -> tuple[dict[str, bytes], list[str]]:
         ax.legend(fontsize=8)
     fig.suptitle(f"{res['meta']['engine_set'] or 'bench-serve'}: {len(res['meta']['cases'])} prompts, "
                  f"max_tokens {res['meta']['max_tokens']}, {res['meta']['threads']} threads")
-    files["latency.png"] = png(fig)
+    files["latency.png"] = png(plt, fig)
     if sm["multiturn"]:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for s in dict.fromkeys(r["server"] for r in sm["multiturn"]):
@@ -327,7 +317,7 @@ def plots(res: dict) -> tuple[dict[str, bytes], list[str]]:
         ax.set_ylim(bottom=0)
         ax.set_title("multi-turn: whole history resent each turn")
         ax.legend(fontsize=8)
-        files["multiturn.png"] = png(fig)
+        files["multiturn.png"] = png(plt, fig)
     return files, []
 
 

@@ -4,11 +4,12 @@ medians (the plot); ours against llama-server's fastest (the issue-53 goals); re
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import numpy as np
+
+from .plotting import png, pyplot
 
 GOAL_TTFS_LATER = 0.7     # ours / llama-server's best, turns 2+ median time to first sentence: at most
 GOAL_DECODE_LATER = 1.3   # ours / llama-server's best, turns 2+ median decode tok/s: at least
@@ -152,21 +153,19 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict) -> tuple[dict[str, bytes], list[str]]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return {}, ["plot skipped: matplotlib is not installed (pip install 'specrt[bench]')"]
+    plt, note = pyplot()
+    if plt is None:
+        return {}, [note]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for row in res["summary"]["servers"]:
         turns = sorted(row["per_turn"])
         for ax, key in zip(axes, ("ttfs_s", "decode_tok_s")):
             cells = [row["per_turn"][t][key] for t in turns]
             xs = [t for t, c in zip(turns, cells) if c]
-            med = np.array([c["median"] for c in cells if c])
-            lo, hi = np.array([c["p10"] for c in cells if c]), np.array([c["p90"] for c in cells if c])
+            scale = 1e3 if key == "ttfs_s" else 1.0  # seconds are drawn in ms
+            med = np.array([c["median"] for c in cells if c]) * scale
+            lo = np.array([c["p10"] for c in cells if c]) * scale
+            hi = np.array([c["p90"] for c in cells if c]) * scale
             ax.errorbar(xs, med, yerr=[med - lo, hi - med], marker="o", capsize=3, label=row["server"])
     turns = sorted({t for row in res["summary"]["servers"] for t in row["per_turn"]})
     for ax, what in zip(axes, ("time to first sentence, ms", "decode tok/s")):
@@ -177,11 +176,7 @@ def plot(res: dict) -> tuple[dict[str, bytes], list[str]]:
         ax.legend(fontsize=8)
     fig.suptitle(f"voice: {res['meta']['workload']}, {res['meta']['calls']} calls, max_tokens "
                  f"{res['meta']['max_tokens']}")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return {"voice.png": buf.getvalue()}, []
+    return {"voice.png": png(plt, fig)}, []
 
 
 def write(res: dict, out: Path, command: str) -> None:
