@@ -169,6 +169,10 @@ def bench_serve(
     llama_draft: Optional[Path] = typer.Option(None, "--llama-draft",
                                                help="A draft model's GGUF: llama-server's -md --spec-type "
                                                     "draft-simple is tried too."),
+    llama_spec_types: str = typer.Option("", "--llama-spec-types",
+                                         help="llama-server's speculative modes to try (default: ngram-simple, "
+                                              "ngram-map-k, ngram-map-k4v, ngram-mod, and draft-simple with "
+                                              "--llama-draft); one mode is taken without a probe call."),
     llama_server_args: str = typer.Option("", "--llama-server-args",
                                           help="More options for every launched llama-server."),
     out: Path = typer.Option(Path("bench-out/serve"), "--out",
@@ -217,7 +221,9 @@ def bench_serve(
                            voice=(voice_workload or DEFAULT_WORKLOAD) if voice or voice_workload else None,
                            voice_calls=calls,
                            ours=tuple(parse_ours(ours)), llama_server=llama_server, llama_gguf=llama_gguf,
-                           llama_draft=llama_draft, llama_server_args=_split("--llama-server-args", llama_server_args))
+                           llama_draft=llama_draft,
+                           llama_modes=tuple(x.strip() for x in llama_spec_types.split(",") if x.strip()),
+                           llama_server_args=_split("--llama-server-args", llama_server_args))
     argv = sys.argv[1:][1:] if sys.argv[1:2] == ["bench-serve"] else sys.argv[1:]
     if cfg.voice is not None:
         return _voice(cfg, out, "specrt bench-serve " + shlex.join(argv))

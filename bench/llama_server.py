@@ -54,6 +54,7 @@ SPEC_MODES = (
     SpecMode("draft-simple", ("--spec-type", "draft-simple", "-md"), needs_draft=True),
     SpecMode("ngram-simple", ("--spec-type", "ngram-simple")),
     SpecMode("ngram-map-k", ("--spec-type", "ngram-map-k")),
+    SpecMode("ngram-map-k4v", ("--spec-type", "ngram-map-k4v")),
     SpecMode("ngram-mod", ("--spec-type", "ngram-mod")),
 )
 
@@ -127,9 +128,20 @@ def command(exe: Path, gguf: Path, port: int, threads: int, mode: SpecMode | Non
     return cmd + list(extra)
 
 
-def modes_for(draft: Path | None) -> list[SpecMode]:
-    """The speculative modes to try: the n-gram ones, and the draft model's when a draft GGUF is given."""
-    return [m for m in SPEC_MODES if draft is not None or not m.needs_draft]
+def modes_for(draft: Path | None, only: tuple[str, ...] = ()) -> list[SpecMode]:
+    """The speculative modes to try: the n-gram ones, and the draft model's when a draft GGUF is given; `only`:
+    those named (--llama-spec-types)."""
+    return [m for m in SPEC_MODES if (draft is not None or not m.needs_draft) and (not only or m.name in only)]
+
+
+def check_modes(names: tuple[str, ...], draft: Path | None) -> None:
+    from ..errors import SpecrtError
+
+    known = [m.name for m in modes_for(draft)]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SpecrtError(f"--llama-spec-types: unknown or unusable mode {', '.join(bad)}; choose from "
+                          f"{', '.join(known)} (draft-simple needs --llama-draft)")
 
 
 if __name__ == "__main__":  # pragma: no cover - `make peers`

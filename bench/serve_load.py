@@ -92,6 +92,7 @@ class ServeBenchConfig:
     llama_gguf: Path | None = None           # its model (None: the GGUF the engine set was built from)
     llama_draft: Path | None = None          # its draft model's GGUF (-md), a speculative mode to try
     llama_server_args: tuple[str, ...] = ()  # appended to every llama-server command line
+    llama_modes: tuple[str, ...] = ()        # its speculative modes to try (bench/llama_server.py SPEC_MODES)
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:

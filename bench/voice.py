@@ -272,7 +272,8 @@ def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack,
     if default is None:   # its defaults do not start: no mode will, one line is enough
         return []
     best, best_speed, tried = None, 0.0, []
-    for mode in ls.modes_for(llama.get("draft")):
+    modes = ls.modes_for(llama.get("draft"), llama.get("modes", ()))
+    for mode in modes if len(modes) > 1 else ():   # a single candidate needs no probe
         with ExitStack() as probe:
             t = start(f"llama-server-{mode.name}", mode, probe)
             if t is None:
@@ -283,11 +284,13 @@ def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack,
                 skip(f"{t.name} failed its probe call: {e}")
                 continue
         tried.append(f"{mode.name} {speed:.1f} tok/s")
+        log(f"voice: probe call on llama-server --spec-type {mode.name}: {speed:.1f} tok/s (turns 2+ median)")
         if speed > best_speed:
             best, best_speed = mode, speed
     if tried:
         notes.append("llama-server's speculative modes on one probe call (decode tok/s, turns 2+ median): "
                      + ", ".join(tried) + (f"; best: {best.name}" if best else ""))
+    best = modes[0] if len(modes) == 1 else best
     best_t = start(f"llama-server-{best.name}", best, stack) if best is not None else None
     return [default] + ([best_t] if best_t is not None else [])
 
@@ -332,7 +335,9 @@ def run_bench(cfg, log=print) -> dict:
                               "--llama-gguf FILE.gguf")
         if cfg.llama_draft is not None and not Path(cfg.llama_draft).is_file():
             raise SpecrtError(f"--llama-draft '{cfg.llama_draft}' is not a file; pass the draft model's GGUF")
-        llama = {"gguf": gguf, "draft": cfg.llama_draft, "threads": threads, "args": cfg.llama_server_args}
+        ls.check_modes(cfg.llama_modes, cfg.llama_draft)
+        llama = {"gguf": gguf, "draft": cfg.llama_draft, "threads": threads, "args": cfg.llama_server_args,
+                 "modes": cfg.llama_modes}
     t0 = time.perf_counter()
     res = run_voice(cfg, wl, cfg.voice_calls, ours, llama, log)
     check = plain_check(res["records"], manifest, {t.name: p for t, (p, _) in zip(res["servers"], ours)},

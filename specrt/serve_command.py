@@ -54,6 +54,12 @@ SUFFIX_CACHE_HELP = ("--speculate suffix: memory for the stores of earlier answe
 SUFFIX_SCOPE_HELP = ("--speculate suffix: whose earlier answers a request drafts from, since how fast an answer "
                      "comes reveals what they looked like: server (every request's; one tenant), api-key (those "
                      "sent with the same bearer token), conversation (this conversation's only).")
+DEFAULT_PARALLEL = 4   # where the backend batches; why: docs/voice.md, "The --parallel default"
+PARALLEL_HELP = (f"Streams decoded at once, their passes batched (llama.cpp's server --parallel). Default "
+                 f"{DEFAULT_PARALLEL} where the set's backend batches, else 1: with one stream at a time a fourth "
+                 "caller waits for three whole answers, while a lone caller pays a little per token for the batch "
+                 "(docs/voice.md, \"The --parallel default\"); a server for one caller at a time: --parallel 1. "
+                 "Draft lengths then follow the load unless --draft-tokens fixes them.")
 # its default is batch_session.PREFILL_CHUNK (tested)
 PREFILL_CHUNK_HELP = ("With --parallel: a prompt longer than this many tokens is read in chunks of it, the other "
                       "streams decoding between them, so their next token waits for one chunk, not the whole prompt "
@@ -78,9 +84,7 @@ def serve(
                                                "SPECRT_API_KEY)."),
     max_queue: int = typer.Option(16, "--max-queue",
                                   help="Requests that may wait or run at once; the next gets 503 with Retry-After."),
-    parallel: int = typer.Option(1, "--parallel", "-np",
-                                 help="Streams decoded at once, their passes batched (llama.cpp's server --parallel). "
-                                      "Draft lengths then follow the load unless --draft-tokens fixes them."),
+    parallel: Optional[int] = typer.Option(None, "--parallel", "-np", help=PARALLEL_HELP, show_default=False),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens",
                                                help="Fixed draft length K (default: adaptive, by load with "
                                                     "--parallel)."),
@@ -104,9 +108,11 @@ def serve(
     reasoning: Reasoning = typer.Option("separate", "--reasoning", metavar="MODE", help=REASONING_HELP),
 ):
     """Serve an engine set over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
-    (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics. One
-    request runs at a time, or --parallel N at once; each conversation's KV cache is reused by its next turn."""
-    check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
+    (streamed as server-sent events or not), /v1/models, /health (503 while the engines load), /metrics.
+    --parallel N requests run at once (default 4), the rest queue; each conversation's KV cache is reused by its
+    next turn."""
+    check_serve_flags(port, max_queue, 1 if parallel is None else parallel, cache_ram, api_key, prefill_chunk,
+                      default_max_tokens)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -124,7 +130,11 @@ def serve(
     engines_dir, served = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads,
                                             eagle_head)
     manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
-    manifest.engine("target", precision)
+    target = manifest.engine("target", precision)
+    if parallel is None:
+        from .backends import BACKENDS
+
+        parallel = DEFAULT_PARALLEL if BACKENDS[target.backend].batch else 1
     mode = resolve_mode(speculate, manifest, precision)  # the session gets both: neither is loaded or resolved again
     run_server(lambda: with_tool_format(load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
                                              parallel=parallel, prefill_chunk=prefill_chunk), tool_format.value),

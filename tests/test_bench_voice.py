@@ -105,6 +105,10 @@ def test_llama_server_command_and_modes(tmp_path):
     spec = ls.command(exe, gguf, 8081, 2, mode, draft)
     assert spec[spec.index("-md") + 1] == str(draft) and spec[spec.index("--spec-type") + 1] == "draft-simple"
     assert all(not m.needs_draft for m in ls.modes_for(None)) and mode in ls.modes_for(draft)
+    assert [m.name for m in ls.modes_for(None, ("ngram-mod",))] == ["ngram-mod"]
+    ls.check_modes(("ngram-mod", "draft-simple"), draft)
+    with pytest.raises(SpecrtError, match="draft-simple needs --llama-draft"):
+        ls.check_modes(("draft-simple",), None)
 
 
 def test_ensure_built_reuses_the_cache_and_names_what_is_missing(tmp_path, monkeypatch):
@@ -220,3 +224,37 @@ def test_voice_command(tiny_engines, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "| specrt-fp32-prompt-lookup | 4 |" in r.stdout and "4/4" in r.stdout
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"report.md", "results.json", "voice.png"}
+
+
+@pytest.mark.parametrize("batches, extra, want", [(True, [], 4), (True, ["--parallel", "1"], 1), (False, [], 1)])
+def test_serve_parallel_default(tiny_engines, monkeypatch, batches, extra, want):
+    """`specrt serve` without --parallel runs 4 streams at once where the set's backend batches, else 1."""
+    import dataclasses
+
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+
+    from specrt.backends import BACKENDS
+
+    monkeypatch.setitem(BACKENDS, "onnxruntime", dataclasses.replace(BACKENDS["onnxruntime"], batch=batches))
+    seen = {}
+
+    def serve_until_loaded(self, *args, **kwargs):  # instead of listening: the app's startup, until the load ends
+        import time
+
+        server = self.config.app.state.server
+        with TestClient(self.config.app):
+            t = time.time()
+            while server.session is None and server.load_error is None and time.time() - t < 60:
+                time.sleep(0.02)
+        seen["parallel"] = server.session.parallel if server.session else server.load_error
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve_until_loaded)
+    r = CliRunner().invoke(app, ["serve", "--engines", str(tiny_engines), "--threads", "1", "--speculate", "off",
+                                 *extra])
+    assert r.exit_code == 0, r.output
+    assert seen["parallel"] == want
