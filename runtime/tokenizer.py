@@ -119,7 +119,7 @@ class TextCodec:
         """The tool-call format prompts are rendered in and replies read in (tool_formats.py); its markers that are
         special tokens are kept in decoded text, where the parser finds them."""
         self.tool_format = fmt
-        marks = (fmt.open, fmt.close) + ((self.think.open, self.think.close) if self.think else ())
+        marks = (fmt.open, fmt.close, fmt.named) + ((self.think.open, self.think.close) if self.think else ())
         special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         self.keep = frozenset(special.intersection(self.tokenizer.token_to_id(m) for m in marks if m))
 

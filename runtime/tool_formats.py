@@ -35,8 +35,12 @@ class ToolFormat:
     tokens: tuple[str, ...] = ()    # detection: all in the tokenizer's vocabulary
     template: tuple[str, ...] = ()  # detection: all in the chat template's source
     id_chars: int = 0         # the call ids the template demands (Mistral: 9 letters and digits); 0 = OpenAI's
+    named: str = ""           # a call is name + this + its arguments' JSON (Ministral 3's "[ARGS]"), not an object
+    between: str = "\n"       # between the blocks of several calls (not listed)
 
     def call_json(self, name: str, arguments: str) -> str:
+        if self.named:
+            return name + self.named + arguments
         return '{"name": ' + json.dumps(name, ensure_ascii=False) + f', "{self.key}": ' + arguments + "}"
 
     def calls_text(self, calls) -> str:
@@ -48,7 +52,7 @@ class ToolFormat:
         bodies = [self.call_json(c.name, c.arguments) for c in calls]
         if self.listed:
             return f"{self.open}{self.pad}[{', '.join(bodies)}]{self.pad}{self.close}"
-        return "\n".join(f"{self.open}{self.pad}{b}{self.pad}{self.close}" for b in bodies)
+        return self.between.join(f"{self.open}{self.pad}{b}{self.pad}{self.close}" for b in bodies)
 
     def new_id(self) -> str:
         if self.id_chars:
@@ -74,14 +78,18 @@ def _listed_prompt(open_: str, close: str) -> str:
 
 
 def _row(name, open_, close, key, listed, parallel, pad, prompt, prompt_turn="system", result="{content}",
-         result_role="tool", **detect) -> ToolFormat:
+         result_role="tool", **more) -> ToolFormat:
     return ToolFormat(name, open_, close, key, listed, parallel, pad, prompt, prompt_turn, result, result_role,
-                      **detect)
+                      **more)
 
 
 HERMES_RESULT = "<tool_response>\n{content}\n</tool_response>"
 # detection order: the most specific first; Hermes (Qwen2.5/3, SmolLM2/3, Hermes) matches anything
 FORMATS: tuple[ToolFormat, ...] = (
+    _row("mistral-args", "[TOOL_CALLS]", "", "arguments", False, True, "",
+         "You have access to the following tools:\n{tools}\n\nTo call a tool, respond with [TOOL_CALLS] followed by "
+         "its name, [ARGS] and its arguments as a JSON object.", result="[TOOL_RESULTS]{content}[/TOOL_RESULTS]",
+         result_role="user", tokens=("[TOOL_CALLS]", "[ARGS]"), named="[ARGS]", between=""),
     _row("mistral", "[TOOL_CALLS]", "", "arguments", True, True, "", _listed_prompt("[TOOL_CALLS]", ""),
          result="[TOOL_RESULTS]{{\"content\": {content}}}[/TOOL_RESULTS]", result_role="user",
          tokens=("[TOOL_CALLS]",), id_chars=9),
@@ -119,19 +127,23 @@ def detect(template: str | None, has_token) -> ToolFormat:
 @dataclass(frozen=True)
 class ThinkFormat:
     """Where a thinking model's reasoning goes: between `open` and `close`; `switch`: the template variable that
-    turns thinking off when false (Qwen3's and SmolLM3's enable_thinking), None where the template has none."""
+    turns thinking on or off (Qwen3's and SmolLM3's enable_thinking, Granite 3.3's thinking), None where the
+    template has none; `default_on`: whether it thinks when the request does not set the switch."""
     open: str
     close: str
     switch: str | None = None
+    default_on: bool = True
 
 
-# detection: the first pair whose markers are both in the chat template's source
-THINKING = (ThinkFormat("<think>", "</think>", "enable_thinking"), ThinkFormat("[THINK]", "[/THINK]"))
+# detection: the first row whose markers are in the chat template's source and whose switch it reads
+THINKING = (ThinkFormat("<think>", "</think>", "enable_thinking"),
+            ThinkFormat("<think>", "</think>", "thinking", default_on=False),
+            ThinkFormat("<think>", "</think>"), ThinkFormat("[THINK]", "[/THINK]"))
 
 
 def detect_thinking(template: str | None, variables) -> ThinkFormat | None:
     """The reasoning markers of a chat template (variables: those it reads), None for a model that does not think."""
     for t in THINKING:
-        if template and t.open in template and t.close in template:
-            return ThinkFormat(t.open, t.close, t.switch if t.switch in variables else None)
+        if template and t.open in template and t.close in template and (t.switch is None or t.switch in variables):
+            return t
     return None

@@ -35,7 +35,8 @@ import typer
 
 from .errors import SpecrtError, first_line
 from .scopes import CONVERSATION_HEADER, conversation_key
-from .serve_command import DEFAULT_MAX_TOKENS_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP, SuffixScope
+from .serve_command import (DEFAULT_MAX_TOKENS_HELP, REASONING_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP,
+                            TOOL_FORMAT_HELP, Reasoning, SuffixScope, ToolFormatName)
 
 log = logging.getLogger("specrt.ray_serve")
 
@@ -71,6 +72,8 @@ class EngineSpec:
     default_max_tokens: int | None = 512  # specrt serve --default-max-tokens (None: the rest of the context)
     suffix: tuple = (64.0, 0.3, 4.0)  # specrt serve --suffix-cache, --suffix-threshold, --suffix-factor
     suffix_scope: str = "server"      # per replica: a conversation's turns stay on one, an API key's do not
+    tool_format: str = "auto"         # specrt serve --tool-format
+    reasoning: str = "separate"       # specrt serve --reasoning
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class SpecrtEngine:
         from .runtime.engine import EngineOptions
         from .runtime.session import load
         from .runtime.speculative import SpeculativeConfig
+        from .serve_command import with_tool_format
         from .server import create_app
 
         manifest = load_manifest(Path(spec.engines))
@@ -148,8 +152,10 @@ class SpecrtEngine:
         config = SpeculativeConfig(suffix_cache_mib=mib, suffix_threshold=threshold, suffix_factor=factor)
         session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads), config=config,
                        parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
-        self.app = create_app(session, manifest.name, spec.api_key, spec.max_queue, cache_ram_mib=spec.cache_ram_mib,
-                              default_max_tokens=spec.default_max_tokens, suffix_scope=spec.suffix_scope)
+        self.app = create_app(with_tool_format(session, spec.tool_format), manifest.name, spec.api_key,
+                              spec.max_queue, cache_ram_mib=spec.cache_ram_mib,
+                              default_max_tokens=spec.default_max_tokens, suffix_scope=spec.suffix_scope,
+                              reasoning=spec.reasoning)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logging.getLogger("specrt.server").setLevel(logging.INFO)
 
@@ -313,6 +319,8 @@ def serve_ray(
     suffix_scope: SuffixScope = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P", help="As for `specrt serve`."),
     suffix_factor: float = typer.Option(4.0, "--suffix-factor", metavar="X", help="As for `specrt serve`."),
+    tool_format: ToolFormatName = typer.Option("auto", "--tool-format", metavar="NAME", help=TOOL_FORMAT_HELP),
+    reasoning: Reasoning = typer.Option("separate", "--reasoning", metavar="MODE", help=REASONING_HELP),
     address: Optional[str] = typer.Option(None, "--address",
                                           help="A running Ray cluster to join ('auto' or host:port; default: start "
                                                "a local Ray instance)."),
@@ -353,7 +361,7 @@ def serve_ray(
                        threads=placement.threads, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram,
                        parallel=parallel, prefill_chunk=prefill_chunk,
                        default_max_tokens=default_max_tokens or None, suffix=suffix,
-                       suffix_scope=suffix_scope.value)
+                       suffix_scope=suffix_scope.value, tool_format=tool_format.value, reasoning=reasoning.value)
         serve.start(http_options={"host": host, "port": port})
         started = True
         typer.echo(f"loading '{manifest.name}' on {placement.replicas} replicas ({placement.num_cpus:g} CPUs"

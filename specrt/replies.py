@@ -7,6 +7,7 @@ from __future__ import annotations
 from .errors import SpecrtError
 from .openai_api import ApiError, GenRequest
 from .runtime.generate import stop_prefix
+from .runtime.tokenizer import Detokenizer
 from .runtime.tool_formats import ThinkFormat, ToolFormat
 from .tool_calls import CallParser, Event, grammar, text_grammar
 
@@ -15,20 +16,21 @@ SERVER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos
                               "raise_exception", "strftime_now"})
 
 
-def request_grammar(session, req: GenRequest):
+def request_grammar(session, req: GenRequest, state: str = ""):
     """The matcher a request's reply is held to: its tool calls in the model's format, its response_format, or
     (tool_choice "none" with tools given) text that never opens a call; None when free. A 400 names what does not
-    compile."""
+    compile. A thinking model may reason first, unless its template turned that off (state: think_state)."""
     for where, source in req.tool_grammars:  # each tool's own error names it
         _compile(session, source, f"{where}: its parameters", "tools")
-    fmt = session.codec.tool_format
+    fmt, literal, inside = session.codec.tool_format, session.grammar_literal, state == "inside"
+    think = session.codec.think if state in ("inside", "free") else None
     if req.call_tools:
-        source = grammar(list(req.call_tools), req.call_required, req.call_parallel, session.grammar_literal, fmt)
+        source = grammar(list(req.call_tools), req.call_required, req.call_parallel, literal, fmt, think, inside)
         return _compile(session, source, "tools", "tools")
     if req.grammar is not None:
         return _compile(session, req.grammar, "response_format", "response_format")
     if req.tool_grammars:  # a model that knows tools may still open a call
-        return _compile(session, text_grammar(fmt), "tools", "tools")
+        return _compile(session, text_grammar(fmt, think, inside, literal), "tools", "tools")
     return None
 
 
@@ -57,60 +59,63 @@ def template_kwargs(codec, asked: dict | None, reasoning: str) -> dict | None:
     return {**off, **(asked or {})} or None
 
 
-def open_reply(codec, req: GenRequest, tools, kwargs) -> Reply | None:
+def think_state(codec, req: GenRequest, tools, kwargs) -> str:
+    """Where the prompt leaves a thinking model: "inside" a think block the template opened (the reply starts with
+    reasoning, unmarked), "closed" (the template wrote an empty block: thinking is off), "free", or "" (it does
+    not think)."""
+    if not req.chat or codec.think is None:
+        return ""
+    think, end = codec.think, codec.render_chat(req.prompt, tools, kwargs).rstrip()
+    if end.endswith(think.open) or end.endswith(think.close):
+        return "inside" if end.endswith(think.open) else "closed"
+    on = (kwargs or {}).get(think.switch, think.default_on) if think.switch else True
+    return "free" if on else "closed"
+
+
+def open_reply(codec, req: GenRequest, inside: bool) -> Reply | None:
     """The reader of a chat reply that may think or call tools; None for plain text."""
     if not (req.parse_calls or codec.think is not None):
         return None
-    # a template may end the prompt inside the think block (the reply then starts with reasoning, unmarked)
-    inside = codec.think is not None and codec.render_chat(req.prompt, tools, kwargs).rstrip().endswith(
-        codec.think.open)
     return Reply(codec.think, inside, codec.tool_format if req.parse_calls else None)
 
 
 class ThinkSplitter:
-    """Splits deltas into ("reasoning", text) and ("text", text): one think block, at the reply's start (or from the
-    first token, where the prompt ends inside one: `inside`); prefixes of a marker are held back."""
+    """Splits deltas into ("reasoning", text) and ("text", text): what is between the think markers is reasoning
+    (from the first token where the prompt ends inside a block: `inside`), a stray closing marker is dropped, the
+    whitespace after a block is the template's; prefixes of a marker are held back."""
 
     def __init__(self, think: ThinkFormat, inside: bool = False):
-        self.t, self.inside, self.buf = think, inside, ""
-        self.done = False   # the block is over (or the reply began with text): the rest is text
-        self.lead = True    # whitespace after the block is the template's, not the answer's
+        self.t, self.inside, self.buf, self.lead = think, inside, "", True
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
         self.buf += delta
         out: list[tuple[str, str]] = []
         while True:
-            if self.inside:
-                i = self.buf.find(self.t.close)
-                if i >= 0:
-                    out.append(("reasoning", self.buf[:i]))
-                    self.buf, self.inside, self.done = self.buf[i + len(self.t.close):], False, True
-                    continue
-                keep = len(self.buf) - stop_prefix(self.buf, (self.t.close,))
-                out.append(("reasoning", self.buf[:keep]))
-                self.buf = self.buf[keep:]
-                return [p for p in out if p[1]]
-            if not self.done:
-                head = self.buf.lstrip()
-                if head.startswith(self.t.open):
-                    self.buf, self.inside = head[len(self.t.open):], True
-                    continue
-                if self.t.open.startswith(head):  # may still open the block
-                    return [p for p in out if p[1]]
-                self.done, self.lead = True, False
-            if self.lead:
+            if self.lead and not self.inside:
                 self.buf = self.buf.lstrip()
-                self.lead = not self.buf
-            out.append(("text", self.buf))
-            self.buf = ""
+            marks = (self.t.close,) if self.inside else (self.t.open, self.t.close)
+            found = [(i, m) for m in marks if (i := self.buf.find(m)) >= 0]
+            if found:
+                i, mark = min(found)
+                out.append(("reasoning" if self.inside else "text", self.buf[:i]))
+                self.buf = self.buf[i + len(mark):]
+                self.lead = self.inside or (self.lead and not out[-1][1])
+                self.inside = mark == self.t.open
+                continue
+            keep = len(self.buf) - stop_prefix(self.buf, marks)
+            out.append(("reasoning" if self.inside else "text", self.buf[:keep]))
+            self.buf = self.buf[keep:]
+            if out[-1][1] and not self.inside:
+                self.lead = False
             return [p for p in out if p[1]]
 
-    def finish(self) -> list[tuple[str, str]]:
-        """What is held at the end: reasoning the reply ended inside, or text (a held prefix of the open marker)."""
+    def finish(self, cut: bool = False) -> list[tuple[str, str]]:
+        """What is held at the end: reasoning the reply ended inside, or a held prefix of a marker, text unless the
+        budget cut it (cut: then it is markup)."""
         rest, self.buf = self.buf, ""
         if self.inside:
             return [("reasoning", rest)] if rest else []
-        return [("text", rest)] if rest.strip() else []
+        return [("text", rest)] if rest.strip() and not cut else []
 
 
 class Reply:
@@ -129,7 +134,7 @@ class Reply:
         return self._route(self.think.feed(delta) if self.think is not None else [("text", delta)])
 
     def finish(self, cut: bool) -> list[Event]:
-        out = self._route(self.think.finish() if self.think is not None else [])
+        out = self._route(self.think.finish(cut) if self.think is not None else [])
         return out + (self.parser.finish(cut) if self.parser is not None else [])
 
     def _route(self, parts) -> list[Event]:
@@ -144,8 +149,8 @@ class Reply:
                 out.append(Event(content=text))
         return out
 
-    def reasoning_tokens(self, decode, ids: list[int]) -> int | None:
-        return None if self.think is None else reasoning_tokens(decode, ids, self.think.t, self.inside)
+    def reasoning_tokens(self, codec, ids: list[int]) -> int | None:
+        return None if self.think is None else reasoning_tokens(codec, ids, self.think.t, self.inside)
 
     def whole(self, text: str, cut: bool) -> tuple[str, str, list]:
         """A whole reply: its content (stripped), its reasoning (stripped) and its calls."""
@@ -158,21 +163,28 @@ def cut(result) -> bool:
     return result.stats.finish_reason in ("length", "context")
 
 
-def reasoning_tokens(decode, ids: list[int], think: ThinkFormat | None, inside: bool) -> int:
-    """How many of a reply's tokens are its reasoning, markers included: up to the first whose text closes the
-    think block (a binary search over decoded prefixes), all of them when the reply ended inside it."""
+def reasoning_tokens(codec, ids: list[int], think: ThinkFormat | None, inside: bool) -> int:
+    """How many of a reply's tokens are reasoning, markers included: those whose text falls in a think block (one
+    the reply ended inside runs to its end)."""
     if think is None or not ids:
         return 0
-    text = decode(ids)
-    if not inside and not text.lstrip().startswith(think.open):
-        return 0
-    if think.close not in text:
-        return len(ids)
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if think.close in decode(ids[:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    detok, ends = Detokenizer(codec), []
+    for t in ids:
+        detok.push(t)
+        ends.append(len(detok.emitted))
+    spans, text, at = [], detok.emitted, 0 if inside else -1
+    while True:
+        if at < 0 and (at := text.find(think.open)) < 0:
+            break
+        close = text.find(think.close, at)
+        spans.append((at, len(text) if close < 0 else close + len(think.close)))
+        if close < 0:
+            break
+        at = text.find(think.open, close)
+        if at < 0:
+            break
+    n, start = 0, 0
+    for end in ends:
+        n += any(a <= start < b or (a < end and start < b) for a, b in spans)
+        start = end
+    return n

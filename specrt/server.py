@@ -48,7 +48,7 @@ from .runtime.generate import Stats, Stream
 from .runtime.prefix_cache import MIB, PrefixStore
 from .runtime.session import Session
 from .scopes import store_key
-from .replies import Reply, cut, open_reply, request_grammar, template_kwargs
+from .replies import Reply, cut, open_reply, request_grammar, template_kwargs, think_state
 from .tool_calls import Event
 from .worker import Loading, Overloaded, run_stream, sse_event
 
@@ -136,8 +136,12 @@ class Server:
         check_model(body, self.model)
         req = parse(body, chat, self.max_context, self.default_max_tokens)
         codec, tools = self.session.codec, list(req.tools) or None
-        grammar = request_grammar(self.session, req)
         kwargs = template_kwargs(codec, req.template_kwargs, self.reasoning) if chat else None
+        try:
+            state = think_state(codec, req, tools, kwargs)
+        except SpecrtError as e:  # the template refused the history
+            raise ApiError(400, str(e), "messages") from None
+        grammar = request_grammar(self.session, req, state)
         try:
             stream = self.session.stream(req.prompt, max_new_tokens=req.max_tokens, sampling=req.sampling,
                                          stop=req.stop, chat=chat, ignore_eos=req.ignore_eos, grammar=grammar,
@@ -145,7 +149,7 @@ class Server:
         except SpecrtError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), "messages" if chat else "prompt", code) from None
-        return req, stream, open_reply(codec, req, tools, kwargs) if chat else None
+        return req, stream, open_reply(codec, req, state == "inside") if chat else None
 
     def submit(self, stream: Stream) -> asyncio.Queue:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -248,7 +252,7 @@ class Server:
             stream.close()
 
     def _reasoning_tokens(self, result, reply: Reply | None) -> int | None:
-        return None if reply is None else reply.reasoning_tokens(self.session.codec.decode, result.token_ids)
+        return None if reply is None else reply.reasoning_tokens(self.session.codec, result.token_ids)
 
     def authorized(self, request: Request) -> bool:
         if self.api_key is None:

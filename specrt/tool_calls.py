@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from .runtime.generate import stop_prefix
 from .runtime.grammar import JSON_OPTIONS
 from .runtime.tokenizer import ToolCall
-from .runtime.tool_formats import FORMATS, ToolFormat
+from .runtime.tool_formats import FORMATS, ThinkFormat, ToolFormat
 
 log = logging.getLogger("specrt.server")
 HERMES = FORMATS[-1]
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 TEXT = "TEXT: /(.|\\n)*/\n"
+
+
+def _arguments(tool: dict) -> dict:
+    return {**(tool.get("parameters") or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
 
 
 def call_schema(tools: list[dict], key: str = "arguments") -> dict:
@@ -32,12 +36,17 @@ def call_schema(tools: list[dict], key: str = "arguments") -> dict:
 
 
 def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=json.dumps,
-            fmt: ToolFormat = HERMES) -> str:
+            fmt: ToolFormat = HERMES, think: ThinkFormat | None = None, inside: bool = False) -> str:
     """The Lark grammar of a reply: text, or text then calls that end the turn (required False: OpenAI's "auto"),
     or calls alone (required: "required" or a named function, whose one tool is then `tools`); one call when not
     parallel (or the format has room for one). tools: [{"name", "parameters"}]. literal: how the grammar writes a
-    marker (GrammarTokenizer.literal: a special token as itself)."""
+    marker (GrammarTokenizer.literal: a special token as itself). think: a thinking model's markers, its reasoning
+    first (inside: the prompt opened the block)."""
     one = f'%json {json.dumps(call_schema(tools, fmt.key))}'
+    if fmt.named:  # name, the separator, then that tool's arguments
+        sep = literal(fmt.named)
+        one = "(" + " | ".join(f'{json.dumps(t["name"])} {sep} %json {json.dumps(_arguments(t))}'
+                               for t in tools) + ")"
     pad = f' {json.dumps(fmt.pad)}' if fmt.pad else ""
     close = f' {literal(fmt.close)}' if fmt.close else ""
     many = parallel and fmt.parallel
@@ -46,24 +55,46 @@ def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=js
         rest = f'{pad} "[" {one}{more} "]"{pad}{close}'
     else:
         block = f'{pad} {one}{pad}{close}'
-        rest = f'{block} ("\\n" {literal(fmt.open)} {block})*' if many and fmt.open else block
-    head = '%llguidance {}\n'
+        between = f'{json.dumps(fmt.between)} ' if fmt.between else ""
+        rest = f'{block} ({between}{literal(fmt.open)} {block})*' if many and fmt.open else block
+    pre, rules = _thinking(think, inside, literal)
+    head = '%llguidance {}\n' + rules
     if not fmt.open:  # a bare JSON object at the reply's start is a call; any other reply is text
-        return head + (f'start: {rest}\n' if required else f'start: {rest} | TEXT?\nTEXT: /[^{{](.|\\n)*/\n')
+        return head + (f'start: {pre}{rest}\n' if required else f'start: {pre}({rest} | TEXT?)\n' + BARE)
     open_ = literal(fmt.open)
     if required:
-        return head + f'start: {open_} {rest}\n'
+        return head + f'start: {pre}{open_} {rest}\n'
     if not open_.startswith('"'):  # a special token ends the text by itself (llguidance's StructTag does the same)
-        return head + f'start: TEXT ({open_} {rest})?\n' + TEXT
-    return head + f'start: TEXT | trig {rest}\ntrig[lazy]: TEXT {open_}\n' + TEXT
+        return head + f'start: {pre}TEXT ({open_} {rest})?\n' + TEXT
+    return head + f'start: {pre}(TEXT | trig {rest})\ntrig[lazy]: TEXT {open_}\n' + TEXT
 
 
-def text_grammar(fmt: ToolFormat = HERMES) -> str:
+BARE = 'TEXT: /[^{](.|\\n)*/\n'  # text that is not a bare JSON call
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in "\\.^$*+?{}[]|()/" else c for c in text)
+
+
+def _thinking(think: ThinkFormat | None, inside: bool, literal) -> tuple[str, str]:
+    """The start of a reply that may reason first (llguidance reads added tokens such as Qwen3's <think> as
+    special: no text lexeme makes them, so the grammar names them), and its rules."""
+    if think is None:
+        return "", ""
+    opening = "" if inside else literal(think.open) + " "
+    rules = (f'think: {opening}THINK {literal(think.close)} SPACE\n'
+             f'THINK: /(.|\\n)*/ & ~/(.|\\n)*{_escape(think.close)}(.|\\n)*/\nSPACE: /[ \\n]*/\n')
+    return ("think " if inside else "think? "), rules
+
+
+def text_grammar(fmt: ToolFormat = HERMES, think: ThinkFormat | None = None, inside: bool = False,
+                 literal=json.dumps) -> str:
     """A reply of text that never opens a call (tool_choice "none" with tools given: the model may still try)."""
+    pre, rules = _thinking(think, inside, literal)
     if not fmt.open:
-        return '%llguidance {}\nstart: TEXT?\nTEXT: /[^{](.|\\n)*/\n'
-    mark = "".join("\\" + c if c in "\\.^$*+?{}[]|()/" else c for c in fmt.open)
-    return f'%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{mark}(.|\\n)*/\n'
+        return f'%llguidance {{}}\n{rules}start: {pre}TEXT?\n' + BARE
+    return (f'%llguidance {{}}\n{rules}start: {pre}TEXT\n'
+            f'TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_escape(fmt.open)}(.|\\n)*/\n')
 
 
 @dataclass
@@ -137,6 +168,11 @@ class CallParser:
             i = self.buf.find(self.fmt.close)
             return i + len(self.fmt.close) if i >= 0 else -1
         i = len(self.buf) - len(self.buf.lstrip())
+        if self.fmt.named:  # the arguments' JSON starts after the name and the separator
+            i = self.buf.find(self.fmt.named)
+            if i < 0:
+                return -1
+            i += len(self.fmt.named)
         try:
             return json.JSONDecoder().raw_decode(self.buf, i)[1]
         except json.JSONDecodeError:
@@ -167,6 +203,9 @@ class CallParser:
 
 def parse_calls(body: str, fmt: ToolFormat) -> list[ToolCall] | None:
     """The calls of one block of markup (between the markers), or None when it is not calls in the format."""
+    if fmt.named:
+        name, _, body = body.partition(fmt.named)
+        body = '{"name": ' + json.dumps(name.strip()) + f', "{fmt.key}": ' + body + "}"
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:

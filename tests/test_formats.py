@@ -36,6 +36,10 @@ FAMILIES = {
     "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
                      {"specials": ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")}, "mistral"),
+    "ministral3": ("mistralai-Ministral-3-14B-Reasoning-2512.jinja",
+                   {"specials": ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]",
+                                 "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                                 "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[THINK]", "[/THINK]")}, "mistral-args"),
     "granite3.3": ("ibm-granite-granite-3.3-2B-Instruct.jinja",
                    {"specials": ("<|pad|>", "<|start_of_role|>", "<|end_of_text|>", "<|end_of_role|>",
                                  "<|tool_call|>")}, "granite"),
@@ -102,6 +106,12 @@ def _body(**kw):
     return {"messages": ASK, "tools": [BOOK, HOURS], "max_tokens": 300, "temperature": 0, **kw}
 
 
+def _not_thinking(session) -> dict:
+    """A random model never ends its reasoning: forced calls are tested with thinking off where it can be."""
+    switch = session.codec.think and session.codec.think.switch
+    return {"chat_template_kwargs": {switch: False}} if switch else {}
+
+
 def test_a_forced_call_is_written_in_the_format_and_parsed_back(served):
     family, session, client = served
     fmt = session.codec.tool_format
@@ -112,7 +122,8 @@ def test_a_forced_call_is_written_in_the_format_and_parsed_back(served):
     assert raw.stats.finish_reason == "eos" and raw.text.startswith(fmt.open or "{"), raw.text
     named = {"type": "function", "function": {"name": "book_table"}}
     for choice in ("required", named):
-        r = client.post("/v1/chat/completions", json=_body(tool_choice=choice, parallel_tool_calls=False))
+        r = client.post("/v1/chat/completions", json=_body(tool_choice=choice, parallel_tool_calls=False,
+                                                           **_not_thinking(session)))
         assert r.status_code == 200, r.text
         out = r.json()["choices"][0]
         assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None, out
@@ -122,7 +133,7 @@ def test_a_forced_call_is_written_in_the_format_and_parsed_back(served):
         if call["function"]["name"] == "book_table":
             assert set(args) == {"party", "time"} and 1 <= args["party"] <= 12
         streamed = client.post("/v1/chat/completions", json=_body(tool_choice=choice, parallel_tool_calls=False,
-                                                                  stream=True))
+                                                                  stream=True, **_not_thinking(session)))
         chunks = [c for c in sse(streamed.text) if c != "[DONE]"]
         deltas = [c["choices"][0]["delta"] for c in chunks]
         assert not any(d.get("content") for d in deltas)
@@ -168,3 +179,14 @@ def test_tool_format_overrides_the_detected_one(tiny_engines):
     text = session.codec.render_chat([Message("user", "hi")], [BOOK])
     assert '"parameters": dictionary' in text and "<tool_call>" not in text
     assert with_tool_format(load(tiny_engines, "fp32", "off"), "auto").codec.tool_format.name == "hermes"
+
+
+def test_an_unknown_tool_format_is_one_line_listing_the_names():
+    from typer.testing import CliRunner
+
+    from specrt.cli import app
+    from specrt.runtime.tool_formats import NAMES
+
+    r = CliRunner().invoke(app, ["serve", "--tool-format", "chatml"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "chatml" in r.output and all(n in r.output for n in NAMES), r.output

@@ -293,3 +293,39 @@ def test_tags_that_are_tokens_of_their_own_are_written_as_tokens(tiny_engines, t
     assert content == "" and calls[0].name == "book_table" and json.loads(calls[0].arguments)["party"] in (2, 4)
     auto = gt.matcher(grammar(tools, required=False, literal=gt.literal))
     assert auto.allowed()[opened] and auto.allowed().sum() > 100  # text, or the call's token
+
+
+@pytest.fixture(scope="module")
+def sessions(every_proposer):
+    """One session per --speculate mode of the every-proposer set, loaded once."""
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            cache[mode] = load(every_proposer, "fp32", mode.replace("-chain", ""),
+                               config=SpeculativeConfig(eagle_tree=mode != "eagle-chain"))
+        return cache[mode]
+    return get
+
+
+@pytest.mark.parametrize("required", [True, False])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3-json", "mistral", "mistral-args", "granite", "phi4-mini",
+                                 "gemma-json"])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "suffix", "draft", "eagle", "lookup+eagle", "eagle-chain"])
+def test_every_proposer_under_every_tool_formats_grammar_equals_plain(sessions, mode, fmt, required):
+    """Greedy speculative output equals plain output under each format's tool-call grammar (forced calls, and
+    auto's text-or-calls), and a forced reply is a call in that format."""
+    from specrt.runtime.tool_formats import by_name
+    from specrt.tool_calls import grammar, split
+
+    f, tools = by_name(fmt), [{"name": "report", "parameters": SCHEMA}]
+    spec, plain = sessions(mode), sessions("off")
+    a, b = (s.generate(PROMPT, max_new_tokens=120, grammar=s.grammar(grammar(tools, required, False,
+                                                                             s.grammar_literal, f)))
+            for s in (spec, plain))
+    assert a.token_ids == b.token_ids, (mode, fmt, required)
+    assert a.stats.proposer != "off"
+    if required:
+        content, calls, _ = split(a.text, f)
+        assert a.stats.finish_reason == "eos" and calls and not content, a.text
+        assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome", "Oslo")

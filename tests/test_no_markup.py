@@ -63,13 +63,14 @@ def _reply(client, body: dict) -> tuple[str, list[dict], str]:
     return content.strip(), [calls[i] for i in sorted(calls)], finish
 
 
-def test_no_reply_has_markup_in_content_over_every_combination(client):
+def _sweep(client, prompts=PROMPTS, budgets=BUDGETS, markup=MARKUP) -> dict:
+    """Every combination: asserts each reply's shape, returns what the sweep reached."""
     seen = {"calls": 0, "several": 0, "auto calls": 0, "cut markup": 0, "text": 0}
     bad = []
     for choice_name, choice in CHOICES.items():
         for par_name, parallel in PARALLEL.items():
-            for prompt in PROMPTS:
-                for budget in BUDGETS:
+            for prompt in prompts:
+                for budget in budgets:
                     body = {"messages": prompt, "tools": [BOOK, HOURS], "max_tokens": budget, "temperature": 0}
                     body.update({k: v for k, v in (("tool_choice", choice), ("parallel_tool_calls", parallel))
                                  if v is not None})
@@ -77,7 +78,7 @@ def test_no_reply_has_markup_in_content_over_every_combination(client):
                     streamed = _reply(client, {**body, "stream": True})
                     assert streamed == (whole[0].strip(), whole[1], whole[2]), (body, whole, streamed)
                     content, calls, finish = whole
-                    if any(m in content for m in MARKUP):
+                    if any(m in content for m in markup):
                         bad.append((choice_name, par_name, budget, content))
                     for i, c in enumerate(calls):
                         assert c["index"] == i and c["name"] in ("book_table", "opening_hours")
@@ -96,4 +97,38 @@ def test_no_reply_has_markup_in_content_over_every_combination(client):
                     seen["auto calls"] += bool(calls) and choice_name in ("unset", "auto")
                     seen["text"] += bool(content)
     assert not bad, bad
+    return seen
+
+
+def test_no_reply_has_markup_in_content_over_every_combination(client):
+    seen = _sweep(client)
     assert all(seen.values()), seen  # the sweep reached calls, several calls, cut calls, calls by choice, text
+
+
+FAMILY_MARKUP = MARKUP + ('"parameters"', "[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3.2", "mistral-nemo", "ministral3", "granite3.3", "phi4-mini", "gemma2",
+                                    "qwen3"])
+def test_no_markup_in_content_in_each_family_format(family, tmp_path):
+    """The sweep on each family's real template and format, the model favouring its opening marker."""
+    from llama_templates import template
+    from test_formats import FAMILIES
+
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from specrt.runtime.tool_formats import by_name
+    from tiny import make_checkpoint
+
+    file, tok, name = FAMILIES[family]
+    fmt = by_name(name)
+    favour = {fmt.open: 4.5} if fmt.open else {"{": 7.0}  # a bare JSON call opens with a plain brace
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", seed=0, positions=2048,
+                           tokenizer={**tok, "template": template(file)}, favour=favour)
+    engines = make_engine_set(EngineSetRequest(str(ckpt), family, ("fp32",), 2048, tmp_path / "engines"),
+                              log=lambda m: None)
+    session = load(engines, "fp32", "auto")
+    assert session.codec.tool_format is fmt
+    with TestClient(create_app(session), raise_server_exceptions=False) as c:
+        seen = _sweep(c, PROMPTS[:1], (8, 24, 64, 160), FAMILY_MARKUP)
+    assert seen["calls"] and seen["auto calls"] and seen["cut markup"] and seen["text"], seen
