@@ -26,6 +26,7 @@ AGENT_CHOICE = os.environ.get("SPECRT_AGENT_TOOL_CHOICE", "forced")
 if AGENT_CHOICE not in ("auto", "forced"):
     raise ValueError(f"SPECRT_AGENT_TOOL_CHOICE={AGENT_CHOICE!r}: use 'auto' or 'forced' (the default)")
 AUTO = AGENT_CHOICE == "auto"
+AGENT_PRECISION = os.environ.get("SPECRT_AGENT_PRECISION", "fp32")  # the target the agent tests serve
 # what a text-to-speech stage must never read: tool-call and think markup of any format (runtime/tool_formats.py)
 MARKUP = ("<tool_call", "</tool_call", "<|", "[TOOL_CALLS]", "[ARGS]", "<think", "</think", '{"name"')
 

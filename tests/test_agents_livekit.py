@@ -21,7 +21,7 @@ import time
 from typing import Annotated
 
 import pytest
-from helpers import BOOKING_TURN, MAX_TOKENS, TURNS, Recorder, loopback, markup_in, turn_choice
+from helpers import AGENT_PRECISION, BOOKING_TURN, MAX_TOKENS, TURNS, Recorder, loopback, markup_in, turn_choice
 
 pytestmark = pytest.mark.real
 
@@ -75,7 +75,7 @@ class BookingAgent(Agent):
 
 @pytest.fixture(scope="module")
 def session(agent_engines):
-    return load(agent_engines, "fp32", "auto")
+    return load(agent_engines, AGENT_PRECISION, "auto")
 
 
 @pytest.fixture(scope="module")

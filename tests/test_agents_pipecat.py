@@ -18,7 +18,7 @@ import json
 import time
 
 import pytest
-from helpers import AUTO, BOOKING_TURN, MAX_TOKENS, TURNS, Recorder, loopback, markup_in, turn_choice
+from helpers import AGENT_PRECISION, AUTO, BOOKING_TURN, MAX_TOKENS, TURNS, Recorder, loopback, markup_in, turn_choice
 
 pytestmark = pytest.mark.real
 
@@ -134,7 +134,7 @@ async def _converse(base_url: str, model: str):
 
 
 def test_booking_conversation(agent_engines):
-    session = load(agent_engines, "fp32", "auto")
+    session = load(agent_engines, AGENT_PRECISION, "auto")
     app = Recorder(create_app(session))
     with loopback(app) as (url, _):
         bookings, turns, results, context, elapsed = asyncio.run(_converse(url + "/v1", session.manifest.name))
