@@ -28,9 +28,10 @@ class Round:
     drafted: int           # draft nodes it gave (a tree may hold more than `asked`; 0 = none)
     width: int             # tokens in the target's pass: pending + draft nodes
     result: VerifyResult
-    draft_s: float
+    draft_s: float         # drafting only: the proposer's catch-up on unread context is catchup_s
     verify_s: float
     prefill: bool          # the pass fed the prompt (round 1): its cost says nothing about a decode pass
+    catchup_s: float = 0.0
 
 
 class Controller(Protocol):
@@ -236,14 +237,18 @@ class AdaptiveK:
     """
 
     ALPHA0, RATE, DECAY, MARGIN, BACKOFF0, BACKOFF_MAX, PROBE, EXPLORE = 0.5, 0.3, 0.95, 1.1, 16, 256, 32, 3
-    KEEP, PRIOR_N = 0.85, 1.0                   # acceptance counts: a window of ~7 rounds per bucket
+    KEEP, PRIOR_N = 0.85, 1.0                   # acceptance counts: a window of ~7 rounds per bucket ...
+    KEEP_PAIR = 0.97                             # ... ~30 for a draft model's, steadier than the text's
     COST_RATE, TRUST = 0.1, 10                   # pass times are noisy (shared CPUs): average over ~10,
     # and trust a width's own average over the fitted line only after TRUST passes of that width
     FORGIVE = 32                                 # winning rounds in a row that reset a bucket's backoff
 
-    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64, buckets: int = 1):
-        self.k_max, self.buckets = k_max, buckets
-        self.acceptance = Acceptance(buckets, k_max, self.KEEP, self.PRIOR_N, self.ALPHA0)
+    def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64, buckets: int = 1,
+                 pair: bool = False):
+        """pair: the acceptance is a model pair's (Proposer.pair_acceptance): measured over a longer window and kept
+        across requests, as several buckets' are (docs/voice.md, "Why auto drafted little on voice turns")."""
+        self.k_max, self.buckets, self.carry = k_max, buckets, pair or buckets > 1
+        self.acceptance = Acceptance(buckets, k_max, self.KEEP_PAIR if pair else self.KEEP, self.PRIOR_N, self.ALPHA0)
         self.cost = PassCost(0.1 if width_exact else 0.22, max_width, self.DECAY, self.COST_RATE, self.TRUST)
         self.width = [1.0 + k for k in range(k_max + 1)]  # w_k, k = 0..k_max
         self.d = 0.0                             # draft seconds per drafted token (EMA)
@@ -253,9 +258,9 @@ class AdaptiveK:
     def start(self) -> None:
         """A new request. Acceptance per bucket carries over from earlier requests when there are several
         buckets (a match length's hit rate is a property of the model more than of the text: the mix of match
-        lengths is what differs between texts); one pooled profile is reset."""
+        lengths is what differs between texts); one pooled profile is reset, unless it is the model pair's (carry)."""
         self.since_plain = 0
-        if self.buckets == 1:
+        if not self.carry:
             self.reset()
 
     def reset(self) -> None:

@@ -57,7 +57,7 @@ class Stats:
     def observe(self, r, width_exact: bool) -> None:
         """One speculative round (control.Round): its costs, and whether the output is still exact."""
         self.rounds += 1
-        self.draft_s += r.draft_s
+        self.draft_s += r.draft_s + r.catchup_s
         self.verify_s += r.verify_s
         self.exact &= (width_exact or r.drafted == 0) and not r.result.lossy
         self.lossy |= r.result.lossy

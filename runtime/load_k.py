@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 from .batch import BatchCosts, Scheduler
-from .control import Acceptance, Round
+from .control import Acceptance, AdaptiveK, Round
 
 
 class _Memo:
@@ -117,10 +117,13 @@ class LoadK:
     pass width per draft length and its draft cost are its own; the width is the batch's."""
 
     KEEP, PRIOR_N, ALPHA0, RATE, PROBE = 0.85, 1.0, 0.5, 0.3, 32
+    KEEP_PAIR = AdaptiveK.KEEP_PAIR
 
-    def __init__(self, planner: LoadPlanner, member: int, k_max: int, buckets: int = 1):
+    def __init__(self, planner: LoadPlanner, member: int, k_max: int, buckets: int = 1, pair: bool = False):
+        """pair: a model pair's acceptance, kept across requests over a longer window (as AdaptiveK's)."""
         self.planner, self.member, self.k_max, self.buckets = planner, member, k_max, buckets
-        self.acceptance = Acceptance(buckets, k_max, self.KEEP, self.PRIOR_N, self.ALPHA0)
+        self.carry = pair or buckets > 1
+        self.acceptance = Acceptance(buckets, k_max, self.KEEP_PAIR if pair else self.KEEP, self.PRIOR_N, self.ALPHA0)
         self.given = [1.0] * buckets               # P(a draft is given | asked), per bucket
         self.width = [1.0 + k for k in range(k_max + 1)]  # pass width of a k-draft (trees: more than 1 + k)
         self.d = 0.0
@@ -131,7 +134,7 @@ class LoadK:
 
     def start(self) -> None:
         self.since_draft = 0
-        if self.buckets == 1:
+        if not self.carry:
             self.acceptance.reset()
 
     def fits(self, W: int) -> int:

@@ -81,7 +81,8 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             check.advance(result.tokens)
             # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
             proposer.observe(result, hidden)
-            r = Round(bucket, k, n, P + n, result, t1 - t0, t2 - t1, P > 1)
+            caught = proposer.catchup_s
+            r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught)
             control.observe(r)
             stats.observe(r, engine.width_exact)
             tally.add(result.acceptance)
@@ -321,5 +322,6 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
         control = GatedK(proposer.max_tokens)
     else:
-        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets)
+        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets,
+                            pair=proposer.pair_acceptance)
     return SpeculativeDecoder(proposer, control, verify_typical if config.lossy_typical else verify)

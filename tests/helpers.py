@@ -4,6 +4,7 @@ user-error check."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -18,6 +19,25 @@ TURNS = ["Hi, I'd like to book a table for tonight.",
          "Thanks, bye!"]
 BOOKING_TURN = 1
 MAX_TOKENS = 128  # a forced book_table call spells ~48 tokens in the Hermes markup; replies stay short
+# SPECRT_AGENT_TOOL_CHOICE=auto: every turn goes out with tool_choice "auto" and the model decides when to book (a
+# set whose model holds a conversation, e.g. Qwen2.5-Coder 1.5B: docs/formats.md); unset: the booking turn forces
+# the call and the others send "none", since a 135M model never decides to call by itself
+AGENT_CHOICE = os.environ.get("SPECRT_AGENT_TOOL_CHOICE", "forced")
+if AGENT_CHOICE not in ("auto", "forced"):
+    raise ValueError(f"SPECRT_AGENT_TOOL_CHOICE={AGENT_CHOICE!r}: use 'auto' or 'forced' (the default)")
+AUTO = AGENT_CHOICE == "auto"
+AGENT_PRECISION = os.environ.get("SPECRT_AGENT_PRECISION", "fp32")  # the target the agent tests serve
+# what a text-to-speech stage must never read: tool-call and think markup of any format (runtime/tool_formats.py)
+MARKUP = ("<tool_call", "</tool_call", "<|", "[TOOL_CALLS]", "[ARGS]", "<think", "</think", '{"name"')
+
+
+def turn_choice(i: int):
+    """The tool_choice of the conversation's i-th user turn."""
+    return "auto" if AUTO else FORCE_BOOKING if i == BOOKING_TURN else "none"
+
+
+def markup_in(text: str) -> list[str]:
+    return [m for m in MARKUP if m in text]
 
 
 @contextlib.contextmanager

@@ -240,3 +240,47 @@ def test_draft_model_streams_in_a_batch_keep_their_output(pair_engines):
     batched = gathering(load(pair_engines, "fp32", "draft", parallel=2), 2)
     assert run_threads(batched, jobs) == want
     assert len(batched._batches) == 2  # target and draft
+
+
+def test_a_new_turn_is_caught_up_apart_and_not_counted_as_drafting(self_engines, monkeypatch):
+    """Turn 2 of a conversation with KV reuse: the draft reads the turn's unread tokens in a pass of its own before
+    its first draft step, reported as Round.catchup_s and left out of the round's draft seconds (the controllers'
+    cost of a drafted token); later rounds (1-2 unread tokens) draft without one. The pair's acceptance is kept
+    across turns, and the output is the target's (docs/voice.md, "Why auto drafted little on voice turns")."""
+    from specrt.runtime import speculative
+    from specrt.runtime.control import Round
+    from specrt.runtime.prefix_cache import PrefixStore
+    from specrt.runtime.proposers.draft_model import CATCHUP_APART
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.session import load
+    from specrt.runtime.speculative import SpeculativeConfig
+    from specrt.runtime.tokenizer import Message
+
+    rounds: list[Round] = []
+
+    class Logged(Round):
+        def __init__(self, *args):
+            super().__init__(*args)
+            rounds.append(self)
+
+    monkeypatch.setattr(speculative, "Round", Logged)
+    greedy = SamplingParams(temperature=0.0)
+    session = load(self_engines, "fp32", "draft", EngineOptions(threads=1), SpeculativeConfig(draft_tokens=3))
+    session.enable_reuse(PrefixStore(64 << 20))
+    draft = session.decoder.proposer.engine
+    fed, argmax = [], draft.argmax
+    monkeypatch.setattr(draft, "argmax", lambda tokens, *a, **kw: fed.append(len(tokens)) or argmax(tokens, *a, **kw))
+    chat = [Message("user", PROMPT)]
+    chat += [Message("assistant", session.generate(chat, max_new_tokens=12, sampling=greedy).text),
+             Message("user", "And what comes after that, in a few more words? " * 2)]
+    fed.clear(), rounds.clear()
+    second = session.generate(chat, max_new_tokens=16, sampling=greedy)
+    drafted = [r for r in rounds if r.asked]
+    assert drafted[0].catchup_s > 0.0 and fed[0] > CATCHUP_APART, (fed, drafted[0])
+    assert all(r.catchup_s == 0.0 for r in drafted[1:]) and max(fed[1:]) <= 2, fed
+    assert second.stats.cached_tokens > 0
+    assert second.stats.draft_s >= sum(r.draft_s + r.catchup_s for r in drafted) - 1e-9  # the stats keep it all
+    plain = load(self_engines, "fp32", "off", EngineOptions(threads=1)).generate(chat, max_new_tokens=16,
+                                                                                   sampling=greedy)
+    assert second.token_ids == plain.token_ids
+    assert load(self_engines, "fp32", "auto", EngineOptions(threads=1)).decoder.control.carry  # a pair's profile

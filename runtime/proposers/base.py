@@ -97,6 +97,13 @@ class Proposer:
     reads_hidden: str | None = None
     # True: it keeps a cache of its own that follows the target's across requests (save_state, load_state)
     keeps_state = False
+    # True: how often its drafts are kept is the model pair's more than the text's (a draft model), so the
+    # controller carries its measured acceptance from request to request (short voice turns would otherwise
+    # each start from the prior; docs/voice.md, "Why auto drafted little on voice turns")
+    pair_acceptance = False
+    # seconds the last propose spent reading context it had not seen yet (a draft model's catch-up prefill of a
+    # new turn), included in the loop's draft time but not in the controller's cost of a drafted token
+    catchup_s = 0.0
 
     def bucket(self, ctx: Context) -> int:
         """The bucket of the draft the next propose(ctx, k) would make; called just before it."""
