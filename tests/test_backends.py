@@ -328,8 +328,13 @@ def test_two_conversations_taking_turns_keep_their_caches_and_the_tokens_of_a_fr
     from specrt.runtime.prefix_cache import MIB, PrefixStore
     from specrt.runtime.tokenizer import Message
 
+    from specrt.runtime.speculative import SpeculativeConfig
+
     root = request.getfixturevalue(engines)
-    reuse, fresh = load(root, "fp32", mode), load(root, "fp32", mode)
+    # a fixed draft length: the adaptive controller may rightly stop drafting on the tiny pair, and the draft's
+    # cache reuse is what is checked here
+    config = SpeculativeConfig(draft_tokens=3)
+    reuse, fresh = load(root, "fp32", mode, config=config), load(root, "fp32", mode, config=config)
     reuse.generator.keep_cache = True
     store = reuse.generator.prefix_store = PrefixStore(64 * MIB)
     fed = _Fed(reuse.decoder.proposer.engine) if mode == "draft" else None

@@ -96,7 +96,7 @@ def _medusa_file(path: Path, ckpt: Path) -> Path:
     from transformers import AutoConfig
 
     from specrt.export.medusa import HEADS_FORMAT
-    from test_gpu_backends import random_heads
+    from gpu_fakes import random_heads
 
     heads = random_heads(AutoConfig.from_pretrained(str(ckpt)).hidden_size, VOCAB, 3)
     np.savez(path, **{n: heads[n] for n in ("w1", "b1", "w2", "b2", "vocab")},
