@@ -1,8 +1,11 @@
-"""matplotlib for the bench's reports: imported only when a report draws, and optional (the bench extra)."""
+"""What the bench-serve reports share: matplotlib, imported only when a report draws and optional (the bench extra),
+and writing a report folder."""
 
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 
 def pyplot():
@@ -24,3 +27,21 @@ def png(plt, fig) -> bytes:
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def write_report(res: dict, out: Path, command: str, summarize, plots, markdown) -> None:
+    """results.json, report.md, the plots and the servers' logs into out; everything is rendered first, then written,
+    so a failure leaves no half-written report."""
+    res["meta"]["command"] = command
+    res["summary"] = summarize(res)
+    images, notes = plots(res)
+    res["notes"] = res["notes"] + notes
+    logs = res.pop("server_logs", {}) or {}
+    text, blob = markdown(res), json.dumps(res, indent=1)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in images.items():
+        (out / name).write_bytes(data)
+    for name, log in logs.items():
+        (out / f"{name}.log").write_text(log)
+    (out / "results.json").write_text(blob)
+    (out / "report.md").write_text(text)

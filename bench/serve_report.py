@@ -9,13 +9,12 @@ reports none). Multi-turn: per turn the median over conversations.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-from .plotting import png, pyplot
+from .plotting import png, pyplot, write_report
 
 GOAL_TOK_S_RATIO = 0.95   # server tok/s at least this share of the in-process API's, single stream
 GOAL_TTFT_MS = 15.0       # server TTFT at most this many ms above the in-process API's
@@ -323,17 +322,4 @@ def plots(res: dict) -> tuple[dict[str, bytes], list[str]]:
 
 def write(res: dict, out: Path, command: str) -> None:
     """Everything is rendered first, then written: a failure leaves no half-written report."""
-    res["meta"]["command"] = command
-    res["summary"] = summarize(res)
-    images, notes = plots(res)
-    res["notes"] = res["notes"] + notes
-    logs = res.pop("server_logs", {}) or {}
-    text = markdown(res)
-    blob = json.dumps(res, indent=1)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, data in images.items():
-        (out / name).write_bytes(data)
-    for name, log in logs.items():
-        (out / f"{name}.log").write_text(log)
-    (out / "results.json").write_text(blob)
-    (out / "report.md").write_text(text)
+    write_report(res, out, command, summarize, plots, markdown)

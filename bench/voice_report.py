@@ -4,12 +4,11 @@ medians (the plot); ours against llama-server's fastest (the issue-53 goals); re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from .plotting import png, pyplot
+from .plotting import png, pyplot, write_report
 
 GOAL_TTFS_LATER = 0.7     # ours / llama-server's best, turns 2+ median time to first sentence: at most
 GOAL_DECODE_LATER = 1.3   # ours / llama-server's best, turns 2+ median decode tok/s: at least
@@ -181,16 +180,4 @@ def plot(res: dict) -> tuple[dict[str, bytes], list[str]]:
 
 def write(res: dict, out: Path, command: str) -> None:
     """Everything rendered first, then written: a failure leaves no half-written report."""
-    res["meta"]["command"] = command
-    res["summary"] = summarize(res)
-    images, notes = plot(res)
-    res["notes"] = res["notes"] + notes
-    logs = res.pop("server_logs", {}) or {}
-    text, blob = markdown(res), json.dumps(res, indent=1)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, data in images.items():
-        (out / name).write_bytes(data)
-    for name, log in logs.items():
-        (out / f"{name}.log").write_text(log)
-    (out / "results.json").write_text(blob)
-    (out / "report.md").write_text(text)
+    write_report(res, out, command, summarize, plot, markdown)
