@@ -116,8 +116,8 @@ def with_prefills(a, pass_s: dict[int, float]) -> list[dict]:
     out = []
     for C, t in sorted(pass_s.items()):
         loop = pre + tokens / C * t
-        out.append({"concurrency": C, "prompts": len(prefill), "prefill_s": round(pre, 4),
-                    "decode_s": round(tokens / C * t, 4), "loop_s": round(loop, 4),
+        out.append({"concurrency": C, "prompts": len(prefill), "prefill_s": round(pre, 6),
+                    "decode_s": round(tokens / C * t, 6), "loop_s": round(loop, 6),
                     "ceiling_vs_one_stream": round(alone / loop, 2)})
         print(json.dumps(out[-1]))
     return out

@@ -564,7 +564,7 @@ def test_batch_ceiling_with_prefills_is_the_closed_loops_arithmetic(tiny_engines
     t = {r["batch"]: r["pass_ms"] / 1000 for r in passes}
     pre = loop[0]["prefill_s"]
     assert loop[0]["prompts"] == 3 and pre > 0 and loop[0]["ceiling_vs_one_stream"] == 1.0
-    # the rows are rounded (pass_ms to 0.01 ms, seconds to 0.1 ms): tiny passes need that much slack
+    # the rows are rounded (pass_ms to 0.01 ms, seconds to 1 us): tiny passes need that much slack
     assert loop[1]["decode_s"] == pytest.approx(30 / 2 * t[2], rel=0.01, abs=2e-4)
     assert loop[1]["ceiling_vs_one_stream"] == pytest.approx((pre + 30 * t[1]) / (pre + 15 * t[2]), abs=0.01)
     with pytest.raises(SystemExit):  # the one-stream cost is the baseline
