@@ -20,6 +20,17 @@ def _rtn(w: np.ndarray, block: int) -> np.ndarray:
     return out
 
 
+def _export_of(engines):
+    """The export folder the set's int4 engine was built from (its build folder holds the same file, hard-linked):
+    other tests' exports may share the cache."""
+    from specrt.manifest import load_manifest
+
+    m = load_manifest(engines)
+    ino = (m.root / m.engine("target", "int4").file).stat().st_ino
+    return next(e for e in (engines.parent / ".cache").glob("export-*")
+                if any(f.stat().st_ino == ino for f in e.glob("build-*/*")))
+
+
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():
     from specrt.build.gptq import gptq
 
@@ -60,7 +71,7 @@ def test_gptq_keeps_dead_inputs_at_zero_and_handles_a_partial_group():
 def test_quantize_puts_gptq_weights_in_their_blocks_and_the_rest_in_blocks_of_32(tiny_engines):
     from specrt.build.ort import fuse_attention, precision, quantize
 
-    cache = next((tiny_engines.parent / ".cache").glob("export-*"))
+    cache = _export_of(tiny_engines)
     model = fuse_attention(onnx.load(str(cache / "model.onnx")))
     k = next(i for i in model.graph.initializer if i.name == "lm_head.weight_t").dims[0]
     out = quantize(model, precision("int4"), {"lm_head.weight_t": np.eye(k)})
@@ -86,7 +97,7 @@ def test_hessians_are_the_gram_matrices_of_the_matmul_inputs(tiny_engines):
     assert blocks == {64}
 
     # the lm_head's input is the final hidden state at every position: its Gram matrix is checkable
-    cache = next((tiny_engines.parent / ".cache").glob("export-*"))
+    cache = _export_of(tiny_engines)
     model = fuse_attention(onnx.load(str(cache / "model.onnx"), load_external_data=False))
     seqs = [[1, 5, 9, 12, 7], [3, 3, 8]]
     grams, tokens = hessians(model, cache, seqs)
@@ -110,7 +121,7 @@ def test_lm_head_is_calibrated_from_hidden_states_with_weights_left_on_disk(tiny
     finding the lm_head's unsliced input must read nothing but the Slice's axes."""
     from specrt.build.gptq import _unsliced, matmul_weights
 
-    cache = next((tiny_engines.parent / ".cache").glob("export-*"))
+    cache = _export_of(tiny_engines)
     model = onnx.load(str(cache / "model.onnx"))
     onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data",
                     size_threshold=64)  # norms and weights external, one-number constants inline (like real exports)
