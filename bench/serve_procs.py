@@ -7,9 +7,11 @@ until they answer, their logs; and the llama.cpp server's entry point, run in it
 from __future__ import annotations
 
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 from contextlib import contextmanager
@@ -80,16 +82,29 @@ def _last_line(log: Path | None) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def launched(target: Target, cmd: list[str], timeout_s: float):
     """Run a server subprocess (its output to target.log) until it answers; stop it on the way out."""
     target.command = cmd
     with open(target.log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    # SIGTERM's default ends Python without running this `finally`: the server would outlive the bench
+    own_signals = _main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if own_signals else None
     try:
         wait_ready(target, timeout_s, proc)
         yield target
     finally:
+        if own_signals:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         if proc.poll() is None:
             proc.terminate()
             try:

@@ -294,3 +294,38 @@ def test_llamacpp_needs_a_gguf_and_its_server_package(tiny_engines, monkeypatch,
     with pytest.raises(SpecrtError) as e:
         sl.check_llamacpp_server()
     assert "pip install 'llama-cpp-python[server]==0.3.36'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_terminated_bench_stops_the_servers_it_launched(tmp_path):
+    """SIGTERM to the bench (a CI timeout, `kill`) still stops the server it launched: the port goes quiet."""
+    import signal
+    import time
+
+    from specrt.bench.serve_procs import free_port
+
+    port = free_port()
+    server = ("import http.server as h\n"
+              "class H(h.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers()\n"
+              f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    bench = ("import sys, time\nfrom pathlib import Path\n"
+             "from specrt.bench.serve_load import Target\nfrom specrt.bench.serve_procs import launched\n"
+             f"t = Target('fake', 'http://127.0.0.1:{port}', log=Path({str(tmp_path / 'log')!r}))\n"
+             f"with launched(t, [sys.executable, '-c', {server!r}], 30):\n"
+             "    print('ready', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", bench], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the launched server still answers on port {port} after the bench was terminated")
