@@ -51,8 +51,8 @@ def main(argv=None) -> list[dict]:
 
     from specrt.corpora import BENCH_PROMPTS
     from specrt.export.eagle import HeadShape
-    from specrt.export.eagle_train import train
-    from specrt.export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
+    from specrt.export.train.eagle import train
+    from specrt.export.train.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
     from specrt.export.sources import load, resolve
 
     torch.set_num_threads(a.threads)

@@ -13,12 +13,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specrt.commands import Command, Group
+from specrt.cli.commands import Command, Group
 from specrt.errors import SpecrtError
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
-COMMAND_MODULES = ("specrt.cli", "specrt.serve_command", "specrt.ray_serve", "specrt.bench.command",
-                   "specrt.generate_command", "specrt.train_command")
+COMMAND_MODULES = ("specrt.cli.main", "specrt.cli.serve", "specrt.server.ray_serve", "specrt.bench.command",
+                   "specrt.cli.generate", "specrt.cli.train")
 
 
 def one_error_line(r, *words):
@@ -32,7 +32,7 @@ def one_error_line(r, *words):
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)
 def test_each_command_module_imports_first_and_without_the_cli(module):
-    code = f"import sys, {module}\nassert {module!r} == 'specrt.cli' or 'specrt.cli' not in sys.modules\n"
+    code = f"import sys, {module}\nassert {module!r} == 'specrt.cli.main' or 'specrt.cli.main' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
 
 
@@ -42,10 +42,10 @@ import sys
 import typer
 from typer.testing import CliRunner
 from specrt.bench.command import bench, bench_serve
-from specrt.commands import Command, Group
-from specrt.generate_command import generate
-from specrt.ray_serve import serve_ray
-from specrt.serve_command import serve
+from specrt.cli.commands import Command, Group
+from specrt.cli.generate import generate
+from specrt.server.ray_serve import serve_ray
+from specrt.cli.serve import serve
 
 app = typer.Typer(cls=Group)
 for fn in (bench, bench_serve, generate, serve, serve_ray):
@@ -56,7 +56,7 @@ for args, says in ((["generate"], "exactly one of --prompt"), (["serve", "--port
                    (["bench_serve", "--health-timeout", "0"], "--health-timeout must be > 0")):
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2 and r.output.startswith("error: ") and says in r.output, (args, r.output)
-assert "specrt.cli" not in sys.modules
+assert "specrt.cli.main" not in sys.modules
 """
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
 
@@ -130,7 +130,7 @@ def test_specrt_flags_checked_by_typer():
 def counted(monkeypatch):
     """Every reference to load_manifest and resolve_mode in specrt's modules, counted (calls; 'auto' resolved)."""
     import specrt.bench.command  # noqa: F401
-    import specrt.cli  # noqa: F401
+    import specrt.cli.main  # noqa: F401
     import specrt.manifest
     import specrt.runtime.batch_session  # noqa: F401
     import specrt.runtime.session  # noqa: F401

@@ -17,7 +17,7 @@ def tiny_heads(tiny_dir, tmp_path_factory):
     import torch
 
     from specrt.export.medusa import TrainConfig, train_heads
-    from specrt.export.medusa_data import DataConfig, build_dataset
+    from specrt.export.train.medusa_data import DataConfig, build_dataset
     from specrt.export.sources import load, resolve
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import pytest
 
 from specrt.runtime.tokenizer import ToolCall
 from specrt.runtime.tool_formats import FORMATS, NAMES, by_name, detect
-from specrt.tool_calls import CallParser, split
+from specrt.server.tool_calls import CallParser, split
 
 ARGS = '{"party": 4, "note": "a } inside, and </tool_ [x]", "time": "19:30"}'
 CALLS = [ToolCall("a", "book_table", ARGS), ToolCall("b", "ping", "{}")]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpora import DOC_TEMPLATES, code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
+from ...corpora import DOC_TEMPLATES, code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def build_dataset(src, cache: Path, cfg: DataConfig = DataConfig(), log=print) -
     """Generate (or reuse) the dataset at cache/data-<key>.npz; returns its path."""
     import torch
 
-    from .sources import fingerprint, load
+    from ..sources import fingerprint, load
 
     key = hashlib.sha256(json.dumps([fingerprint(src), asdict(cfg)]).encode()).hexdigest()[:16]
     path = cache / f"data-{key}.npz"

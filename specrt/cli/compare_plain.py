@@ -3,7 +3,7 @@ target engine, and say in one line what speculation bought (the last line `make 
 
 from __future__ import annotations
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 
 
 def check_speculating(mode: str) -> None:
@@ -21,8 +21,8 @@ def warm_up(session, prompt, **kwargs) -> None:
 def plain_pass(session, shared: dict, threads: int, prompt, **kwargs):
     """The same prompt, decoding options and target engine (shared with `session` where the options match),
     decoded plainly after its own warm-up -> its Result."""
-    from .runtime.engine import EngineOptions
-    from .runtime.session import load
+    from ..runtime.engine import EngineOptions
+    from ..runtime.session import load
 
     plain = load(session.manifest, session.precision, "off", EngineOptions(threads=threads), shared=shared)
     warm_up(plain, prompt, **kwargs)

@@ -11,8 +11,8 @@ from typing import Optional
 import typer
 
 from . import model_flags as mf
-from .errors import SpecrtError
-from .runtime.methods import modes_help
+from ..errors import SpecrtError
+from ..runtime.methods import modes_help
 
 
 def generate(
@@ -61,8 +61,8 @@ def generate(
 ):
     """Generate from an engine set; streams text, then prints stats to stderr."""
     from . import compare_plain as cmp
-    from .runtime.sampling import SamplingParams
-    from .runtime.tokenizer import load_messages_file
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.tokenizer import load_messages_file
 
     if (prompt is None) == (messages is None):
         raise SpecrtError("pass exactly one of --prompt TEXT or --messages FILE.json")
@@ -76,9 +76,9 @@ def generate(
                                  lambda m: "--" + m[1].replace("_", "-") + (" " if m[0].endswith("=") else ""),
                                  str(e))) from None
     engines_dir = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads, eagle_head)[0]
-    from .runtime.engine import EngineOptions
-    from .runtime.session import load
-    from .runtime.speculative import SpeculativeConfig
+    from ..runtime.engine import EngineOptions
+    from ..runtime.session import load
+    from ..runtime.speculative import SpeculativeConfig
 
     shared = {}  # --compare-plain's plain pass reuses the target engine
     session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),

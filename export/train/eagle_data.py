@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpora import code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
+from ...corpora import code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
 
 DATA_FORMAT = 1
 
@@ -70,7 +70,7 @@ def _chat_prompts(cfg: EagleDataConfig, rng: np.random.Generator) -> list[str]:
 
 
 def _key(src, cfg, what: str) -> str:
-    from .sources import fingerprint
+    from ..sources import fingerprint
 
     facts = asdict(cfg)
     if not cfg.layer_features:  # the data without them is what format 1 always was: keep its caches valid
@@ -84,7 +84,7 @@ def build_train_set(src, cache: Path, cfg: EagleDataConfig = EagleDataConfig(), 
     if path.is_file():
         log(f"EAGLE training data cached: {path}")
         return path
-    from .sources import load
+    from ..sources import load
 
     model, tok = load(src)
     rng = np.random.default_rng(cfg.seed)
@@ -110,7 +110,7 @@ def build_eval_set(src, cache: Path, prompts_file: Path, max_new_tokens: int = 1
     if path.is_file():
         log(f"EAGLE evaluation data cached: {path}")
         return path
-    from .sources import load
+    from ..sources import load
 
     model, tok = load(src)
     t0 = time.time()

@@ -3,7 +3,7 @@ and speculation counters under vLLM's names with our prefix."""
 
 from __future__ import annotations
 
-from .runtime.generate import Stats
+from ..runtime.generate import Stats
 
 
 class Metrics:

@@ -33,9 +33,9 @@ from typing import Optional
 
 import typer
 
-from .errors import SpecrtError, first_line
+from ..errors import SpecrtError, first_line
 from .scopes import CONVERSATION_HEADER, conversation_key
-from .serve_command import (DEFAULT_MAX_TOKENS_HELP, REASONING_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP,
+from ..cli.serve import (DEFAULT_MAX_TOKENS_HELP, REASONING_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP,
                             TOOL_FORMAT_HELP, Reasoning, SuffixScope, ToolFormatName)
 
 log = logging.getLogger("specrt.ray_serve")
@@ -46,7 +46,7 @@ INGRESS_DEPLOYMENT = "SpecrtIngress"
 REPLICA_HEADER = "x-specrt-replica"            # which engine replica answered (its Serve replica id)
 CONVERSATION_KWARG = "conversation"            # the engine call's keyword the router reads
 INSTALL_HINT = "specrt serve-ray needs Ray Serve: pip install 'specrt[ray]'"
-ROUTER_CLASS = "specrt.ray_router:ConversationRouter"
+ROUTER_CLASS = "specrt.server.ray_router:ConversationRouter"
 START_RETRIES = 2                              # a request whose replica died before it answered: tries elsewhere
 
 
@@ -140,12 +140,12 @@ class SpecrtEngine:
     def __init__(self, spec: EngineSpec):
         from ray import serve
 
-        from .manifest import load_manifest
-        from .runtime.engine import EngineOptions
-        from .runtime.session import load
-        from .runtime.speculative import SpeculativeConfig
-        from .serve_command import with_tool_format
-        from .server import create_app
+        from ..manifest import load_manifest
+        from ..runtime.engine import EngineOptions
+        from ..runtime.session import load
+        from ..runtime.speculative import SpeculativeConfig
+        from ..cli.serve import with_tool_format
+        from .app import create_app
 
         manifest = load_manifest(Path(spec.engines))
         mib, threshold, factor = spec.suffix
@@ -327,8 +327,8 @@ def serve_ray(
 ):
     """Serve an engine set on Ray Serve: N replicas of `specrt serve`'s app behind one HTTP endpoint, each
     conversation's turns routed to the replica that holds its KV cache. Needs the ray extra."""
-    from .runtime.speculative import SpeculativeConfig
-    from .serve_command import check_serve_flags
+    from ..runtime.speculative import SpeculativeConfig
+    from ..cli.serve import check_serve_flags
 
     check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
     check_flags(replicas, cores_per_replica, gpus_per_replica)
@@ -347,8 +347,8 @@ def serve_ray(
                           "pip install 'specrt[serve,ray]'") from None
     from dataclasses import replace
 
-    from .manifest import load_manifest
-    from .runtime.speculative import resolve_mode
+    from ..manifest import load_manifest
+    from ..runtime.speculative import resolve_mode
 
     manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before Ray starts
     manifest.engine("target", precision)

@@ -10,9 +10,9 @@ from typing import Optional
 
 import typer
 
-from .backends import BACKENDS
+from ..backends import BACKENDS
 from .commands import Command, Group
-from .errors import SpecrtError
+from ..errors import SpecrtError
 from .model_flags import (DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_ENGINES, backend_option, eagle_head_option,
                           max_context_option, medusa_heads_option)
 
@@ -80,9 +80,9 @@ def engines(
     eagle_head: Optional[str] = eagle_head_option(),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
-    from .pipeline import EngineSetRequest, check_destination, make_engine_set
+    from ..pipeline import EngineSetRequest, check_destination, make_engine_set
 
-    from .pipeline.portable import check_backend
+    from ..pipeline.portable import check_backend
 
     backend = DEFAULT_BACKEND if backend is None else backend
     max_context = DEFAULT_CONTEXT if max_context is None else max_context
@@ -97,7 +97,7 @@ def engines(
     if preset is not None and (source is not None or draft is not None):
         raise SpecrtError("--preset names the model (and its draft, if any); drop --source/--draft (or the preset)")
     if preset is not None:
-        from .export.presets import assemble, get_preset
+        from ..export.presets import assemble, get_preset
 
         pre = get_preset(preset)
         check_destination(out, name or pre.name)  # before gigabytes of download
@@ -105,8 +105,8 @@ def engines(
         src = str(assemble(pre.target, cache))
         dsrc = str(assemble(pre.draft, cache)) if pre.draft is not None else None
         set_name = name or pre.name
-    from .pipeline import default_eagle, default_heads, source_name
-    from .pipeline.orchestrate import heads_file
+    from ..pipeline import default_eagle, default_heads, source_name
+    from ..pipeline.orchestrate import heads_file
 
     set_name = set_name or source_name(src) + BACKENDS[backend].set_suffix
 
@@ -133,7 +133,7 @@ def cache(
     or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and
     preset downloads are not touched.
     """
-    from .pipeline import cache_entries, prune_cache
+    from ..pipeline import cache_entries, prune_cache
 
     if not (out / ".cache").is_dir():
         raise SpecrtError(f"no build cache at {out / '.cache'}; "
@@ -150,13 +150,13 @@ def cache(
                    "recipes would redo the work)")
 
 
-from .generate_command import generate as _generate  # noqa: E402  (typer-only import; the runtime loads inside)
+from .generate import generate as _generate  # noqa: E402  (typer-only import; the runtime loads inside)
 
 app.command(name="generate", cls=Command)(_generate)
 
 
-from .train_command import train_eagle as _train_eagle  # noqa: E402  (typer-only import; torch loads inside)
-from .train_command import train_medusa as _train_medusa  # noqa: E402
+from .train import train_eagle as _train_eagle  # noqa: E402  (typer-only import; torch loads inside)
+from .train import train_medusa as _train_medusa  # noqa: E402
 
 app.command(name="train-medusa", cls=Command)(_train_medusa)
 app.command(name="train-eagle", cls=Command)(_train_eagle)
@@ -175,8 +175,8 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
     from rich.console import Console
     from rich.table import Table
 
-    from .manifest import engine_memory, load_manifest, stream_hidden_bytes
-    from .runtime.speculative import proposer_entry
+    from ..manifest import engine_memory, load_manifest, stream_hidden_bytes
+    from ..runtime.speculative import proposer_entry
 
     m = load_manifest(engines_dir)
     t = Table(title=f"{m.name}  ({m.root})")
@@ -237,8 +237,8 @@ def parity(
     """Compare a portable engine's graph across backends with Polygraphy's comparator, on real padded passes."""
     import numpy as np
 
-    from .manifest import load_manifest
-    from .pipeline.parity import compare, protocol_feeds
+    from ..manifest import load_manifest
+    from ..pipeline.parity import compare, protocol_feeds
 
     m = load_manifest(engines_dir)
     entry = m.engine("target", precision)
@@ -266,8 +266,8 @@ def quant_report(
     out: Path = typer.Option(Path("quant-report"), "--out", help="Folder for report.md and quality.png."),
 ):
     """Accuracy of every precision of a set against its fp32 engine (measured at build): a table and a plot."""
-    from .bench.quant_report import rows, write
-    from .manifest import load_manifest
+    from ..bench.quant_report import rows, write
+    from ..manifest import load_manifest
 
     m = load_manifest(engines_dir)
     if out.exists() and not out.is_dir():
@@ -287,26 +287,26 @@ def _screen_status(entry: dict) -> str:
     facts = entry.get("screen")
     if not facts:
         return "-"
-    from .runtime.backends.onnxruntime_cpu import screen_unusable
+    from ..runtime.backends.onnxruntime_cpu import screen_unusable
 
     why = screen_unusable(facts, entry.get("build_versions"))
     check = facts.get("check") or {}
     return f"off: {why}" if why else f"on (error <= {check.get('max_error_over_bound', 0):.2f} of its bound)"
 
 
-from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
+from ..bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
 
 app.command(name="bench", cls=Command)(_bench)
 
-from .bench.command import bench_serve as _bench_serve  # noqa: E402  (typer-only import, like `bench`)
+from ..bench.command import bench_serve as _bench_serve  # noqa: E402  (typer-only import, like `bench`)
 
 app.command(name="bench-serve", cls=Command)(_bench_serve)
 
-from .serve_command import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
+from .serve import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
 
 app.command(name="serve", cls=Command)(_serve)
 
-from .ray_serve import serve_ray as _serve_ray  # noqa: E402  (typer-only import; Ray loads inside the command)
+from ..server.ray_serve import serve_ray as _serve_ray  # noqa: E402  (typer-only import; Ray loads inside the command)
 
 app.command(name="serve-ray", cls=Command)(_serve_ray)
 

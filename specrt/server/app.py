@@ -40,13 +40,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import SpecrtError, first_line
+from ..errors import SpecrtError, first_line
 from .metrics import Metrics
 from .openai_api import ApiError, check_model, error_body, parse, parse_body
 from .openai_shapes import Shapes, finish_reason
-from .runtime.generate import Stats, Stream
-from .runtime.prefix_cache import MIB, PrefixStore
-from .runtime.session import Session
+from ..runtime.generate import Stats, Stream
+from ..runtime.prefix_cache import MIB, PrefixStore
+from ..runtime.session import Session
 from .scopes import store_key
 from .replies import Reply, cut, open_reply, request_grammar, template_kwargs, think_state
 from .tool_calls import Event

@@ -11,7 +11,7 @@ from enum import Enum
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 
 try:  # newer typer carries its own copy of click
     from typer._click import exceptions as _click_errors
