@@ -1,5 +1,6 @@
-"""The CLI's plumbing (specrt/commands.py): every user mistake is one `error:` line and exit 2, from the command
-class alone; the command modules import without specrt.cli; a command loads its manifest and resolves 'auto' once."""
+"""The CLI's plumbing (specrt/cli/commands.py): every user mistake is one `error:` line and exit 2, from the command
+class alone; the command modules import without specrt.cli.main; a command makes its plan (the manifest loaded,
+the target looked up, 'auto' resolved: runtime/plan.py) once."""
 
 from __future__ import annotations
 
@@ -128,45 +129,55 @@ def test_specrt_flags_checked_by_typer():
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Every reference to load_manifest and resolve_mode in specrt's modules, counted (calls; 'auto' resolved)."""
+    """What a command decides about its engine set, counted: manifests loaded (every reference to load_manifest in
+    specrt's modules), --speculate names resolved (any name, 'auto' or not) and lookups of the target's entry."""
     import specrt.bench.command  # noqa: F401
     import specrt.cli.main  # noqa: F401
     import specrt.manifest
     import specrt.runtime.batch_session  # noqa: F401
+    import specrt.runtime.plan
     import specrt.runtime.session  # noqa: F401
-    import specrt.runtime.speculative
 
-    calls = {"manifest": 0, "auto": 0}
-    load0, resolve0 = specrt.manifest.load_manifest, specrt.runtime.speculative.resolve_mode
+    calls = {"manifest": 0, "resolve": 0, "target": 0}
+    load0, resolve0 = specrt.manifest.load_manifest, specrt.runtime.plan.resolve_mode
+    engine0 = specrt.manifest.Manifest.engine
 
     def load(root):
         calls["manifest"] += 1
         return load0(root)
 
     def resolve(mode, *args, **kwargs):
-        calls["auto"] += mode == "auto"
+        calls["resolve"] += 1
         return resolve0(mode, *args, **kwargs)
+
+    def engine(self, role, precision=None):
+        calls["target"] += role == "target"
+        return engine0(self, role, precision)
 
     for mod in [m for name, m in sys.modules.items() if name.startswith("specrt")]:
         if vars(mod).get("load_manifest") is load0:
             monkeypatch.setattr(mod, "load_manifest", load)
         if vars(mod).get("resolve_mode") is resolve0:
             monkeypatch.setattr(mod, "resolve_mode", resolve)
+    monkeypatch.setattr(specrt.manifest.Manifest, "engine", engine)
     return calls
 
 
+ONCE = {"manifest": 1, "resolve": 1, "target": 1}  # the plan, made once (runtime/plan.py)
+
+
 @pytest.mark.parametrize("extra", [[], ["--compare-plain"]])
-def test_generate_loads_the_manifest_once_and_resolves_auto_once(tiny_engines, counted, extra):
+def test_generate_makes_its_plan_once(tiny_engines, counted, extra):
     from specrt.cli import app
 
     r = CliRunner().invoke(app, ["generate", "--engines", str(tiny_engines), "--prompt", "one two one two",
                                  "--max-new-tokens", "3", "--json", "--threads", "1", *extra])
     assert r.exit_code == 0, r.output
-    assert counted == {"manifest": 1, "auto": 1}
+    assert counted == ONCE
 
 
-@pytest.mark.parametrize("extra", [[], ["--parallel", "2"]])
-def test_serve_startup_loads_the_manifest_once_and_resolves_auto_once(tiny_engines, counted, monkeypatch, extra):
+@pytest.mark.parametrize("extra", [[], ["--parallel", "2"], ["--speculate", "prompt-lookup", "--parallel", "3"]])
+def test_serve_startup_makes_its_plan_once(tiny_engines, counted, monkeypatch, extra):
     pytest.importorskip("fastapi")
     uvicorn = pytest.importorskip("uvicorn")
     from fastapi.testclient import TestClient
@@ -187,4 +198,4 @@ def test_serve_startup_loads_the_manifest_once_and_resolves_auto_once(tiny_engin
     r = CliRunner().invoke(app, ["serve", "--engines", str(tiny_engines), "--threads", "1", *extra])
     assert r.exit_code == 0, r.output
     assert ready["mode"] == "prompt-lookup"  # auto on a set without a draft model or heads
-    assert counted == {"manifest": 1, "auto": 1}
+    assert counted == ONCE

@@ -78,7 +78,7 @@ def generate(
     engines_dir = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads, eagle_head)[0]
     from ..runtime.engine import EngineOptions
     from ..runtime.session import load
-    from ..runtime.speculative import SpeculativeConfig
+    from ..runtime.plan import SpeculativeConfig
 
     shared = {}  # --compare-plain's plain pass reuses the target engine
     session = load(engines_dir, precision, speculate, EngineOptions(threads=threads),
@@ -95,7 +95,7 @@ def generate(
             sys.stdout.flush()
     r = s.result
     if as_json:
-        found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask)) if compare_plain else None
+        found = cmp.summary(r, cmp.plain_pass(session, shared, chat, **ask)) if compare_plain else None
         typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats.as_dict(),
                                **({"compare_plain": found} if found else {})}))
         return
@@ -111,6 +111,6 @@ def generate(
                 f"{st.tok_s:.1f} tok/s, {st.finish_reason}{spec}]", err=True, dim=True)
     if compare_plain:
         typer.secho("[the same prompt with --speculate off ...]", err=True, dim=True)
-        found = cmp.summary(r, cmp.plain_pass(session, shared, threads, chat, **ask))
+        found = cmp.summary(r, cmp.plain_pass(session, shared, chat, **ask))
         typer.secho(cmp.line(found, speculate), err=True, bold=True)
 

@@ -119,26 +119,24 @@ def serve(
     except ImportError as e:
         raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing); "
                           "pip install 'specrt[serve]'") from None
-    from ..manifest import load_manifest
     from ..runtime.engine import EngineOptions
-    from ..runtime.session import load
-    from ..runtime.speculative import SpeculativeConfig, resolve_mode
+    from ..runtime.plan import SpeculativeConfig, make_plan
+    from ..runtime.session import open_session
 
     config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
                                suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
     config.check()  # before a --model build
     engines_dir, served = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads,
                                             eagle_head)
-    manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
-    target = manifest.engine("target", precision)
+    # a wrong folder, precision or mode: one line now, before listening; the session runs this plan (runtime/plan.py)
+    plan = make_plan(engines_dir, precision, speculate, EngineOptions(threads=threads), config)
     if parallel is None:
         from ..backends import BACKENDS
 
-        parallel = DEFAULT_PARALLEL if BACKENDS[target.backend].batch else 1
-    mode = resolve_mode(speculate, manifest, precision)  # the session gets both: neither is loaded or resolved again
-    run_server(lambda: with_tool_format(load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
-                                             parallel=parallel, prefill_chunk=prefill_chunk), tool_format.value),
-               served or manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
+        parallel = DEFAULT_PARALLEL if BACKENDS[plan.target.backend].batch else 1
+    run_server(lambda: with_tool_format(open_session(plan, parallel=parallel, prefill_chunk=prefill_chunk),
+                                        tool_format.value),
+               served or plan.manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
                suffix_scope.value, reasoning.value)
 
 

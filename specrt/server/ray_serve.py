@@ -140,19 +140,17 @@ class SpecrtEngine:
     def __init__(self, spec: EngineSpec):
         from ray import serve
 
-        from ..manifest import load_manifest
         from ..runtime.engine import EngineOptions
+        from ..runtime.plan import SpeculativeConfig
         from ..runtime.session import load
-        from ..runtime.speculative import SpeculativeConfig
         from ..cli.serve import with_tool_format
         from .app import create_app
 
-        manifest = load_manifest(Path(spec.engines))
         mib, threshold, factor = spec.suffix
         config = SpeculativeConfig(suffix_cache_mib=mib, suffix_threshold=threshold, suffix_factor=factor)
-        session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads), config=config,
-                       parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
-        self.app = create_app(with_tool_format(session, spec.tool_format), manifest.name, spec.api_key,
+        session = load(Path(spec.engines), spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
+                       config=config, parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
+        self.app = create_app(with_tool_format(session, spec.tool_format), session.manifest.name, spec.api_key,
                               spec.max_queue, cache_ram_mib=spec.cache_ram_mib,
                               default_max_tokens=spec.default_max_tokens, suffix_scope=spec.suffix_scope,
                               reasoning=spec.reasoning)
@@ -327,7 +325,7 @@ def serve_ray(
 ):
     """Serve an engine set on Ray Serve: N replicas of `specrt serve`'s app behind one HTTP endpoint, each
     conversation's turns routed to the replica that holds its KV cache. Needs the ray extra."""
-    from ..runtime.speculative import SpeculativeConfig
+    from ..runtime.plan import SpeculativeConfig
     from ..cli.serve import check_serve_flags
 
     check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
@@ -347,12 +345,10 @@ def serve_ray(
                           "pip install 'specrt[serve,ray]'") from None
     from dataclasses import replace
 
-    from ..manifest import load_manifest
-    from ..runtime.speculative import resolve_mode
+    from ..runtime.plan import make_plan
 
-    manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before Ray starts
-    manifest.engine("target", precision)
-    mode = resolve_mode(speculate, manifest, precision)  # the replicas get it resolved
+    made = make_plan(engines_dir, precision, speculate)  # a wrong folder, precision or mode: one line before Ray starts
+    manifest, mode = made.manifest, made.mode  # the replicas get the mode resolved
     ray.init(address=address, logging_level=logging.WARNING)
     started = False
     try:
