@@ -34,7 +34,7 @@ def train_medusa(
 
     import torch
 
-    from ..export.medusa import TrainConfig, train_heads
+    from ..export.train.medusa import TrainConfig, train_heads
     from ..export.train.medusa_data import build_dataset, default_parts
     from ..export.sources import load, resolve
     from ..pipeline import source_name
