@@ -1,4 +1,4 @@
-"""`specrt serve-ray`: the server's app (specrt.server.create_app) on Ray Serve, one engine per replica, with
+"""`specrt serve-ray`: the server's app (specrt.server.app.create_app) on Ray Serve, one engine per replica, with
 requests routed by conversation. Ray is an optional extra (`pip install 'specrt[ray]'`): this module imports
 without it (only typer at import time); Ray loads inside the command and on the replicas.
 
@@ -7,9 +7,9 @@ without it (only typer at import time); Ray loads inside the command and on the 
                                        v  DeploymentHandle, streamed; request router: ConversationRouter
                                      SpecrtEngine x N (each: one Session and the server's FastAPI app, in-process)
 
-1. The conversation key (specrt.scopes.conversation_key): a hash of the request's leading messages, or the
+1. The conversation key (specrt.server.scopes.conversation_key): a hash of the request's leading messages, or the
    client's own `X-Specrt-Conversation` header; every turn of a conversation has the same key.
-2. The engine deployment's request router (specrt.ray_router.ConversationRouter) sends a key to one replica by
+2. The engine deployment's request router (specrt.server.ray_router.ConversationRouter) sends a key to one replica by
    rendezvous hashing over the live replicas (rendezvous): the same replica for as long as it lives, and when it
    dies only its keys move, each to one live replica again. Every ingress replica computes the same choice, with
    no shared state.
@@ -288,40 +288,45 @@ def build_app(spec: EngineSpec, placement: Placement, ingress_cpus: float = 0, e
     return ingress.bind(engine.bind(spec))
 
 
+SERVE_RAY_HELP = {
+    "--replicas": "Engine replicas (default: one per --gpus-per-replica GPUs, or per --cores-per-replica cores, of "
+                  "the Ray cluster; with neither, 1).",
+    "--cores-per-replica": "CPUs Ray reserves per replica, and the engine's threads (0 = the cluster's CPUs shared "
+                           "evenly).",
+    "--gpus-per-replica": "GPUs Ray reserves per replica (num_gpus; fractions share one).",
+    "--api-key": "Require 'Authorization: Bearer KEY' on /v1 routes.",
+    "--max-queue": "Per replica: requests that may wait or run at once.",
+    "--parallel": "Per replica: streams decoded at once (as for `specrt serve`).",
+    "--cache-ram": "Per replica: host memory for other conversations' KV caches.",
+    "--address": "A running Ray cluster to join ('auto' or host:port; default: start a local Ray instance).",
+}
+
+
 def serve_ray(
     engines_dir: Path = typer.Option(Path("engines/smollm2-135m"), "--engines", "-e", help="Engine set folder."),
-    replicas: Optional[int] = typer.Option(None, "--replicas", "-n",
-                                           help="Engine replicas (default: one per --gpus-per-replica GPUs, or per "
-                                                "--cores-per-replica cores, of the Ray cluster; with neither, 1)."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", "-n", help=SERVE_RAY_HELP["--replicas"]),
     cores_per_replica: int = typer.Option(0, "--cores-per-replica", metavar="N",
-                                          help="CPUs Ray reserves per replica, and the engine's threads (0 = the "
-                                               "cluster's CPUs shared evenly)."),
+                                          help=SERVE_RAY_HELP["--cores-per-replica"]),
     gpus_per_replica: float = typer.Option(0, "--gpus-per-replica", metavar="G",
-                                           help="GPUs Ray reserves per replica (num_gpus; fractions share one)."),
+                                           help=SERVE_RAY_HELP["--gpus-per-replica"]),
     host: str = typer.Option("127.0.0.1", "--host", help="Address Serve's HTTP proxy listens on."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     speculate: str = typer.Option("auto", "--speculate", help="As for `specrt serve`."),
     precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Per replica: requests that may wait or run at once."),
-    parallel: int = typer.Option(1, "--parallel", "-np", help="Per replica: streams decoded at once (as for "
-                                                              "`specrt serve`)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY", help=SERVE_RAY_HELP["--api-key"]),
+    max_queue: int = typer.Option(16, "--max-queue", help=SERVE_RAY_HELP["--max-queue"]),
+    parallel: int = typer.Option(1, "--parallel", "-np", help=SERVE_RAY_HELP["--parallel"]),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", metavar="TOKENS",
                                                 help="Per replica, as for `specrt serve`.", show_default=False),
-    cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
-                                  help="Per replica: host memory for other conversations' KV caches."),
-    default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",
-                                           help=DEFAULT_MAX_TOKENS_HELP),
+    cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB", help=SERVE_RAY_HELP["--cache-ram"]),
+    default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS", help=DEFAULT_MAX_TOKENS_HELP),
     suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB", help="Per replica: " + SUFFIX_CACHE_HELP),
     suffix_scope: SuffixScope = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P", help="As for `specrt serve`."),
     suffix_factor: float = typer.Option(4.0, "--suffix-factor", metavar="X", help="As for `specrt serve`."),
     tool_format: ToolFormatName = typer.Option("auto", "--tool-format", metavar="NAME", help=TOOL_FORMAT_HELP),
     reasoning: Reasoning = typer.Option("separate", "--reasoning", metavar="MODE", help=REASONING_HELP),
-    address: Optional[str] = typer.Option(None, "--address",
-                                          help="A running Ray cluster to join ('auto' or host:port; default: start "
-                                               "a local Ray instance)."),
+    address: Optional[str] = typer.Option(None, "--address", help=SERVE_RAY_HELP["--address"]),
 ):
     """Serve an engine set on Ray Serve: N replicas of `specrt serve`'s app behind one HTTP endpoint, each
     conversation's turns routed to the replica that holds its KV cache. Needs the ray extra."""
@@ -333,16 +338,7 @@ def serve_ray(
     suffix = (suffix_cache, suffix_threshold, suffix_factor)
     SpeculativeConfig(suffix_cache_mib=suffix_cache, suffix_threshold=suffix_threshold,
                       suffix_factor=suffix_factor).check()
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise SpecrtError(INSTALL_HINT) from None
-    try:
-        import fastapi  # noqa: F401
-    except ImportError as e:
-        raise SpecrtError(f"`specrt serve-ray` needs the serve extra ({e.name} is missing); "
-                          "pip install 'specrt[serve,ray]'") from None
+    ray, serve = _import_ray()
     from dataclasses import replace
 
     from ..runtime.plan import make_plan
@@ -382,3 +378,17 @@ def serve_ray(
         finally:
             ray.shutdown()
 
+
+def _import_ray():
+    """(ray, ray.serve), or a one-line SpecrtError naming the extra to install (ray, or the server's FastAPI)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise SpecrtError(INSTALL_HINT) from None
+    try:
+        import fastapi  # noqa: F401
+    except ImportError as e:
+        raise SpecrtError(f"`specrt serve-ray` needs the serve extra ({e.name} is missing); "
+                          "pip install 'specrt[serve,ray]'") from None
+    return ray, serve
