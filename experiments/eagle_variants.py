@@ -7,8 +7,8 @@ prompts), one recipe after another on the same machine.
 
 A variant is NAME:JSON, the JSON fields of export/eagle.py's EagleTrainConfig (fuse: EAGLE-3's fused low, middle
 and high target features; ttt_steps: training-time test over that many chained draft steps). The data come from
-export/eagle_data.py (cached under --work; with layer features when any variant fuses). Heads are written to --out,
-not to heads/: a fused head is an experiment the runtime does not drive yet.
+export/train/eagle_data.py (cached under --work; with layer features when any variant fuses). Heads are written to
+--out, not to heads/: a fused head is an experiment the runtime does not drive yet.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tool-call parser (specrt/tool_calls.py) in every format of runtime/tool_formats.py: content around calls,
+"""The tool-call parser (specrt/server/tool_calls.py) in every format of runtime/tool_formats.py: content around calls,
 each call whole once its markup ends, whatever the deltas, and never any markup in content (a call cut by the
 budget, a held prefix of a marker, markup that does not parse)."""
 

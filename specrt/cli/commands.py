@@ -1,6 +1,6 @@
 """The command plumbing of the `specrt` CLI: typer's command and group classes, in which a user mistake becomes one
 line, `error: <message>`, and exit code 2, never a traceback or a boxed usage screen. The commands themselves are
-plain functions (specrt/cli.py registers them with Command); this module imports none of them."""
+plain functions (specrt/cli/main.py registers them with Command); this module imports none of them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The `specrt` command line. Heavy modules are imported inside commands so `--help` is instant
-and works without torch; user mistakes print one line and exit 2 (specrt/commands.py's Command)."""
+and works without torch; user mistakes print one line and exit 2 (specrt/cli/commands.py's Command)."""
 
 from __future__ import annotations
 

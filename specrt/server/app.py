@@ -55,7 +55,7 @@ class Server:
                  reasoning: str = "separate"):
         self.session: Session | None = None
         self.reasoning = reasoning  # --reasoning: "off" renders with the template's no-thinking switch
-        self.suffix_scope = suffix_scope  # which store of earlier answers a request drafts from (specrt/scopes.py)
+        self.suffix_scope = suffix_scope  # whose earlier answers a request drafts from (specrt/server/scopes.py)
         self.default_max_tokens = default_max_tokens
         self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
         self.worker: ThreadPoolExecutor | None = None  # one thread per stream the session runs at once (attach)
@@ -265,7 +265,7 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
     that loads the session, run in a thread when the app starts, so the port answers (/health 503, /v1 routes
     503 with Retry-After) while the engines load; `model` names it meanwhile. default_max_tokens: a chat reply's
     length when the request names none (None: the rest of the context). suffix_scope: whose earlier answers a
-    request's suffix drafts come from (specrt/scopes.py). reasoning: --reasoning (docs/formats.md)."""
+    request's suffix drafts come from (specrt/server/scopes.py). reasoning: --reasoning (docs/formats.md)."""
     if (session is None) == (loader is None):
         raise ValueError("create_app takes a session or a loader")
     server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens, suffix_scope,

@@ -1,4 +1,4 @@
-"""The server's Prometheus metrics (specrt/server.py's /metrics): latencies, finished requests and tokens, KV reuse
+"""The server's Prometheus metrics (specrt/server/app.py's /metrics): latencies, finished requests and tokens, KV reuse
 and speculation counters under vLLM's names with our prefix."""
 
 from __future__ import annotations
