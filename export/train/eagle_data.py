@@ -5,17 +5,8 @@ A feature is the target's final-norm hidden state (what its lm_head reads, and w
 most of the data is packaged text read by the target (stdlib source code and the pydoc topics' prose); the rest
 is the target's own greedy answers to chat prompts (MT-bench questions the benchmark does not ask, prompts made
 from stdlib docstrings), the text drafting meets at run time. The evaluation set is the benchmark's own prompts
-(bench/data/default.jsonl) answered greedily by the target, never trained on.
-
-A dataset file (npz):
-  tokens   [N] int32          every sequence, concatenated
-  starts   [S + 1] int64      sequence s is tokens[starts[s]:starts[s + 1]]
-  prompt   [S] int32          its prompt length (0 for teacher-forced text)
-  features [N, H] float16     the target's feature at each position
-  labels   [N] int32          the target's argmax at each position (its next token there)
-  kind     [S] str            chat | code | prose | <benchmark category>
-  layer_features [N, 2, H] float16   only with layer_features=True: EAGLE-3's low and middle features, the
-                                     normed inputs of the decoder layers after fuse_layers (what they read)
+(bench/data/default.jsonl) answered greedily by the target, never trained on. The dataset file's arrays:
+More: docs/design-notes.md, "Module notes: export/train/eagle_data.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """`specrt serve-ray`: the server's app (specrt.server.app.create_app) on Ray Serve, one engine per replica, with
 requests routed by conversation. Ray is an optional extra (`pip install 'specrt[ray]'`): this module imports
 without it (only typer at import time); Ray loads inside the command and on the replicas.
-
-    client --HTTP--> Serve proxy --> SpecrtIngress (1 replica, no CPU reserved)
-                                       | reads the body, computes the conversation key
-                                       v  DeploymentHandle, streamed; request router: ConversationRouter
-                                     SpecrtEngine x N (each: one Session and the server's FastAPI app, in-process)
-
-1. The conversation key (specrt.server.scopes.conversation_key): a hash of the request's leading messages, or the
-   client's own `X-Specrt-Conversation` header; every turn of a conversation has the same key.
-2. The engine deployment's request router (specrt.server.ray_router.ConversationRouter) sends a key to one replica by
-   rendezvous hashing over the live replicas (rendezvous): the same replica for as long as it lives, and when it
-   dies only its keys move, each to one live replica again. Every ingress replica computes the same choice, with
-   no shared state.
-3. An engine replica runs the request through the server's app in-process (ASGI) and streams its response back:
-   a first item with the status and headers (plus `x-specrt-replica`, which replica answered), then the body's
-   chunks. A replica that dies mid-stream ends its open streams for their clients: an SSE stream gets an error
-   event and `data: [DONE]`, any other body stops; a request whose replica died before answering is retried on
-   a live one. Serve starts a replacement replica, which takes keys once it has loaded its engines.
-4. Resources: --gpus-per-replica G reserves G GPUs per replica (num_gpus); else --cores-per-replica N reserves N
-   CPUs (num_cpus) and runs the engine on N threads; by default the cluster's CPUs are shared evenly.
+More: docs/server.md, "Module notes: specrt/server/ray_serve.py".
 """
 
 from __future__ import annotations
