@@ -29,18 +29,9 @@ class Session:
     generator: Generator
     decoder: object        # PlainDecoder or SpeculativeDecoder: .proposer and .control (None when plain)
 
-    @property
-    def manifest(self) -> Manifest:
-        return self.plan.manifest
-
-    @property
-    def precision(self) -> str:
-        return self.plan.precision
-
-    @property
-    def mode(self) -> str:
-        """The resolved --speculate name ('auto' resolved; 'off' = plain decoding)."""
-        return self.plan.mode
+    def __post_init__(self):
+        # what front ends read of the plan; mode: the resolved --speculate name ('off' = plain decoding)
+        self.manifest, self.precision, self.mode = self.plan.manifest, self.plan.precision, self.plan.mode
 
     @property
     def engine(self) -> Engine:
