@@ -7,8 +7,6 @@ import math
 import torch
 from torch import nn
 
-from .eagle import HeadShape
-
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float):
@@ -21,9 +19,10 @@ class RMSNorm(nn.Module):
 
 
 class Head(nn.Module):
-    """export/eagle.py's make_head: the layer over [feature ; token embedding], its rollout step for training."""
+    """export/eagle.py's make_head: the layer over [feature ; token embedding], its rollout step for training.
+    shape: export/eagle.py's HeadShape (not imported here: eagle.py imports this module)."""
 
-    def __init__(self, shape: HeadShape, fuse: bool = False):
+    def __init__(self, shape, fuse: bool = False):
         super().__init__()
         S = self.S = shape
         self.group = S.heads // S.kv_heads
