@@ -55,6 +55,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="session")
 def default_engines(request, tmp_path_factory) -> Path:
     """The embedded default (SmolLM2-135M) at fp32, built once into pytest's cache folder
