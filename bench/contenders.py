@@ -1,7 +1,7 @@
 """Mode names -> contenders: our decode strategies at each precision, and the peers.
 
 Our names are `<strategy>-<precision>`: `plain-fp32`, `prompt-lookup-int4`, `auto-fp32`, ...
-where the strategy is 'plain' or a name from runtime.speculative.MODES (the one place that maps a
+where the strategy is 'plain' or a name from runtime.methods.MODES (the one place that maps a
 name to a proposer; new proposers such as 'medusa' appear here by themselves). Peers are named in
 peers.PEERS. `plain-fp32` is the reference: speedups and output agreement are measured against it.
 """
@@ -20,7 +20,7 @@ REFERENCE = "plain-fp32"
 def spec_modes() -> tuple[str, ...]:
     """Speculative strategies the runtime offers ('off' is our 'plain')."""
     try:
-        from ..runtime.speculative import MODES
+        from ..runtime.methods import MODES
     except ImportError:
         return ()
     return tuple(m for m in MODES if m != "off")

@@ -6,13 +6,8 @@ Contract of a `Contender` (ours or a peer): `load()` once (may build and cache),
 the engine set's EOS ids (with `Checkpoint.ignore_eos`: after exactly max_new_tokens; ours and
 llama.cpp decode through EOS, genai and transformers suppress it, their only way to go on).
 Every contender gets the same prompt token ids (ours renders them from `messages` with the same template), so
-outputs compare token by token.
-
-Peers import their package inside `load()`; a missing package raises `Unavailable` with a
-one-line note and the bench skips that peer. Builds are cached under engines/.cache/peers/.
-  genai-fp32 / genai-int4    onnxruntime-genai, its model builder on the HF form of the checkpoint
-  llamacpp / llamacpp-pld    llama-cpp-python on the GGUF as is; -pld: LlamaPromptLookupDecoding
-  hf / hf-pld / hf-assisted  transformers generate: plain, prompt_lookup_num_tokens, assistant_model
+outputs compare token by token. A peer whose package is missing is skipped with a one-line note.
+More: docs/bench-notes.md, "Module notes: bench/peers.py".
 """
 
 from __future__ import annotations

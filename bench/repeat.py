@@ -6,10 +6,8 @@
   as the last answer left it.
 
 Every mode answers the same histories (plain greedy's answers; greedy speculation must equal them, checked per
-turn), one session per mode, interleaved turn by turn, greedy. Reported per call: tok/s, tau, the share of rounds
-that drafted; and the ratios from the `--warm`-th call on. Writes repeat.json, repeat.md and repeat.png.
-
-    python -m specrt.bench.repeat --engines engines/smollm2-135m --out repeat-out   (or: specrt bench --repeat-calls 32)
+turn), one session per mode, interleaved turn by turn, greedy. Writes repeat.json, repeat.md and repeat.png.
+More: docs/bench-notes.md, "Module notes: bench/repeat.py".
 """
 
 from __future__ import annotations

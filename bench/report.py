@@ -12,9 +12,30 @@ def _f(v, fmt: str = "{:.1f}") -> str:
 
 
 def markdown(res: dict, command: str) -> str:
-    meta, rows = res["meta"], res["summary"]
+    rows = res["summary"]
     cats = list(dict.fromkeys(r["category"] for r in rows if r["category"] != "all")) + ["all"]
     cell = {(r["mode"], r["category"]): r for r in rows}
+    out = _header(res, command, cell)
+    out += _tables(res, cats, cell)
+    out += _per_prompt(res)
+    if res.get("caveats"):
+        out += ["", "## Caveats", ""] + [f"- {n}" for n in res["caveats"]]
+    if res["notes"]:
+        out += ["", "## Skipped", ""] + [f"- {n}" for n in res["notes"]]
+    if res.get("repeat"):  # --repeat-calls: bench/repeat.py's workloads, same engines
+        from .repeat import markdown as repeat_markdown
+
+        out += ["", "## Workloads that repeat (`--repeat-calls`)", ""]
+        out += [line.replace("## ", "### ") for line in repeat_markdown(res["repeat"]).splitlines()[2:]]
+        out.append("`repeat.png`: tok/s per voice call, as the suffix store warms up.")
+    out += ["", "Plots: `speedup.png` (speedup per category and mode), `acceptance.png` (acceptance rate per "
+            "draft position).", ""]
+    return "\n".join(out)
+
+
+def _header(res: dict, command: str, cell: dict) -> list[str]:
+    """The report's title and how it was measured: command, machine, versions, and what each column means."""
+    meta, rows = res["meta"], res["summary"]
     v = meta["versions"]
     out = [
         f"# specrt bench — {meta['engine_set']}" + ("  (quick)" if meta["quick"] else ""),
@@ -51,6 +72,13 @@ def markdown(res: dict, command: str) -> str:
         out.append("- left out of the speedups (0 new tokens on either side in every rep: no ratio to average): "
                    + "; ".join(left))
     out += _meta_lines(res, cell)
+    return out
+
+
+def _tables(res: dict, cats: list[str], cell: dict) -> list[str]:
+    """tok/s (speedup) per category, every figure over all prompts, and per (mode, category)."""
+    rows = res["summary"]
+    out = []
     out += [
         "",
         "## tok/s (speedup) per category",
@@ -88,20 +116,7 @@ def markdown(res: dict, command: str) -> str:
                    f"{_f(r.get('decode_speedup'), '{:.2f}')}x | {_f(r['tau'], '{:.2f}')} | "
                    f"{_f(r['ttft_ms'], '{:.0f}')} | {_f(r['gap_p50_ms'])}/"
                    f"{_f(r['gap_p99_ms'])} | {r['identical']} | {_f(r['first_divergence'], '{}')} |")
-    out += _per_prompt(res)
-    if res.get("caveats"):
-        out += ["", "## Caveats", ""] + [f"- {n}" for n in res["caveats"]]
-    if res["notes"]:
-        out += ["", "## Skipped", ""] + [f"- {n}" for n in res["notes"]]
-    if res.get("repeat"):  # --repeat-calls: bench/repeat.py's workloads, same engines
-        from .repeat import markdown as repeat_markdown
-
-        out += ["", "## Workloads that repeat (`--repeat-calls`)", ""]
-        out += [line.replace("## ", "### ") for line in repeat_markdown(res["repeat"]).splitlines()[2:]]
-        out.append("`repeat.png`: tok/s per voice call, as the suffix store warms up.")
-    out += ["", "Plots: `speedup.png` (speedup per category and mode), `acceptance.png` (acceptance rate per "
-            "draft position).", ""]
-    return "\n".join(out)
+    return out
 
 
 def _meta_lines(res: dict, cell: dict) -> list[str]:

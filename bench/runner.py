@@ -5,17 +5,7 @@
 3. for rep in reps: for case in prompts: for contender in a seeded random order: run, record a Trace
    (interleaving spreads machine noise over all modes alike; the shuffle removes order and neighbour bias)
 4. figures per (mode, category) and per mode over all prompts, against `plain-fp32` of the same run
-
-Figures: tok/s = new tokens / wall time of the call, prefill included; per case the median over
-reps, per category the arithmetic mean of case medians; speedup = geometric mean over cases of the
-median over reps of tok/s(mode) / tok/s(plain-fp32) *of the same rep* (interleaving pairs the two: a
-ratio of medians taken from different reps lets one slow rep of either side decide), cases where either
-made 0 tokens left out and named; decode speedup: the same over (tokens after the first round) /
-(time after it), i.e. with prefill left out; TTFT median; gaps between streamed tokens (a speculative round
-delivers several tokens at once, so gaps within it are 0) as p50/p99 of all gaps of all reps pooled;
-tau = tokens / target passes and acceptance at draft position i = kept / drafted at i, both pooled over
-runs, where the contender reports them; agreement = the index of the first token that differs from
-plain-fp32's greedy output (None = identical).
+More: docs/bench-notes.md, "Module notes: bench/runner.py".
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """`specrt bench-serve`: load on OpenAI-compatible servers over HTTP, as a client sees it.
 
-Two load shapes, streamed (SSE, `stream_options.include_usage`), greedy (temperature 0):
-  prompts    the bench prompt set (bench/prompts.py), one category after another, at each concurrency C as a
-             closed loop: C workers, each sends the next prompt when its previous answer has ended. Every
-             request asks for exactly --max-tokens (`ignore_eos`; `min_tokens` too with --min-tokens). Each
-             level's prompts start with "[C=<C>] ", so no level is answered from an earlier one's prefix cache.
-  multiturn  conversations of bench/multiturn.py: a ~320-token system prompt and 5 user turns, each turn
-             resending the whole history with the model's earlier answers (natural lengths: no ignore_eos, so
-             no text past an end of turn is fed back), one conversation after another. Each conversation's
-             system prompt starts with its own number, so turn 1 is a cold prefill and turns 2-5 may reuse the
-             server's cache (`usage.prompt_tokens_details.cached_tokens`).
-
-Per request (client clock, time.perf_counter): TTFT = until the first chunk whose `choices[0].delta.content`
-is not empty (where Pipecat and LiveKit stop theirs); ITL = every gap between two such chunks; end-to-end =
-until the stream ends ([DONE]); completion tokens = `usage.completion_tokens`, or where a server sends no usage
-(llama-cpp-python streams none) the number of content chunks (it streams one token per chunk; the record says
-which); TPOT = (end-to-end - TTFT) / (completion tokens - 1).
-
-Servers are driven one at a time, never two at once (they would share the cores): those given as URLs, and those
-this module launches itself on a free loopback port (`specrt serve` on an engine set, llama-cpp-python's server
-on the GGUF the set was built from), each stopped before the next starts. The in-process baseline runs the same
-single-stream prompts through `runtime.session.load(...).stream(...)` in this process, before any server starts.
-The servers it launches: bench/serve_procs.py; the client side: bench/serve_client.py.
+Two load shapes, streamed (SSE), greedy: the bench prompt set at each concurrency C as a closed loop, and
+multi-turn conversations that resend their whole history. Per request, on the client's clock: TTFT, the gaps
+between content chunks (ITL), end-to-end and TPOT. Servers are driven one at a time, never two at once: those
+given as URLs, and those launched here (bench/serve_procs.py); the client side: bench/serve_client.py.
+More: docs/bench-notes.md, "Module notes: bench/serve_load.py".
 """
 
 from __future__ import annotations

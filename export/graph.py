@@ -1,28 +1,10 @@
 """Write a Llama/Qwen2 decoder as a standard ONNX graph with a static KV cache.
 
-Contract of the graph (every engine built from it keeps these names; they and the shapes are defined
-in specrt/interface.py):
-
-  inputs   input_ids       [batch, seq]            int64
-           position_ids    [batch, seq]            int64   explicit, so a token tree can share positions
-           tree_mask       [batch, seq, seq]       float32 additive mask among the new tokens
-                                                            (0 = may attend, -inf = may not); zeros for a chain,
-                                                            causality is always applied on top
-           seqlens_k       [batch]                 int32   valid cache length after this pass, minus one
-           total_sequence_length []                int32   max over the batch of seqlens_k + 1
-           num_logits_to_keep    []                int64   logits only for the last n positions
-           past_key_values.{i}.key|value [batch, kv_heads, max_context, head_dim] float32
-  outputs  logits          [batch, n, vocab]
-           hidden_states   [batch, seq, hidden]    after the final norm (for Medusa/EAGLE heads)
-           present.{i}.key|value                    same shape as past; bind the same buffer
-
-The new tokens' K/V are written at positions [seqlens_k + 1 - seq, seqlens_k + 1), so rejecting a
-draft costs nothing: the next pass simply passes a smaller seqlens_k and overwrites.
-
-Attention is one ONNX local function, `specrt.CachedAttention`, whose signature is that of ONNX
-Runtime's com.microsoft.GroupQueryAttention with a shared past/present buffer. Its body uses only
-standard ops (what TensorRT's parser accepts); build/ swaps it for the fused backend kernel, which
-is what makes attention cost follow the real context length instead of max_context.
+Its inputs and outputs (names and shapes: specrt/interface.py) let a token tree share positions and a draft be
+rejected for free: the new tokens' K/V are written at [seqlens_k + 1 - seq, seqlens_k + 1), and the next pass
+passes a smaller seqlens_k and overwrites. Attention is one ONNX local function, `specrt.CachedAttention`, in
+standard ops; build/ swaps it for the fused backend kernel.
+More: docs/design-notes.md, "Module notes: export/graph.py".
 """
 
 from __future__ import annotations

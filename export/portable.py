@@ -2,21 +2,9 @@
 
 What TensorRT's ONNX parser and ONNX Runtime's CUDA graphs both need (docs/design-notes.md, "The portable
 graph"): no com.microsoft ops and no shape computed from a value, so a (pass width W, cache capacity C) pair
-is one static shape. Per layer:
-
-    RMSNorm -> MatMul (fused QKV) -> RotaryEmbedding (q|k) at explicit position_ids
-    -> TensorScatter k, v into the cache at write_indices (axis -2, in place: past and present share a buffer)
-    -> Attention(q, cache_k, cache_v, attention_mask [B, 1, W, C])   (4-D, grouped-query by the head counts)
-    -> MatMul -> residual -> RMSNormalization -> MatMul (gate|up) -> SiLU * up -> MatMul -> residual
-
-then the final norm (hidden_states), the rows `logits_indices` through the lm_head (logits, float32) and their
-argmax (greedy_tokens). The mask carries causality, the tree and which cache slots are valid, so attention is
-the same op for a prefill, a chain and a token tree. Interface: specrt/interface.py (PORTABLE_*).
-
-It is written from the initializers of the export's own graph (export/graph.py), so every weight has the fused
-layout and the RoPE tables that graph was checked against PyTorch with. fp32 writes RMSNorm as the standard-op
-pattern ONNX Runtime fuses with the residual Add; fp16 casts the weights, activations and cache to float16 and
-uses the RMSNormalization op with float32 statistics (stash_type), and casts the logits to float32.
+is one static shape. It is written from the initializers of the export's own graph (export/graph.py); the
+interface is specrt/interface.py's (PORTABLE_*).
+More: docs/design-notes.md, "Module notes: export/portable.py".
 """
 
 from __future__ import annotations

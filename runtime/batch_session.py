@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 from ..backends import BACKENDS
 from ..errors import SpecrtError
-from ..manifest import Manifest
 from .backends import backend
 from .batch import Scheduler, slot_engine
 from .load_k import LoadK, LoadPlanner
 from .engine import EngineOptions
 from .generate import Generator, Result, Stats, Stream
+from .plan import MAX_DRAFT_TOKENS, Plan
 from .prefix_cache import PrefixStore
 from .sampling import SamplingParams
-from .speculative import MAX_DRAFT_TOKENS, Opener, SpeculativeConfig, draft_entry, make_decoder
+from .speculative import Opener, decoder_of, draft_entry
 from .tokenizer import Message, TextCodec
 
 # Tokens of a chunk of a prefill while other streams decode: each of their tokens waits for at most one chunk;
@@ -110,32 +110,28 @@ class SlotPool:
 class BatchSession:
     """Session's interface (stream, generate, engine, manifest, precision, mode) over `parallel` slots."""
 
-    def __init__(self, manifest: Manifest, precision: str, mode: str, parallel: int,
-                 options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
-                 prefill_chunk: int | None = None):
+    def __init__(self, plan: Plan, parallel: int, prefill_chunk: int | None = None):
         if parallel < 1:
             raise SpecrtError(f"--parallel must be >= 1, got {parallel}")
         prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         check_prefill_chunk(prefill_chunk)
-        self.manifest, self.precision, self.mode, self.parallel = manifest, precision, mode, parallel
+        manifest = plan.manifest
+        self.plan, self.manifest, self.precision, self.mode, self.parallel = (plan, manifest, plan.precision,
+                                                                              plan.mode, parallel)
         self.scheduler = Scheduler()
         self.scheduler.prefill_chunk = prefill_chunk
         self._batches: dict[str, object] = {}
         self._heads = None
         self._suffix = None
-        entry = manifest.engine("target", precision)
-        self.batch = self.batch_of(entry, options)
+        self.batch = self.batch_of(plan.target, plan.options)
         codec = TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template, manifest.bos_token,
                           manifest.eos_token_ids)
         self.planner = LoadPlanner(self.scheduler, self.batch, 1 + MAX_DRAFT_TOKENS)
         self.slots: list[_Slot] = []
         for s in range(parallel):
-            gen = Generator(manifest, precision, options, engine=slot_engine(self.batch, s, self.scheduler),
-                            codec=codec)
+            gen = Generator(plan, engine=slot_engine(self.batch, s, self.scheduler), codec=codec)
             control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, p.buckets, p.pair_acceptance))
-            decoder = make_decoder(mode, manifest, precision, options=options, config=config,
-                                   opener=_SlotOpener(self, s), controller=control)
-            self.slots.append(_Slot(gen, decoder))
+            self.slots.append(_Slot(gen, decoder_of(plan, _SlotOpener(self, s), control)))
         self.pool = SlotPool(parallel, lambda s: self.slots[s].generator._held)
         self.prefix_store: PrefixStore | None = None
         # Each stream's loop runs in a thread of its own and hands its deltas over through a queue, so a caller that
@@ -261,9 +257,8 @@ def check_prefill_chunk(tokens: int) -> None:
         raise SpecrtError(f"--prefill-chunk must be >= 0 tokens (0 = each prompt in one pass), got {tokens}")
 
 
-def load_batch(manifest: Manifest, precision: str, mode: str, parallel: int, options: EngineOptions,
-               config: SpeculativeConfig, prefill_chunk: int | None = None) -> BatchSession:
-    """session.load's half for parallel > 1 (mode resolved already)."""
-    if mode == "draft":
-        draft_entry(manifest, precision)  # no draft engine: one line now
-    return BatchSession(manifest, precision, mode, parallel, options, config, prefill_chunk)
+def load_batch(plan: Plan, parallel: int, prefill_chunk: int | None = None) -> BatchSession:
+    """session.open_session's half for parallel > 1."""
+    if plan.mode == "draft":
+        draft_entry(plan.manifest, plan.precision)  # no draft engine: one line now
+    return BatchSession(plan, parallel, prefill_chunk)

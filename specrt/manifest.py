@@ -224,22 +224,7 @@ def load_manifest(root: Path) -> Manifest:
     for f in [tok_file] + [f for e in engines.values() for f in _files(e)]:
         if not (root / f).is_file():
             raise SpecrtError(f"engine set '{root}' is missing '{f}'; rebuild it with `specrt engines`")
-    for e in engines.values():
-        if e.role not in ROLES:
-            raise SpecrtError(f"engine '{e.name}' has unknown role '{e.role}'; expected one of {', '.join(ROLES)}")
-        if e.backend not in BACKENDS:
-            raise SpecrtError(f"engine '{e.name}' has unknown backend '{e.backend}'; "
-                              f"expected one of {', '.join(BACKENDS)}")
-        if e.backend not in RUNTIME_BACKENDS:
-            raise SpecrtError(f"engine '{e.name}' is a {e.backend} engine, which this specrt cannot run yet (only "
-                              f"{', '.join(RUNTIME_BACKENDS)}); {rebuild}")
-    for e in engines.values():  # a portable graph's cache type follows its precision (fp8/int8/int4-awq: fp16 base)
-        want = PORTABLE_DTYPES.get(e.precision)
-        have = next((v[-1] for k, v in (e.inputs or {}).items() if k.startswith(PAST_PREFIX) and v), None)
-        if _BACKENDS[e.backend].portable and e.role in ("target", "draft") and have and want and have != want:
-            raise SpecrtError(f"engine '{e.name}' keeps its KV cache in {have}, and this specrt's {e.precision} "
-                              f"engines keep it in {want} (the Q/DQ precisions now quantize over an fp16 "
-                              f"activation base); {rebuild}")
+    _check_entries(engines, rebuild)
     vocabs = {e.vocab_size for e in engines.values() if e.role in ("target", "draft")}
     if len(vocabs) > 1:
         raise SpecrtError(f"engine set '{root}' mixes vocabulary sizes {sorted(vocabs)}; target and draft "
@@ -271,6 +256,26 @@ def load_manifest(root: Path) -> Manifest:
                     tokenizer_sha256=tok_sha, chat_template=tok.get("chat_template"),
                     bos_token=tok.get("bos_token"), eos_token_ids=tuple(tok.get("eos_token_ids", [])),
                     engines=engines, raw=raw)
+
+
+def _check_entries(engines: dict[str, EngineEntry], rebuild: str) -> None:
+    """Each entry on its own: a known role, a backend this runtime runs, a portable graph's cache type."""
+    for e in engines.values():
+        if e.role not in ROLES:
+            raise SpecrtError(f"engine '{e.name}' has unknown role '{e.role}'; expected one of {', '.join(ROLES)}")
+        if e.backend not in BACKENDS:
+            raise SpecrtError(f"engine '{e.name}' has unknown backend '{e.backend}'; "
+                              f"expected one of {', '.join(BACKENDS)}")
+        if e.backend not in RUNTIME_BACKENDS:
+            raise SpecrtError(f"engine '{e.name}' is a {e.backend} engine, which this specrt cannot run yet (only "
+                              f"{', '.join(RUNTIME_BACKENDS)}); {rebuild}")
+    for e in engines.values():  # a portable graph's cache type follows its precision (fp8/int8/int4-awq: fp16 base)
+        want = PORTABLE_DTYPES.get(e.precision)
+        have = next((v[-1] for k, v in (e.inputs or {}).items() if k.startswith(PAST_PREFIX) and v), None)
+        if _BACKENDS[e.backend].portable and e.role in ("target", "draft") and have and want and have != want:
+            raise SpecrtError(f"engine '{e.name}' keeps its KV cache in {have}, and this specrt's {e.precision} "
+                              f"engines keep it in {want} (the Q/DQ precisions now quantize over an fp16 "
+                              f"activation base); {rebuild}")
 
 
 def _files(e: EngineEntry) -> list[str]:

@@ -59,11 +59,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def default_engines() -> Path:
-    """The embedded default (SmolLM2-135M) at fp32, built into the repo's engines/ (cached, idempotent)."""
+def default_engines(request, tmp_path_factory) -> Path:
+    """The embedded default (SmolLM2-135M) at fp32, built once into pytest's cache folder
+    (.pytest_cache/d/default-engines, never the repository's engines/) and found there by later sessions, as the
+    build is minutes and writing the set again re-runs its parity check; `pytest --cache-clear` drops it. With the
+    cache plugin off (-p no:cacheprovider) it builds under pytest's temporary folder."""
     from specrt.pipeline import EngineSetRequest, make_engine_set
 
-    return make_engine_set(EngineSetRequest("smollm2-135m", "smollm2-135m-test", ("fp32",), 2048, REPO / "engines"),
+    cache = getattr(request.config, "cache", None)
+    out = cache.mkdir("default-engines") if cache is not None else tmp_path_factory.mktemp("default-engines")
+    return make_engine_set(EngineSetRequest("smollm2-135m", "smollm2-135m-test", ("fp32",), 2048, out),
                            log=lambda m: None)
 
 

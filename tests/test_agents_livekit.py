@@ -37,7 +37,7 @@ from livekit.plugins import openai as lk_openai  # noqa: E402
 from pydantic import Field  # noqa: E402
 
 from specrt.runtime.session import load  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 
 BOOK_TABLE = {"type": "object",
               "properties": {"party": {"type": "integer", "minimum": 1, "maximum": 12},

@@ -49,7 +49,7 @@ from pipecat.services.openai.llm import OpenAILLMService  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 
 from specrt.runtime.session import load  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 
 BOOK_TABLE = {
     "type": "object",

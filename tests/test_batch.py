@@ -367,7 +367,7 @@ def test_the_server_with_parallel_streams_answers_each_as_alone_and_cancels_one(
     import httpx
     from helpers import loopback
 
-    from specrt.server import create_app
+    from specrt.server.app import create_app
 
     alone = load(tiny_engines, "fp32", "prompt-lookup")
     want = {p: alone.generate(p, max_new_tokens=40, sampling=GREEDY, ignore_eos=True).text for p in PROMPTS[:4]}
@@ -443,7 +443,7 @@ def test_parallel_on_a_backend_that_cannot_batch_is_one_line(tiny_engines, tmp_p
 
 def test_the_prefill_chunk_default_in_serve_help_is_the_runtime_default():
     from specrt.runtime.batch_session import PREFILL_CHUNK
-    from specrt.serve_command import PREFILL_CHUNK_HELP
+    from specrt.cli.serve import PREFILL_CHUNK_HELP
 
     assert PREFILL_CHUNK_HELP.endswith(f"Default {PREFILL_CHUNK}.")
 

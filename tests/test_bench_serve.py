@@ -22,7 +22,7 @@ from specrt.bench import serve_load as sl  # noqa: E402
 from specrt.bench.serve_report import markdown, summarize, tpot_s, write  # noqa: E402
 from specrt.errors import SpecrtError  # noqa: E402
 from specrt.runtime.session import load  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live servers and load runs: left out of the quick tier
 

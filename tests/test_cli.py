@@ -353,7 +353,7 @@ def test_disk_full_during_a_build_is_one_line_and_leaves_no_partial_engine(tiny_
         "    open(str(dst) + '.data', 'wb').write(b'x' * 100)  # what a full disk leaves behind\n"
         "    raise OSError(errno.ENOSPC, 'No space left on device', str(dst) + '.data')\n"
         "ort.build_ort_engine = full\n"
-        "from specrt.cli import main\n"
+        "from specrt.cli.main import main\n"
         f"sys.argv = ['specrt', 'engines', '--source', {str(tiny_dir)!r}, '--precisions', 'fp32', "
         f"'--max-context', '256', '--out', {str(out)!r}]\n"
         "main()\n")

@@ -1,5 +1,6 @@
-"""The CLI's plumbing (specrt/commands.py): every user mistake is one `error:` line and exit 2, from the command
-class alone; the command modules import without specrt.cli; a command loads its manifest and resolves 'auto' once."""
+"""The CLI's plumbing (specrt/cli/commands.py): every user mistake is one `error:` line and exit 2, from the command
+class alone; the command modules import without specrt.cli.main; a command makes its plan (the manifest loaded,
+the target looked up, 'auto' resolved: runtime/plan.py) once."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specrt.commands import Command, Group
+from specrt.cli.commands import Command, Group
 from specrt.errors import SpecrtError
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
-COMMAND_MODULES = ("specrt.cli", "specrt.serve_command", "specrt.ray_serve", "specrt.bench.command",
-                   "specrt.generate_command", "specrt.train_command")
+COMMAND_MODULES = ("specrt.cli.main", "specrt.cli.serve", "specrt.server.ray_serve", "specrt.bench.command",
+                   "specrt.cli.generate", "specrt.cli.train")
 
 
 def one_error_line(r, *words):
@@ -32,7 +33,7 @@ def one_error_line(r, *words):
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)
 def test_each_command_module_imports_first_and_without_the_cli(module):
-    code = f"import sys, {module}\nassert {module!r} == 'specrt.cli' or 'specrt.cli' not in sys.modules\n"
+    code = f"import sys, {module}\nassert {module!r} == 'specrt.cli.main' or 'specrt.cli.main' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
 
 
@@ -42,10 +43,10 @@ import sys
 import typer
 from typer.testing import CliRunner
 from specrt.bench.command import bench, bench_serve
-from specrt.commands import Command, Group
-from specrt.generate_command import generate
-from specrt.ray_serve import serve_ray
-from specrt.serve_command import serve
+from specrt.cli.commands import Command, Group
+from specrt.cli.generate import generate
+from specrt.server.ray_serve import serve_ray
+from specrt.cli.serve import serve
 
 app = typer.Typer(cls=Group)
 for fn in (bench, bench_serve, generate, serve, serve_ray):
@@ -56,7 +57,7 @@ for args, says in ((["generate"], "exactly one of --prompt"), (["serve", "--port
                    (["bench_serve", "--health-timeout", "0"], "--health-timeout must be > 0")):
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2 and r.output.startswith("error: ") and says in r.output, (args, r.output)
-assert "specrt.cli" not in sys.modules
+assert "specrt.cli.main" not in sys.modules
 """
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
 
@@ -128,45 +129,55 @@ def test_specrt_flags_checked_by_typer():
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Every reference to load_manifest and resolve_mode in specrt's modules, counted (calls; 'auto' resolved)."""
+    """What a command decides about its engine set, counted: manifests loaded (every reference to load_manifest in
+    specrt's modules), --speculate names resolved (any name, 'auto' or not) and lookups of the target's entry."""
     import specrt.bench.command  # noqa: F401
-    import specrt.cli  # noqa: F401
+    import specrt.cli.main  # noqa: F401
     import specrt.manifest
     import specrt.runtime.batch_session  # noqa: F401
+    import specrt.runtime.plan
     import specrt.runtime.session  # noqa: F401
-    import specrt.runtime.speculative
 
-    calls = {"manifest": 0, "auto": 0}
-    load0, resolve0 = specrt.manifest.load_manifest, specrt.runtime.speculative.resolve_mode
+    calls = {"manifest": 0, "resolve": 0, "target": 0}
+    load0, resolve0 = specrt.manifest.load_manifest, specrt.runtime.plan.resolve_mode
+    engine0 = specrt.manifest.Manifest.engine
 
     def load(root):
         calls["manifest"] += 1
         return load0(root)
 
     def resolve(mode, *args, **kwargs):
-        calls["auto"] += mode == "auto"
+        calls["resolve"] += 1
         return resolve0(mode, *args, **kwargs)
+
+    def engine(self, role, precision=None):
+        calls["target"] += role == "target"
+        return engine0(self, role, precision)
 
     for mod in [m for name, m in sys.modules.items() if name.startswith("specrt")]:
         if vars(mod).get("load_manifest") is load0:
             monkeypatch.setattr(mod, "load_manifest", load)
         if vars(mod).get("resolve_mode") is resolve0:
             monkeypatch.setattr(mod, "resolve_mode", resolve)
+    monkeypatch.setattr(specrt.manifest.Manifest, "engine", engine)
     return calls
 
 
+ONCE = {"manifest": 1, "resolve": 1, "target": 1}  # the plan, made once (runtime/plan.py)
+
+
 @pytest.mark.parametrize("extra", [[], ["--compare-plain"]])
-def test_generate_loads_the_manifest_once_and_resolves_auto_once(tiny_engines, counted, extra):
+def test_generate_makes_its_plan_once(tiny_engines, counted, extra):
     from specrt.cli import app
 
     r = CliRunner().invoke(app, ["generate", "--engines", str(tiny_engines), "--prompt", "one two one two",
                                  "--max-new-tokens", "3", "--json", "--threads", "1", *extra])
     assert r.exit_code == 0, r.output
-    assert counted == {"manifest": 1, "auto": 1}
+    assert counted == ONCE
 
 
-@pytest.mark.parametrize("extra", [[], ["--parallel", "2"]])
-def test_serve_startup_loads_the_manifest_once_and_resolves_auto_once(tiny_engines, counted, monkeypatch, extra):
+@pytest.mark.parametrize("extra", [[], ["--parallel", "2"], ["--speculate", "prompt-lookup", "--parallel", "3"]])
+def test_serve_startup_makes_its_plan_once(tiny_engines, counted, monkeypatch, extra):
     pytest.importorskip("fastapi")
     uvicorn = pytest.importorskip("uvicorn")
     from fastapi.testclient import TestClient
@@ -187,4 +198,4 @@ def test_serve_startup_loads_the_manifest_once_and_resolves_auto_once(tiny_engin
     r = CliRunner().invoke(app, ["serve", "--engines", str(tiny_engines), "--threads", "1", *extra])
     assert r.exit_code == 0, r.output
     assert ready["mode"] == "prompt-lookup"  # auto on a set without a draft model or heads
-    assert counted == {"manifest": 1, "auto": 1}
+    assert counted == ONCE

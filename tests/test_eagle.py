@@ -58,7 +58,7 @@ def test_the_training_time_test_loss_is_the_loss_of_the_chains_drafted_one_by_on
     its own step-1 prediction and the true token after it; recomputed here from the causal pass over each item's
     drafted sequence [real inputs 0..m, (prediction, x_{m+2})], which is what the runtime's head computes."""
     from specrt.export.eagle import EagleTrainConfig
-    from specrt.export.eagle_train import chain_loss
+    from specrt.export.train.eagle import chain_loss
 
     torch.manual_seed(2)
     head = make_head(SHAPE, fuse=fuse).eval()

@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from specrt.runtime.session import load  # noqa: E402
 from specrt.runtime.tokenizer import Message, TextCodec, ToolCall  # noqa: E402
-from specrt.server import create_app  # noqa: E402
-from specrt.tool_calls import grammar  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
+from specrt.server.tool_calls import grammar  # noqa: E402
 from test_server import sse  # noqa: E402
 from test_server_tools import ASK, BOOK, HOURS  # noqa: E402
 
@@ -172,7 +172,7 @@ def test_a_tool_round_is_answered_and_a_history_the_template_cannot_render_is_a_
 
 def test_tool_format_overrides_the_detected_one(tiny_engines):
     from specrt.runtime.tool_formats import by_name
-    from specrt.serve_command import with_tool_format
+    from specrt.cli.serve import with_tool_format
 
     session = with_tool_format(load(tiny_engines, "fp32", "off"), "llama3-json")
     assert session.codec.tool_format is by_name("llama3-json")

@@ -267,7 +267,7 @@ def test_tags_that_are_tokens_of_their_own_are_written_as_tokens(tiny_engines, t
     from tokenizers import AddedToken, Tokenizer
 
     from specrt.runtime.grammar import GrammarTokenizer
-    from specrt.tool_calls import grammar, split
+    from specrt.server.tool_calls import grammar, split
 
     tok = Tokenizer.from_file(str(tiny_engines / "tokenizer.json"))
     tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
@@ -316,7 +316,7 @@ def test_every_proposer_under_every_tool_formats_grammar_equals_plain(sessions, 
     """Greedy speculative output equals plain output under each format's tool-call grammar (forced calls, and
     auto's text-or-calls), and a forced reply is a call in that format."""
     from specrt.runtime.tool_formats import by_name
-    from specrt.tool_calls import grammar, split
+    from specrt.server.tool_calls import grammar, split
 
     f, tools = by_name(fmt), [{"name": "report", "parameters": SCHEMA}]
     spec, plain = sessions(mode), sessions("off")

@@ -45,7 +45,7 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
 # The runtime core sees engines only through runtime/engine.py's contract and registry (docs/architecture.md,
 # "The runtime core sees engines through one contract").
 CORE = ["speculative.py", "verify.py", "generate.py", "sampling.py", "control.py", "tree.py", "session.py",
-        "tokenizer.py", "engine.py", "proposers"]
+        "plan.py", "tokenizer.py", "engine.py", "proposers"]
 
 
 def _backend_imports(path: Path) -> set[str]:

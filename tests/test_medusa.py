@@ -16,8 +16,8 @@ def tiny_heads(tiny_dir, tmp_path_factory):
     """Self-distillation data from the tiny Llama, heads trained in two bounded runs (the second resumes)."""
     import torch
 
-    from specrt.export.medusa import TrainConfig, train_heads
-    from specrt.export.medusa_data import DataConfig, build_dataset
+    from specrt.export.train.medusa import TrainConfig, train_heads
+    from specrt.export.train.medusa_data import DataConfig, build_dataset
     from specrt.export.sources import load, resolve
 
     torch.set_num_threads(1)
@@ -378,7 +378,7 @@ def test_ctrl_c_keeps_the_steps_trained_so_far(tiny_heads, tmp_path):
     training), and the next run resumes from it."""
     import torch
 
-    from specrt.export.medusa import TrainConfig, train_heads
+    from specrt.export.train.medusa import TrainConfig, train_heads
 
     cfg = TrainConfig(vocab=256, batch=32, lr=3e-3, max_epochs=6, budget_s=120.0, ranks=4)
 

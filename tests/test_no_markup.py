@@ -15,7 +15,7 @@ pytest.importorskip("llguidance")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from specrt.runtime.session import load  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 from test_server import sse  # noqa: E402
 from test_server_tools import ASK, BOOK, HOURS  # noqa: E402
 

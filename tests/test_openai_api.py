@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from specrt.openai_api import ApiError, parse  # noqa: E402
+from specrt.server.openai_api import ApiError, parse  # noqa: E402
 
 ASK = [{"role": "user", "content": "Hi"}]
 CALL = {"id": "c", "function": {"name": "f", "arguments": "[1]"}}

@@ -19,8 +19,8 @@ import pytest
 from helpers import assert_user_error
 
 from specrt.errors import SpecrtError
-from specrt.ray_serve import INSTALL_HINT, REPLICA_HEADER, Placement, SpecrtEngine, plan, rendezvous
-from specrt.scopes import PROMPT_PREFIX_CHARS, conversation_key
+from specrt.server.ray_serve import INSTALL_HINT, REPLICA_HEADER, Placement, SpecrtEngine, plan, rendezvous
+from specrt.server.scopes import PROMPT_PREFIX_CHARS, conversation_key
 
 pytestmark = pytest.mark.slow  # Ray Serve clusters in subprocesses: left out of the quick tier
 
@@ -122,7 +122,7 @@ def cluster(tiny_engines):
     httpx = pytest.importorskip("httpx")
     from ray import cloudpickle
 
-    from specrt.ray_serve import APP_NAME, EngineSpec, build_app
+    from specrt.server.ray_serve import APP_NAME, EngineSpec, build_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

@@ -13,11 +13,11 @@ pytest.importorskip("llguidance")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from specrt.replies import Reply, reasoning_tokens  # noqa: E402
+from specrt.server.replies import Reply, reasoning_tokens  # noqa: E402
 from specrt.runtime.session import load  # noqa: E402
 from specrt.runtime.tokenizer import Message  # noqa: E402
 from specrt.runtime.tool_formats import ThinkFormat  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 from test_no_markup import _reply  # noqa: E402
 from test_server_tools import ASK, BOOK, HOURS  # noqa: E402
 

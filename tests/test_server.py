@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from specrt.runtime.sampling import SamplingParams  # noqa: E402
 from specrt.runtime.session import load  # noqa: E402
 from specrt.runtime.tokenizer import Message  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 
 PROMPT, N = "Tell me a story about a robot.", 24
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from specrt.runtime.session import load  # noqa: E402
 from specrt.runtime.tokenizer import Message, ToolCall  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from specrt.server.app import create_app  # noqa: E402
 from test_server import sse  # noqa: E402
 
 BOOK = {"type": "function", "function": {
@@ -205,7 +205,7 @@ def test_what_cannot_be_honoured_is_refused_in_one_line_and_the_server_keeps_ser
 
 
 def test_developer_is_the_system_turn(session):
-    from specrt.openai_api import parse
+    from specrt.server.openai_api import parse
 
     req = parse({"messages": [{"role": "developer", "content": "Be brief."}, ASK[0]]}, True, 256)
     assert req.prompt[0] == Message("system", "Be brief.")
@@ -216,8 +216,8 @@ def test_developer_is_the_system_turn(session):
 def test_a_request_without_max_tokens_gets_the_servers_default(session):
     import inspect
 
-    from specrt.serve_command import serve
-    from specrt.server import DEFAULT_MAX_TOKENS
+    from specrt.cli.serve import serve
+    from specrt.server.app import DEFAULT_MAX_TOKENS
 
     assert inspect.signature(serve).parameters["default_max_tokens"].default.default == DEFAULT_MAX_TOKENS
     with TestClient(create_app(session, default_max_tokens=6), raise_server_exceptions=False) as c:
@@ -272,7 +272,7 @@ def test_the_openai_client_reads_the_tool_calls(session):
 
 
 def test_tool_choice_none_leaves_the_tools_out_of_the_prompt():
-    from specrt.openai_api import parse
+    from specrt.server.openai_api import parse
 
     tools = [BOOK]
     shown = parse({"messages": ASK, "tools": tools}, True, 2048)

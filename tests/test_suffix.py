@@ -228,14 +228,14 @@ def test_the_streams_of_a_batch_share_one_store_and_stay_exact(tiny_engines, gen
 def test_the_servers_suffix_flags_default_to_the_configs():
     import inspect
 
-    from specrt.serve_command import serve
+    from specrt.cli.serve import serve
 
     params = inspect.signature(serve).parameters
     cfg = SpeculativeConfig()
     assert params["suffix_threshold"].default.default == cfg.suffix_threshold
     assert params["suffix_factor"].default.default == cfg.suffix_factor
     assert params["suffix_cache"].default.default == cfg.suffix_cache_mib
-    from specrt.ray_serve import EngineSpec, serve_ray
+    from specrt.server.ray_serve import EngineSpec, serve_ray
 
     ray_params = inspect.signature(serve_ray).parameters
     assert EngineSpec("x").suffix == tuple(ray_params[f"suffix_{k}"].default.default
@@ -250,7 +250,7 @@ def test_the_server_keeps_a_store_per_scope_and_answers_stay_exact(tiny_engines,
     from fastapi.testclient import TestClient
 
     from specrt.runtime.session import load
-    from specrt.server import create_app
+    from specrt.server.app import create_app
 
     session = load(tiny_engines, "fp32", "suffix")
     turns = [("alice", [{"role": "user", "content": PROMPTS[0]}]),

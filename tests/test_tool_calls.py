@@ -1,4 +1,4 @@
-"""The tool-call parser (specrt/tool_calls.py) in every format of runtime/tool_formats.py: content around calls,
+"""The tool-call parser (specrt/server/tool_calls.py) in every format of runtime/tool_formats.py: content around calls,
 each call whole once its markup ends, whatever the deltas, and never any markup in content (a call cut by the
 budget, a held prefix of a marker, markup that does not parse)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from specrt.runtime.tokenizer import ToolCall
 from specrt.runtime.tool_formats import FORMATS, NAMES, by_name, detect
-from specrt.tool_calls import CallParser, split
+from specrt.server.tool_calls import CallParser, split
 
 ARGS = '{"party": 4, "note": "a } inside, and </tool_ [x]", "time": "19:30"}'
 CALLS = [ToolCall("a", "book_table", ARGS), ToolCall("b", "ping", "{}")]

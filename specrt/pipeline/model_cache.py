@@ -12,7 +12,7 @@ from pathlib import Path
 from ..backends import BACKENDS
 from ..cache_dir import cache_root
 from ..errors import SpecrtError
-from ..model_flags import DEFAULT_CONTEXT
+from ..cli.model_flags import DEFAULT_CONTEXT
 from .orchestrate import (EngineSetRequest, _say, check_request, default_eagle, default_heads, heads_file,
                           make_engine_set)
 

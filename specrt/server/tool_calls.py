@@ -12,10 +12,10 @@ import json
 import logging
 from dataclasses import dataclass
 
-from .runtime.generate import stop_prefix
-from .runtime.grammar import JSON_OPTIONS
-from .runtime.tokenizer import ToolCall
-from .runtime.tool_formats import FORMATS, ThinkFormat, ToolFormat
+from ..runtime.generate import stop_prefix
+from ..runtime.grammar import JSON_OPTIONS
+from ..runtime.tokenizer import ToolCall
+from ..runtime.tool_formats import FORMATS, ThinkFormat, ToolFormat
 
 log = logging.getLogger("specrt.server")
 HERMES = FORMATS[-1]

@@ -10,10 +10,10 @@ from typing import Optional
 import typer
 
 from . import model_flags as mf
-from .errors import SpecrtError
-from .runtime.methods import modes_help
-from .runtime.tool_formats import NAMES as TOOL_FORMATS
-from .scopes import SUFFIX_SCOPES
+from ..errors import SpecrtError
+from ..runtime.methods import modes_help
+from ..runtime.tool_formats import NAMES as TOOL_FORMATS
+from ..server.scopes import SUFFIX_SCOPES
 
 SuffixScope = Enum("SuffixScope", {s: s for s in SUFFIX_SCOPES}, type=str)  # --suffix-scope's choices, for typer
 ToolFormatName = Enum("ToolFormatName", {s: s for s in ("auto", *TOOL_FORMATS)}, type=str)
@@ -41,7 +41,7 @@ def check_serve_flags(port: int, max_queue: int, parallel: int, cache_ram: int, 
     if default_max_tokens < 0:
         raise SpecrtError(f"--default-max-tokens must be >= 0 (0 = the rest of the context), got {default_max_tokens}")
     if prefill_chunk is not None:
-        from .runtime.batch_session import check_prefill_chunk
+        from ..runtime.batch_session import check_prefill_chunk
 
         check_prefill_chunk(prefill_chunk)
 
@@ -119,33 +119,31 @@ def serve(
     except ImportError as e:
         raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing); "
                           "pip install 'specrt[serve]'") from None
-    from .manifest import load_manifest
-    from .runtime.engine import EngineOptions
-    from .runtime.session import load
-    from .runtime.speculative import SpeculativeConfig, resolve_mode
+    from ..runtime.engine import EngineOptions
+    from ..runtime.plan import SpeculativeConfig, make_plan
+    from ..runtime.session import open_session
 
     config = SpeculativeConfig(draft_tokens=draft_tokens, suffix_cache_mib=suffix_cache,
                                suffix_threshold=suffix_threshold, suffix_factor=suffix_factor)
     config.check()  # before a --model build
     engines_dir, served = mf.chosen_engines(engines_dir, model, precision, backend, max_context, medusa_heads,
                                             eagle_head)
-    manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before listening
-    target = manifest.engine("target", precision)
+    # a wrong folder, precision or mode: one line now, before listening; the session runs this plan (runtime/plan.py)
+    plan = make_plan(engines_dir, precision, speculate, EngineOptions(threads=threads), config)
     if parallel is None:
-        from .backends import BACKENDS
+        from ..backends import BACKENDS
 
-        parallel = DEFAULT_PARALLEL if BACKENDS[target.backend].batch else 1
-    mode = resolve_mode(speculate, manifest, precision)  # the session gets both: neither is loaded or resolved again
-    run_server(lambda: with_tool_format(load(manifest, precision, mode, EngineOptions(threads=threads), config=config,
-                                             parallel=parallel, prefill_chunk=prefill_chunk), tool_format.value),
-               served or manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
+        parallel = DEFAULT_PARALLEL if BACKENDS[plan.target.backend].batch else 1
+    run_server(lambda: with_tool_format(open_session(plan, parallel=parallel, prefill_chunk=prefill_chunk),
+                                        tool_format.value),
+               served or plan.manifest.name, host, port, api_key, max_queue, cache_ram, default_max_tokens or None,
                suffix_scope.value, reasoning.value)
 
 
 def with_tool_format(session, name: str):
     """The session, its replies read and its prompts written in the format `name` ("auto": the detected one)."""
     if name != "auto":
-        from .runtime.tool_formats import by_name
+        from ..runtime.tool_formats import by_name
 
         session.codec.use_format(by_name(name))
     return session
@@ -159,8 +157,8 @@ def run_server(loader, model: str, host: str, port: int, api_key: str | None, ma
 
     import uvicorn
 
-    from .errors import first_line
-    from .server import create_app, log
+    from ..errors import first_line
+    from ..server.app import create_app, log
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     app = create_app(loader=loader, model=model, api_key=api_key, max_queue=max_queue, cache_ram_mib=cache_ram_mib,

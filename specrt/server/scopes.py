@@ -1,5 +1,5 @@
-"""Request keys: the conversation a request belongs to (Ray Serve's routing, specrt/ray_serve.py) and the scope of
-what a server keeps across requests for suffix decoding (`--suffix-scope`).
+"""Request keys: the conversation a request belongs to (Ray Serve's routing, specrt/server/ray_serve.py) and the
+scope of what a server keeps across requests for suffix decoding (`--suffix-scope`).
 
 The conversation key is a hash of the request's leading messages, the system prompt(s) up to and including the
 first user message, for /v1/chat/completions; the first PROMPT_PREFIX_CHARS characters of the prompt for

@@ -1,5 +1,5 @@
 """Ray Serve's request router for the engine replicas of `specrt serve-ray`: a request goes to the replica its
-conversation key maps to (rendezvous hashing over the live replicas, specrt.ray_serve.rendezvous), so a follow-up
+conversation key maps to (rendezvous hashing over the live replicas, specrt.server.ray_serve.rendezvous), so a follow-up
 turn reaches the replica holding its prefix in the KV cache. Imports Ray: loaded only by Ray Serve (by the import
 path in the engine deployment's RequestRouterConfig), never by `specrt` itself."""
 

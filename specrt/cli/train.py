@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 
 
 def train_medusa(
@@ -34,10 +34,10 @@ def train_medusa(
 
     import torch
 
-    from .export.medusa import TrainConfig, train_heads
-    from .export.medusa_data import build_dataset, default_parts
-    from .export.sources import load, resolve
-    from .pipeline import source_name
+    from ..export.train.medusa import TrainConfig, train_heads
+    from ..export.train.medusa_data import build_dataset, default_parts
+    from ..export.sources import load, resolve
+    from ..pipeline import source_name
 
     n_parts = len(default_parts())
     if not 1 <= parts <= n_parts:
@@ -87,12 +87,12 @@ def train_eagle(
 
     import torch
 
-    from .corpora import BENCH_PROMPTS
-    from .export.eagle import EagleTrainConfig, HeadShape
-    from .export.eagle_train import train
-    from .export.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
-    from .export.sources import fingerprint, load, resolve
-    from .pipeline import source_name
+    from ..corpora import BENCH_PROMPTS
+    from ..export.eagle import EagleTrainConfig, HeadShape
+    from ..export.train.eagle import train
+    from ..export.train.eagle_data import EagleDataConfig, build_eval_set, build_train_set, load_set
+    from ..export.sources import fingerprint, load, resolve
+    from ..pipeline import source_name
 
     for flag, v in (("--epochs", epochs), ("--threads", threads), ("--max-new-tokens", max_new_tokens),
                     ("--budget-minutes", budget_minutes), ("--lr", lr)):

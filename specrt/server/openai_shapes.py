@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from .runtime.generate import Stats
-from .runtime.tokenizer import ToolCall
+from ..runtime.generate import Stats
+from ..runtime.tokenizer import ToolCall
 
 # Stats.finish_reason -> OpenAI's finish_reason ("cancelled" only reaches a client that is gone)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}

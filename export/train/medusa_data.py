@@ -7,12 +7,8 @@ chat prompts made from Python stdlib docstrings, and stdlib source code as raw t
          than our single-stream engine, and the data only has to be the target's choices, not
          bit-identical to the engine's; docs/design-notes.md, "Medusa training data generation").
   code:  teacher-forced source text; the label is the target's own argmax at each position.
-
-Either way y[t] = the token the target emits after position t, so the label of head k (k = 1..K,
-head k guesses k tokens past the next one) at position t is y[t + k]. The dataset is flat:
-  hidden [N, H] float16  final-norm hidden state (what the heads read at run time)
-  labels [N, K] int32    y[t + k] or -1 (prompt position, or past the end of the sequence)
-  heldout [N] bool       MT-bench questions with id % 5 == 0, every 10th doc prompt / code chunk
+The dataset's layout:
+More: docs/design-notes.md, "Module notes: export/train/medusa_data.py".
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpora import DOC_TEMPLATES, code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
+from ...corpora import DOC_TEMPLATES, code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,7 @@ def build_dataset(src, cache: Path, cfg: DataConfig = DataConfig(), log=print) -
     """Generate (or reuse) the dataset at cache/data-<key>.npz; returns its path."""
     import torch
 
-    from .sources import fingerprint, load
+    from ..sources import fingerprint, load
 
     key = hashlib.sha256(json.dumps([fingerprint(src), asdict(cfg)]).encode()).hexdigest()[:16]
     path = cache / f"data-{key}.npz"

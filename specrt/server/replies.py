@@ -4,11 +4,11 @@ format (tool_calls.py), and the text left, which alone is content (docs/formats.
 
 from __future__ import annotations
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 from .openai_api import ApiError, GenRequest
-from .runtime.generate import stop_prefix
-from .runtime.tokenizer import Detokenizer
-from .runtime.tool_formats import ThinkFormat, ToolFormat
+from ..runtime.generate import stop_prefix
+from ..runtime.tokenizer import Detokenizer
+from ..runtime.tool_formats import ThinkFormat, ToolFormat
 from .tool_calls import CallParser, Event, grammar, text_grammar
 
 # the chat template's variables the server sets itself (TextCodec.render_chat)

@@ -1,6 +1,6 @@
 """The command plumbing of the `specrt` CLI: typer's command and group classes, in which a user mistake becomes one
 line, `error: <message>`, and exit code 2, never a traceback or a boxed usage screen. The commands themselves are
-plain functions (specrt/cli.py registers them with Command); this module imports none of them."""
+plain functions (specrt/cli/main.py registers them with Command); this module imports none of them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from enum import Enum
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 
 try:  # newer typer carries its own copy of click
     from typer._click import exceptions as _click_errors

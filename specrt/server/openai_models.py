@@ -199,7 +199,7 @@ class _Chat(Model):
     parallel_tool_calls: bool = True
     response_format: PlainFormat | SchemaFormat | None = Field(None, discriminator="type")
     max_completion_tokens: Annotated[int | None, AfterValidator(_tokens)] = None
-    chat_template_kwargs: dict | None = None  # each key checked against the template's variables (server.py)
+    chat_template_kwargs: dict | None = None  # each key checked against the template's variables (app.py)
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -1,25 +1,7 @@
-"""`specrt serve-ray`: the server's app (specrt.server.create_app) on Ray Serve, one engine per replica, with
+"""`specrt serve-ray`: the server's app (specrt.server.app.create_app) on Ray Serve, one engine per replica, with
 requests routed by conversation. Ray is an optional extra (`pip install 'specrt[ray]'`): this module imports
 without it (only typer at import time); Ray loads inside the command and on the replicas.
-
-    client --HTTP--> Serve proxy --> SpecrtIngress (1 replica, no CPU reserved)
-                                       | reads the body, computes the conversation key
-                                       v  DeploymentHandle, streamed; request router: ConversationRouter
-                                     SpecrtEngine x N (each: one Session and the server's FastAPI app, in-process)
-
-1. The conversation key (specrt.scopes.conversation_key): a hash of the request's leading messages, or the
-   client's own `X-Specrt-Conversation` header; every turn of a conversation has the same key.
-2. The engine deployment's request router (specrt.ray_router.ConversationRouter) sends a key to one replica by
-   rendezvous hashing over the live replicas (rendezvous): the same replica for as long as it lives, and when it
-   dies only its keys move, each to one live replica again. Every ingress replica computes the same choice, with
-   no shared state.
-3. An engine replica runs the request through the server's app in-process (ASGI) and streams its response back:
-   a first item with the status and headers (plus `x-specrt-replica`, which replica answered), then the body's
-   chunks. A replica that dies mid-stream ends its open streams for their clients: an SSE stream gets an error
-   event and `data: [DONE]`, any other body stops; a request whose replica died before answering is retried on
-   a live one. Serve starts a replacement replica, which takes keys once it has loaded its engines.
-4. Resources: --gpus-per-replica G reserves G GPUs per replica (num_gpus); else --cores-per-replica N reserves N
-   CPUs (num_cpus) and runs the engine on N threads; by default the cluster's CPUs are shared evenly.
+More: docs/server.md, "Module notes: specrt/server/ray_serve.py".
 """
 
 from __future__ import annotations
@@ -33,9 +15,9 @@ from typing import Optional
 
 import typer
 
-from .errors import SpecrtError, first_line
+from ..errors import SpecrtError, first_line
 from .scopes import CONVERSATION_HEADER, conversation_key
-from .serve_command import (DEFAULT_MAX_TOKENS_HELP, REASONING_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP,
+from ..cli.serve import (DEFAULT_MAX_TOKENS_HELP, REASONING_HELP, SUFFIX_CACHE_HELP, SUFFIX_SCOPE_HELP,
                             TOOL_FORMAT_HELP, Reasoning, SuffixScope, ToolFormatName)
 
 log = logging.getLogger("specrt.ray_serve")
@@ -46,7 +28,7 @@ INGRESS_DEPLOYMENT = "SpecrtIngress"
 REPLICA_HEADER = "x-specrt-replica"            # which engine replica answered (its Serve replica id)
 CONVERSATION_KWARG = "conversation"            # the engine call's keyword the router reads
 INSTALL_HINT = "specrt serve-ray needs Ray Serve: pip install 'specrt[ray]'"
-ROUTER_CLASS = "specrt.ray_router:ConversationRouter"
+ROUTER_CLASS = "specrt.server.ray_router:ConversationRouter"
 START_RETRIES = 2                              # a request whose replica died before it answered: tries elsewhere
 
 
@@ -140,19 +122,17 @@ class SpecrtEngine:
     def __init__(self, spec: EngineSpec):
         from ray import serve
 
-        from .manifest import load_manifest
-        from .runtime.engine import EngineOptions
-        from .runtime.session import load
-        from .runtime.speculative import SpeculativeConfig
-        from .serve_command import with_tool_format
-        from .server import create_app
+        from ..runtime.engine import EngineOptions
+        from ..runtime.plan import SpeculativeConfig
+        from ..runtime.session import load
+        from ..cli.serve import with_tool_format
+        from .app import create_app
 
-        manifest = load_manifest(Path(spec.engines))
         mib, threshold, factor = spec.suffix
         config = SpeculativeConfig(suffix_cache_mib=mib, suffix_threshold=threshold, suffix_factor=factor)
-        session = load(manifest, spec.precision, spec.speculate, EngineOptions(threads=spec.threads), config=config,
-                       parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
-        self.app = create_app(with_tool_format(session, spec.tool_format), manifest.name, spec.api_key,
+        session = load(Path(spec.engines), spec.precision, spec.speculate, EngineOptions(threads=spec.threads),
+                       config=config, parallel=spec.parallel, prefill_chunk=spec.prefill_chunk)
+        self.app = create_app(with_tool_format(session, spec.tool_format), session.manifest.name, spec.api_key,
                               spec.max_queue, cache_ram_mib=spec.cache_ram_mib,
                               default_max_tokens=spec.default_max_tokens, suffix_scope=spec.suffix_scope,
                               reasoning=spec.reasoning)
@@ -290,69 +270,63 @@ def build_app(spec: EngineSpec, placement: Placement, ingress_cpus: float = 0, e
     return ingress.bind(engine.bind(spec))
 
 
+SERVE_RAY_HELP = {
+    "--replicas": "Engine replicas (default: one per --gpus-per-replica GPUs, or per --cores-per-replica cores, of "
+                  "the Ray cluster; with neither, 1).",
+    "--cores-per-replica": "CPUs Ray reserves per replica, and the engine's threads (0 = the cluster's CPUs shared "
+                           "evenly).",
+    "--gpus-per-replica": "GPUs Ray reserves per replica (num_gpus; fractions share one).",
+    "--api-key": "Require 'Authorization: Bearer KEY' on /v1 routes.",
+    "--max-queue": "Per replica: requests that may wait or run at once.",
+    "--parallel": "Per replica: streams decoded at once (as for `specrt serve`).",
+    "--cache-ram": "Per replica: host memory for other conversations' KV caches.",
+    "--address": "A running Ray cluster to join ('auto' or host:port; default: start a local Ray instance).",
+}
+
+
 def serve_ray(
     engines_dir: Path = typer.Option(Path("engines/smollm2-135m"), "--engines", "-e", help="Engine set folder."),
-    replicas: Optional[int] = typer.Option(None, "--replicas", "-n",
-                                           help="Engine replicas (default: one per --gpus-per-replica GPUs, or per "
-                                                "--cores-per-replica cores, of the Ray cluster; with neither, 1)."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", "-n", help=SERVE_RAY_HELP["--replicas"]),
     cores_per_replica: int = typer.Option(0, "--cores-per-replica", metavar="N",
-                                          help="CPUs Ray reserves per replica, and the engine's threads (0 = the "
-                                               "cluster's CPUs shared evenly)."),
+                                          help=SERVE_RAY_HELP["--cores-per-replica"]),
     gpus_per_replica: float = typer.Option(0, "--gpus-per-replica", metavar="G",
-                                           help="GPUs Ray reserves per replica (num_gpus; fractions share one)."),
+                                           help=SERVE_RAY_HELP["--gpus-per-replica"]),
     host: str = typer.Option("127.0.0.1", "--host", help="Address Serve's HTTP proxy listens on."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     speculate: str = typer.Option("auto", "--speculate", help="As for `specrt serve`."),
     precision: str = typer.Option("fp32", "--precision", help="Which target engine of the set to run."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Per replica: requests that may wait or run at once."),
-    parallel: int = typer.Option(1, "--parallel", "-np", help="Per replica: streams decoded at once (as for "
-                                                              "`specrt serve`)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECRT_API_KEY", help=SERVE_RAY_HELP["--api-key"]),
+    max_queue: int = typer.Option(16, "--max-queue", help=SERVE_RAY_HELP["--max-queue"]),
+    parallel: int = typer.Option(1, "--parallel", "-np", help=SERVE_RAY_HELP["--parallel"]),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", metavar="TOKENS",
                                                 help="Per replica, as for `specrt serve`.", show_default=False),
-    cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB",
-                                  help="Per replica: host memory for other conversations' KV caches."),
-    default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS",
-                                           help=DEFAULT_MAX_TOKENS_HELP),
+    cache_ram: int = typer.Option(1024, "--cache-ram", metavar="MIB", help=SERVE_RAY_HELP["--cache-ram"]),
+    default_max_tokens: int = typer.Option(512, "--default-max-tokens", metavar="TOKENS", help=DEFAULT_MAX_TOKENS_HELP),
     suffix_cache: float = typer.Option(64, "--suffix-cache", metavar="MIB", help="Per replica: " + SUFFIX_CACHE_HELP),
     suffix_scope: SuffixScope = typer.Option("server", "--suffix-scope", metavar="SCOPE", help=SUFFIX_SCOPE_HELP),
     suffix_threshold: float = typer.Option(0.3, "--suffix-threshold", metavar="P", help="As for `specrt serve`."),
     suffix_factor: float = typer.Option(4.0, "--suffix-factor", metavar="X", help="As for `specrt serve`."),
     tool_format: ToolFormatName = typer.Option("auto", "--tool-format", metavar="NAME", help=TOOL_FORMAT_HELP),
     reasoning: Reasoning = typer.Option("separate", "--reasoning", metavar="MODE", help=REASONING_HELP),
-    address: Optional[str] = typer.Option(None, "--address",
-                                          help="A running Ray cluster to join ('auto' or host:port; default: start "
-                                               "a local Ray instance)."),
+    address: Optional[str] = typer.Option(None, "--address", help=SERVE_RAY_HELP["--address"]),
 ):
     """Serve an engine set on Ray Serve: N replicas of `specrt serve`'s app behind one HTTP endpoint, each
     conversation's turns routed to the replica that holds its KV cache. Needs the ray extra."""
-    from .runtime.speculative import SpeculativeConfig
-    from .serve_command import check_serve_flags
+    from ..runtime.plan import SpeculativeConfig
+    from ..cli.serve import check_serve_flags
 
     check_serve_flags(port, max_queue, parallel, cache_ram, api_key, prefill_chunk, default_max_tokens)
     check_flags(replicas, cores_per_replica, gpus_per_replica)
     suffix = (suffix_cache, suffix_threshold, suffix_factor)
     SpeculativeConfig(suffix_cache_mib=suffix_cache, suffix_threshold=suffix_threshold,
                       suffix_factor=suffix_factor).check()
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise SpecrtError(INSTALL_HINT) from None
-    try:
-        import fastapi  # noqa: F401
-    except ImportError as e:
-        raise SpecrtError(f"`specrt serve-ray` needs the serve extra ({e.name} is missing); "
-                          "pip install 'specrt[serve,ray]'") from None
+    ray, serve = _import_ray()
     from dataclasses import replace
 
-    from .manifest import load_manifest
-    from .runtime.speculative import resolve_mode
+    from ..runtime.plan import make_plan
 
-    manifest = load_manifest(engines_dir)  # a wrong folder, precision or mode: one line now, before Ray starts
-    manifest.engine("target", precision)
-    mode = resolve_mode(speculate, manifest, precision)  # the replicas get it resolved
+    made = make_plan(engines_dir, precision, speculate)  # a wrong folder, precision or mode: one line before Ray starts
+    manifest, mode = made.manifest, made.mode  # the replicas get the mode resolved
     ray.init(address=address, logging_level=logging.WARNING)
     started = False
     try:
@@ -386,3 +360,17 @@ def serve_ray(
         finally:
             ray.shutdown()
 
+
+def _import_ray():
+    """(ray, ray.serve), or a one-line SpecrtError naming the extra to install (ray, or the server's FastAPI)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise SpecrtError(INSTALL_HINT) from None
+    try:
+        import fastapi  # noqa: F401
+    except ImportError as e:
+        raise SpecrtError(f"`specrt serve-ray` needs the serve extra ({e.name} is missing); "
+                          "pip install 'specrt[serve,ray]'") from None
+    return ray, serve

@@ -3,7 +3,7 @@ target engine, and say in one line what speculation bought (the last line `make 
 
 from __future__ import annotations
 
-from .errors import SpecrtError
+from ..errors import SpecrtError
 
 
 def check_speculating(mode: str) -> None:
@@ -18,13 +18,13 @@ def warm_up(session, prompt, **kwargs) -> None:
     session.generate(prompt, **{**kwargs, "max_new_tokens": 1})
 
 
-def plain_pass(session, shared: dict, threads: int, prompt, **kwargs):
+def plain_pass(session, shared: dict, prompt, **kwargs):
     """The same prompt, decoding options and target engine (shared with `session` where the options match),
-    decoded plainly after its own warm-up -> its Result."""
-    from .runtime.engine import EngineOptions
-    from .runtime.session import load
+    decoded plainly after its own warm-up -> its Result. The session's plan, decoded plainly: nothing is loaded,
+    looked up or resolved again."""
+    from ..runtime.session import open_session
 
-    plain = load(session.manifest, session.precision, "off", EngineOptions(threads=threads), shared=shared)
+    plain = open_session(session.plan.plain(), shared=shared)
     warm_up(plain, prompt, **kwargs)
     return plain.generate(prompt, **kwargs)
 

@@ -3,26 +3,10 @@
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> SSE chunks, ending `data: [DONE]`)
     GET  /v1/models, GET /health, GET /metrics (Prometheus: TTFT and latency histograms, when installed)
 
-1. Every request's Stream runs on a worker thread (specrt/worker.py): one by default (the Session's one KV cache),
-   so requests take turns; with --parallel N (a BatchSession, runtime/batch_session.py) N threads, their passes
-   batched. The worker pushes each text delta to the request's asyncio.Queue (loop.call_soon_threadsafe); the SSE
-   generator turns them into chunks.
-2. A client that disconnects cancels the SSE generator; its `finally` calls stream.close(): the loop stops at the
-   next round boundary (finish_reason "cancelled") and the worker moves on. A request still queued when its client
-   goes never runs.
-3. A user mistake answers OpenAI's error JSON with a 4xx (openai_api.ApiError), never a traceback; an
-   unexpected failure is logged and answered 500 in the same shape, and the server keeps serving.
-4. KV reuse: the target keeps the cache of the last request's prompt + answer, and a request sharing a prefix
-   with it (the next turn of a conversation, which resends the whole history) prefills only the rest; usage
-   reports those prompt tokens as `cached_tokens`. Other conversations' caches wait on the host within
-   `--cache-ram` MiB, least recently used out (runtime/prefix_cache.py), and go back into the engine for their
-   next turn.
-5. `specrt serve` listens at once and loads the engines in a thread (serve_command.run_server): /health and /v1
-   answer 503 (with Retry-After) until they are ready; a failed load stops the server with a one-line error.
-6. Load: at most `max_queue` requests wait or run at once; the next is answered 503 with Retry-After. While a
-   streamed request waits for its first token (the queue, a long prefill), the SSE body sends a comment line
-   (": ping") every `ping_s` seconds, so clients with short read timeouts stay connected. Shutdown closes every
-   stream still open, so each stops at its next round boundary.
+Every request's Stream runs on a worker thread (worker.py; one per stream the session runs at once), which pushes
+its deltas to the request's asyncio.Queue; a client that goes away stops its loop at the next round boundary; a
+mistake answers OpenAI's error JSON, never a traceback; the last request's KV cache is reused, others' wait on the
+host within --cache-ram. More: docs/server.md, "Module notes: specrt/server/app.py".
 """
 
 from __future__ import annotations
@@ -40,13 +24,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import SpecrtError, first_line
+from ..errors import SpecrtError, first_line
 from .metrics import Metrics
 from .openai_api import ApiError, check_model, error_body, parse, parse_body
 from .openai_shapes import Shapes, finish_reason
-from .runtime.generate import Stats, Stream
-from .runtime.prefix_cache import MIB, PrefixStore
-from .runtime.session import Session
+from ..runtime.generate import Stats, Stream
+from ..runtime.prefix_cache import MIB, PrefixStore
+from ..runtime.session import Session
 from .scopes import store_key
 from .replies import Reply, cut, open_reply, request_grammar, template_kwargs, think_state
 from .tool_calls import Event
@@ -71,7 +55,7 @@ class Server:
                  reasoning: str = "separate"):
         self.session: Session | None = None
         self.reasoning = reasoning  # --reasoning: "off" renders with the template's no-thinking switch
-        self.suffix_scope = suffix_scope  # which store of earlier answers a request drafts from (specrt/scopes.py)
+        self.suffix_scope = suffix_scope  # whose earlier answers a request drafts from (specrt/server/scopes.py)
         self.default_max_tokens = default_max_tokens
         self.model, self.api_key, self.cache_ram_mib = model, api_key, cache_ram_mib
         self.worker: ThreadPoolExecutor | None = None  # one thread per stream the session runs at once (attach)
@@ -281,7 +265,7 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
     that loads the session, run in a thread when the app starts, so the port answers (/health 503, /v1 routes
     503 with Retry-After) while the engines load; `model` names it meanwhile. default_max_tokens: a chat reply's
     length when the request names none (None: the rest of the context). suffix_scope: whose earlier answers a
-    request's suffix drafts come from (specrt/scopes.py). reasoning: --reasoning (docs/formats.md)."""
+    request's suffix drafts come from (specrt/server/scopes.py). reasoning: --reasoning (docs/formats.md)."""
     if (session is None) == (loader is None):
         raise ValueError("create_app takes a session or a loader")
     server = Server(session, model, api_key, max_queue, ping_s, cache_ram_mib, default_max_tokens, suffix_scope,
@@ -298,6 +282,15 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
 
     app = FastAPI(title="specrt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
+    _answer_errors(app, server)
+    _serve_info(app, server)
+    _serve_generation(app, server)
+    return app
+
+
+def _answer_errors(app: FastAPI, server: Server) -> None:
+    """Every failure answers OpenAI's error JSON: a user's mistake its 4xx, a full queue or a load in progress 503
+    with Retry-After, anything unexpected 500 (logged)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -324,10 +317,16 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
         log.exception("request failed")
         return _error(500, f"internal error: {first_line(e)}", "server_error")
 
-    def auth(request: Request) -> None:  # a check in each /v1 route: an HTTP middleware would wrap the SSE stream
-        if not server.authorized(request):
-            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>' with the key "
-                                "given to `specrt serve --api-key`", code="invalid_api_key")
+
+def _auth(server: Server, request: Request) -> None:
+    """A check in each /v1 route: an HTTP middleware would wrap the SSE stream."""
+    if not server.authorized(request):
+        raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>' with the key "
+                            "given to `specrt serve --api-key`", code="invalid_api_key")
+
+
+def _serve_info(app: FastAPI, server: Server) -> None:
+    """GET /health, /metrics, /v1/models and /v1/models/{id}."""
 
     @app.get("/health")
     async def health():
@@ -346,19 +345,23 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
 
     @app.get("/v1/models")
     async def models(request: Request):
-        auth(request)
+        _auth(server, request)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        auth(request)
+        _auth(server, request)
         if model_id != server.model:
             raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{server.model}'",
                            "model", "model_not_found")
         return model_card()
 
+
+def _serve_generation(app: FastAPI, server: Server) -> None:
+    """POST /v1/chat/completions and /v1/completions: streamed as server-sent events or answered whole."""
+
     async def generate(request: Request, chat: bool):
-        auth(request)
+        _auth(server, request)
         if server.session is None:
             raise Loading()
         body = parse_body(await request.body())
@@ -380,5 +383,3 @@ def create_app(session: Session | None = None, model: str | None = None, api_key
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, chat=False)
-
-    return app

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from .backends import BACKENDS
-from .cache_dir import CACHE_RULE, cache_root
-from .errors import SpecrtError
+from ..backends import BACKENDS
+from ..cache_dir import CACHE_RULE, cache_root
+from ..errors import SpecrtError
 
 DEFAULT_ENGINES = Path("engines/smollm2-135m")
 DEFAULT_BACKEND, DEFAULT_CONTEXT = "onnxruntime", 4096
@@ -67,7 +67,7 @@ def chosen_engines(engines: Path | None, model: str | None, precision: str, back
     if engines is not None:
         raise SpecrtError("pass --model PATH (built into the cache on first use) or --engines DIR (a set from "
                           "`specrt engines`), not both")
-    from .pipeline.model_cache import ModelBuild, engines_for_model
+    from ..pipeline.model_cache import ModelBuild, engines_for_model
 
     return engines_for_model(model, ModelBuild(precision, DEFAULT_BACKEND if backend is None else backend,
                                                max_context,

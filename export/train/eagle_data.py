@@ -5,17 +5,8 @@ A feature is the target's final-norm hidden state (what its lm_head reads, and w
 most of the data is packaged text read by the target (stdlib source code and the pydoc topics' prose); the rest
 is the target's own greedy answers to chat prompts (MT-bench questions the benchmark does not ask, prompts made
 from stdlib docstrings), the text drafting meets at run time. The evaluation set is the benchmark's own prompts
-(bench/data/default.jsonl) answered greedily by the target, never trained on.
-
-A dataset file (npz):
-  tokens   [N] int32          every sequence, concatenated
-  starts   [S + 1] int64      sequence s is tokens[starts[s]:starts[s + 1]]
-  prompt   [S] int32          its prompt length (0 for teacher-forced text)
-  features [N, H] float16     the target's feature at each position
-  labels   [N] int32          the target's argmax at each position (its next token there)
-  kind     [S] str            chat | code | prose | <benchmark category>
-  layer_features [N, 2, H] float16   only with layer_features=True: EAGLE-3's low and middle features, the
-                                     normed inputs of the decoder layers after fuse_layers (what they read)
+(bench/data/default.jsonl) answered greedily by the target, never trained on. The dataset file's arrays:
+More: docs/design-notes.md, "Module notes: export/train/eagle_data.py".
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpora import code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
+from ...corpora import code_texts, doc_prompts, heldout_mtbench_ids, mtbench_questions
 
 DATA_FORMAT = 1
 
@@ -70,7 +61,7 @@ def _chat_prompts(cfg: EagleDataConfig, rng: np.random.Generator) -> list[str]:
 
 
 def _key(src, cfg, what: str) -> str:
-    from .sources import fingerprint
+    from ..sources import fingerprint
 
     facts = asdict(cfg)
     if not cfg.layer_features:  # the data without them is what format 1 always was: keep its caches valid
@@ -84,7 +75,7 @@ def build_train_set(src, cache: Path, cfg: EagleDataConfig = EagleDataConfig(), 
     if path.is_file():
         log(f"EAGLE training data cached: {path}")
         return path
-    from .sources import load
+    from ..sources import load
 
     model, tok = load(src)
     rng = np.random.default_rng(cfg.seed)
@@ -110,7 +101,7 @@ def build_eval_set(src, cache: Path, prompts_file: Path, max_new_tokens: int = 1
     if path.is_file():
         log(f"EAGLE evaluation data cached: {path}")
         return path
-    from .sources import load
+    from ..sources import load
 
     model, tok = load(src)
     t0 = time.time()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 
-from .runtime.generate import Stream
+from ..runtime.generate import Stream
 
 log = logging.getLogger("specrt.server")
 

@@ -1,9 +1,9 @@
-"""The server's Prometheus metrics (specrt/server.py's /metrics): latencies, finished requests and tokens, KV reuse
+"""The server's Prometheus metrics (specrt/server/app.py's /metrics): latencies, finished requests and tokens, KV reuse
 and speculation counters under vLLM's names with our prefix."""
 
 from __future__ import annotations
 
-from .runtime.generate import Stats
+from ..runtime.generate import Stats
 
 
 class Metrics:
