@@ -8,17 +8,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ...backends import BACKENDS, COMPILERS, TENSORRT
 from ...errors import SpecrtError
 from .cuda_memory import check, cudart
 
-REBUILD = ("rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend tensorrt-rtx "
-           "--gpu-arch for it)")
+REBUILD = TENSORRT.rebuild
 
 
 def _rebuild(entry) -> str:
-    if entry.backend == "tensorrt-rtx":
-        return "rebuild the engine set with `specrt engines --backend tensorrt-rtx --gpu-arch ARCHS`"
-    return REBUILD
+    """The one-line fix for an engine of entry's compiler that cannot run here."""
+    return COMPILERS[BACKENDS[entry.backend].compiler].rebuild
 
 
 def check_targets(entry, here: str) -> None:
