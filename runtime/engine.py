@@ -6,7 +6,7 @@ of the context; anything written past that is garbage that the next pass overwri
 rejecting a draft costs nothing. For a token tree, `commit(n, path)` moves the accepted nodes' K/V entries
 into place (a few rows per layer, never the whole cache).
 
-The loop, the proposers, `verify` and the Generator see only this Protocol. Each backend (a module under
+The loop, the proposers, `verify` and the Generator see only this Protocol. Each backend (a package under
 runtime/backends/, imported when an engine of its kind opens) implements it with its own memory;
 `open_engine` picks the backend from the manifest entry's `backend` field.
 """

@@ -23,13 +23,13 @@ DEFAULT_BACKEND, DEFAULT_CONTEXT = "onnxruntime", 4096  # a build not told --bac
 class Backend:
     name: str
     help: str                          # one clause for --backend's help
-    runtime: str                       # the module under specrt.runtime.backends that opens its engines
+    runtime: str                       # the package under specrt.runtime.backends that opens its engines (its RUNTIME)
     set_suffix: str = ""               # a set's default name: <source><suffix>
     precisions: tuple[str, ...] = ()   # what `specrt engines` builds (() = not built: runtime only)
     default_precisions: tuple[str, ...] = ()
     portable: bool = False             # builds the portable graph (export/portable.py)
     compiler: str | None = None        # the portable graph compiled by this TensorRT (build/tensorrt.py COMPILERS)
-    batch: bool = False                # its module has open_batch: several streams (runtime/engine.py BatchEngine)
+    batch: bool = False                # its RUNTIME has open_batch: several streams (runtime/engine.py BatchEngine)
     gpu: bool = False                  # its engines run on an NVIDIA GPU (heads beside them read hidden rows there)
     provider: str | None = None        # the ONNX Runtime execution provider its engines need (checked before a build)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HIDDEN_STATES, INPUT_IDS,
+from ....errors import SpecrtError
+from ....interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HIDDEN_STATES, INPUT_IDS,
                           KV_KINDS, POSITION_IDS, WRITE_INDICES, past_name, present_name)
-from ..engine import KVSnapshot, restore_views, snapshot_views
-from .cuda_memory import DeviceRows, rows_plan
+from ...engine import KVSnapshot, restore_views, snapshot_views
+from .memory import DeviceRows, rows_plan
 
 OUTPUTS = (HIDDEN_STATES, EAGLE_TOKENS, EAGLE_LOGPROBS)
 

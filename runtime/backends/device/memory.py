@@ -19,9 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import KV_KINDS
-from ..engine import tree_moves
+from ....errors import SpecrtError
+from ....interface import KV_KINDS
+from ...engine import tree_moves
 
 INSTALL = ("`pip install cuda-bindings` (NVIDIA's CUDA Python bindings; `cuda-bindings==12.*` where the driver is "
            "CUDA 12's) on a machine with an NVIDIA GPU and driver, or build the engines with --backend "

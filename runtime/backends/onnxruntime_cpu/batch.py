@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
+from ....errors import SpecrtError
+from ....interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
                           POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK)
-from ..batch import SoloEngine
-from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
-from ..hugepages import advise_huge_pages, anonymous_mappings
-from .onnxruntime_cpu import SCREEN_MAX_ROWS, bind_in_place, entry_config, open_session, session_options
+from ...batch import SoloEngine
+from ...engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
+from ...hugepages import advise_huge_pages, anonymous_mappings
+from .session import SCREEN_MAX_ROWS, bind_in_place, entry_config, open_session, session_options
 
 
 def screen_rows(onnx_path: Path) -> bytes | None:
@@ -68,19 +68,16 @@ def grown(owner, name: str, size: int, dtype) -> np.ndarray:
     return buf
 
 
-def open_batch(root: Path, entry, options: EngineOptions, slots: int, huge_pages: bool = False) -> "OrtBatchEngine":
+def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtBatchEngine":
+    """`slots` sequences of a decoder entry; one slot (a single stream) asks for huge pages as options say."""
     config, note = entry_config(entry, options)
+    huge_pages = options.huge_pages and slots == 1
     engine = OrtBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
                             num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
                             max_context=entry.max_context, threads=options.threads, session_config=config,
                             screen=note is None, width_exact=entry.width_exact, name=entry.name, huge_pages=huge_pages)
     engine.screen_note = note
     return engine
-
-
-def open_solo(root: Path, entry, options: EngineOptions) -> "OrtSoloEngine":
-    """A single stream's engine (onnxruntime_cpu.open_engine): slot 0 of a batch engine of one slot."""
-    return OrtSoloEngine(open_batch(root, entry, options, 1, huge_pages=options.huge_pages))
 
 
 class OrtSoloEngine(SoloEngine):

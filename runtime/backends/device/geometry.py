@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import PORTABLE_DTYPES
+from ....errors import SpecrtError
+from ....interface import PORTABLE_DTYPES
 
 GRAPHS_ENV = "SPECRT_CUDA_GRAPHS"
 

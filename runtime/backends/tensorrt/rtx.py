@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...backends import BACKENDS, COMPILERS, TENSORRT
-from ...errors import SpecrtError
-from .cuda_memory import check, cudart
+from ....backends import BACKENDS, COMPILERS, TENSORRT
+from ....errors import SpecrtError
+from ..device.memory import check, cudart
 
 REBUILD = TENSORRT.rebuild
 
 
-def _rebuild(entry) -> str:
+def rebuild(entry) -> str:
     """The one-line fix for an engine of entry's compiler that cannot run here."""
     return COMPILERS[BACKENDS[entry.backend].compiler].rebuild
 
@@ -23,7 +23,7 @@ def _rebuild(entry) -> str:
 def check_targets(entry, here: str) -> None:
     """A TensorRT for RTX engine runs on the architectures it was compiled for (entry.build's gpu_archs); Hopper and
     data-center Blackwell are regular TensorRT's. One line naming the backend or --gpu-arch to build instead."""
-    from ...backends import DEFAULT_GPU_ARCHS, GPU_ARCHS
+    from ....backends import DEFAULT_GPU_ARCHS, GPU_ARCHS
 
     arch = "sm" + here.replace(".", "")
     targets = (entry.build or {}).get("gpu_archs") or list(DEFAULT_GPU_ARCHS)
@@ -49,7 +49,7 @@ def check_validity(trt, runtime, blob: bytes, entry) -> None:
     reasons = [n.lower().replace("_", " ") for n, v in trt.EngineInvalidityDiagnostics.__members__.items()
                if diagnostics & int(v)] or ["no reason given"]
     fix = ("update the NVIDIA driver" if any(r.startswith(("old cuda", "cuda error")) for r in reasons)
-           else _rebuild(entry))
+           else rebuild(entry))
     raise SpecrtError(f"TensorRT for RTX says engine '{entry.name}' cannot run here ({', '.join(reasons)}); {fix}")
 
 
