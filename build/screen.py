@@ -25,7 +25,7 @@ text only a handful of tokens per row stay candidates. Past MAX_CANDIDATES in a 
 states loosen the bound) the fp32 lm_head is read after all. The bound holds only for the kernel it was
 derived for, so `specrt engines` checks it against the built engine on real hidden states
 (specrt/pipeline/checks.py check_screen) and the runtime uses the screen only on the CPU family and onnxruntime
-version it was checked with (runtime/backends/onnxruntime_cpu.py).
+version it was checked with (runtime/backends/onnxruntime_cpu/).
 """
 
 from __future__ import annotations

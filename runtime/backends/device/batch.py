@@ -1,8 +1,8 @@
 """Batched passes on a GPU (runtime/batch.py's batch engine): the protocol of the portable batch engine
-(onnxruntime_portable_batch.py, its CPU reference) over device memory, with one CUDA graph per (rows, width,
+(onnxruntime_portable/batch.py, its CPU reference) over device memory, with one CUDA graph per (rows, width,
 capacity).
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/cuda_batch.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/device/batch.py".
 """
 
 from __future__ import annotations

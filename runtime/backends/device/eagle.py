@@ -1,6 +1,7 @@
 """An EAGLE head on the GPU beside the target, whatever runs its graph (export/eagle.py's fp32 standard-op graph):
-a compiled TensorRT engine (tensorrt_heads.TrtEagleHead) or ONNX Runtime's CUDA EP (onnxruntime_cuda.OrtCudaEagleHead).
-DeviceEagleHead holds what they share, with onnxruntime_cpu.OrtEagleHead's interface (runtime/proposers/eagle.py
+a compiled TensorRT engine (tensorrt.heads.TrtEagleHead) or ONNX Runtime's CUDA EP (onnxruntime_cuda.heads's
+OrtCudaEagleHead).
+DeviceEagleHead holds what they share, with onnxruntime_cpu.heads.OrtEagleHead's interface (runtime/proposers/eagle.py
 drives any of them): every buffer allocated once at one static capacity (the masks are that wide), the cache on the
 device written in place (each buffer bound as past input and present output), and the features kept there.
 

@@ -8,7 +8,7 @@ download outputs asynchronously on the engine's one stream, device-to-device 2-D
 tree commits, which bytes go back) runs on the CPU in tests, through an ONNX Runtime CPU session bound to the
 same raw addresses.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/cuda_memory.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/device/memory.py".
 """
 
 from __future__ import annotations

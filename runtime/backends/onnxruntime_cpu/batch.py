@@ -8,7 +8,7 @@ slot's rows only. batch.LoadPlanner knows (`wide_rows_alone`): under load a draf
 idle slots in the bound range get one-token pads written past their committed length (garbage by the engine
 contract), so the cache holds max_context + 1 positions per slot.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_batch.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_cpu/batch.py".
 """
 
 from __future__ import annotations

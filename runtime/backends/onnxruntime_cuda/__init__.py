@@ -6,7 +6,7 @@ falls back to the CPU with a warning), opening an engine is a one-line SpecrtErr
 graph capture for this graph (a node placed on the CPU, say), the engine runs without graphs and says why in
 its description.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_cuda.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_cuda/".
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _open(root: Path, entry, options: EngineOptions, make):
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> "OrtCudaHeads":
     """Medusa heads on the CUDA EP beside the target (OrtCudaHeads): the hidden row read where the target left it,
-    only the candidates back to the host, as TensorRT's heads (tensorrt_heads.TrtHeads)."""
+    only the candidates back to the host, as TensorRT's heads (tensorrt.heads.TrtHeads)."""
     import onnxruntime as ort
 
     from ..onnxruntime_cpu.session import open_session as open_cpu_session

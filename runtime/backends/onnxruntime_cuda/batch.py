@@ -15,7 +15,7 @@ from ..device.memory import Memory
 
 
 class _Bindings:
-    """One IOBinding and RunOptions per pass shape over a device batch engine's buffers (cuda_batch's
+    """One IOBinding and RunOptions per pass shape over a device batch engine's buffers (device/batch.py's
     DeviceBatchEngine), every one bound by address, a gpu_graph_id per (rows, width, capacity); the runs on one worker
     thread while graphs are on (the module docstring)."""
 
@@ -101,9 +101,9 @@ class _Bindings:
 
 
 class OrtCudaBatchEngine(_Bindings, DeviceBatchEngine):
-    """cuda_batch.DeviceBatchEngine over an ORT session of the portable graph: one IOBinding and RunOptions per
+    """device.batch.DeviceBatchEngine over an ORT session of the portable graph: one IOBinding and RunOptions per
     pass shape, every buffer bound by address, a gpu_graph_id per (rows, width, capacity). device: where `memory`'s
-    addresses live as ORT names it ("cuda"; "cpu" with cuda_memory.HostMemory and a CPU session, which is how the
+    addresses live as ORT names it ("cuda"; "cpu" with device.memory.HostMemory and a CPU session, which is how the
     tests run this class without a GPU). max_prompt: the widest pass (default max_context)."""
 
     backend = "onnxruntime-cuda"

@@ -49,7 +49,7 @@ class OrtCudaHeads:
 
 
 class OrtCudaEagleHead(DeviceEagleHead):
-    """device_eagle.DeviceEagleHead over the EAGLE head's graph on the CUDA EP: one IOBinding binds every input,
+    """device.eagle.DeviceEagleHead over the EAGLE head's graph on the CUDA EP: one IOBinding binds every input,
     output and cache buffer by its device address (rebound when a call's row count changes), and ORT runs on the
     memory's stream without a sync of its own (`user_compute_stream`, onnxruntime.ai/docs/execution-providers/
     CUDA-ExecutionProvider.html), so uploads, run and downloads are ordered on one stream and a call ends in one

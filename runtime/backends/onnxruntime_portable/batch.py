@@ -5,7 +5,7 @@ A single stream is a batch of one slot (the package's RUNTIME.open_engine): its 
 the widest pad when a request starts (`reserve`), grown only when a pass needs more, its outputs are views into the
 reused buffers, and huge pages are asked for.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_portable_batch.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_portable/batch.py".
 """
 
 from __future__ import annotations

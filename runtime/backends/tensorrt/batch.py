@@ -32,7 +32,7 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBat
 
 
 class TrtBatchEngine(DeviceBatchEngine):
-    """cuda_batch.DeviceBatchEngine over a TensorRT engine: batched passes on the decode profile (one CUDA graph per
+    """device.batch.DeviceBatchEngine over a TensorRT engine: batched passes on the decode profile (one CUDA graph per
     (rows, width, capacity)), a prefill alone on the prefill profile with its cache addresses at its slot."""
 
     backend = "tensorrt"

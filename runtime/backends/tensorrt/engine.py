@@ -1,7 +1,7 @@
 """A serialized TensorRT engine opened after every check that it runs here (load_engine, deserialize), the two
 execution contexts on its profiles (TrtContexts), and the buffers a device batch engine binds (buffer_addresses).
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/tensorrt.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/tensorrt/".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ head (TrtEagleHead); heads still in ONNX (sets built before their heads were com
 provider.
 
 TrtEagleHead runs export/eagle.py's fp32 graph (RotaryEmbedding, TensorScatter into its own cache, Attention;
-build/tensorrt.py's prefill and decode profiles) as a device_eagle.DeviceEagleHead, which keeps its cache and, beside
+build/tensorrt.py's prefill and decode profiles) as a device.eagle.DeviceEagleHead, which keeps its cache and, beside
 a target on this GPU, its features on the device (only the top-k tokens and their log-probabilities come back). Its
 one static capacity is the engine's: TensorRT's KV-cache update wants a static sequence dimension.
 """
