@@ -76,9 +76,8 @@ class PortableBatchEngine(PaddedRuns):
         self._mask = np.empty(slots * w * self.buckets.max_capacity, np.float32)
         self._causal = np.triu(np.full((w, w), -np.inf, np.float32), 1)
         self.with_hidden = False
-        self._logits = np.empty(0, np.float32)
-        self._greedy = np.empty(0, np.int64)
-        self._hidden = np.empty(0, np.float32)
+        self._out = {"logits": np.empty(0, np.float32), "greedy": np.empty(0, np.int64),
+                     "hidden": np.empty(0, np.float32)}  # flat output buffers reused across passes (grown)
         self._layout(self.buckets.capacities[0])
         if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (runtime/hugepages.py)
             advise_huge_pages(since=before)
@@ -200,12 +199,12 @@ class PortableBatchEngine(PaddedRuns):
         io.bind_cpu_input(ATTENTION_MASK, mask)
         io.bind_cpu_input(WRITE_INDICES, write)
         io.bind_cpu_input(LOGITS_INDICES, logits_rows)
-        logits = grown(self, "_logits", B * N * self.vocab_size, np.float32)
-        greedy = grown(self, "_greedy", B * N, np.int64)
+        logits = grown(self._out, "logits", B * N * self.vocab_size)
+        greedy = grown(self._out, "greedy", B * N)
         io.bind_output(LOGITS, "cpu", 0, np.float32, [B, N, self.vocab_size], logits.ctypes.data)
         io.bind_output(GREEDY_TOKENS, "cpu", 0, np.int64, [B, N], greedy.ctypes.data)
         if self.with_hidden:
-            hidden = grown(self, "_hidden", B * W * self._hidden_size, np.float32)
+            hidden = grown(self._out, "hidden", B * W * self._hidden_size)
             io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [B, W, self._hidden_size], hidden.ctypes.data)
         self._shape = (B, W, N)
         self.session.run_with_iobinding(io)
@@ -217,10 +216,11 @@ class PortableBatchEngine(PaddedRuns):
         B, W, N = self._shape
         rows, copy = slice(start, start + r.num_logits), self.slots > 1
         if r.greedy:
-            out = self._greedy[:B * N].reshape(B, N)[b, rows]
+            out = self._out["greedy"][:B * N].reshape(B, N)[b, rows]
         else:
-            out = self._logits[:B * N * self.vocab_size].reshape(B, N, self.vocab_size)[b, rows]
+            out = self._out["logits"][:B * N * self.vocab_size].reshape(B, N, self.vocab_size)[b, rows]
         r.out = out.copy() if copy else out
         if self.with_hidden:
-            hidden = self._hidden[:B * W * self._hidden_size].reshape(B, W, self._hidden_size)[b, :len(r.tokens)]
+            H = self._hidden_size
+            hidden = self._out["hidden"][:B * W * H].reshape(B, W, H)[b, :len(r.tokens)]
             r.hidden = hidden.copy() if copy else hidden
