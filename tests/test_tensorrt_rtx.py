@@ -530,8 +530,10 @@ def test_the_runtime_opens_a_tensorrt_sets_compiled_heads_on_the_device(tensorrt
             pass
 
     runtime = SimpleNamespace(deserialize_cuda_engine=lambda blob: fakes[bytes(blob)]())
+    strategies = SimpleNamespace(USER_MANAGED="USER_MANAGED")
     monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__=tensorrt_rtx_bindings.__version__,
-                                                                 Logger=Logger, Runtime=lambda logger: runtime))
+                                                                 Logger=Logger, Runtime=lambda logger: runtime,
+                                                                 ExecutionContextAllocationStrategy=strategies))
     monkeypatch.setattr(backend, "require_device", lambda name: None)
     monkeypatch.setattr(backend, "compute_capability", lambda device=0: "8.9")
     monkeypatch.setattr(tensorrt_heads, "on_own_memory", lambda make: make(HostMemory()))

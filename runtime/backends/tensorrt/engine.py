@@ -82,13 +82,8 @@ def load_engine(root: Path, entry):
     if compiler.ahead_of_time:
         cache = RuntimeCache(trt, runtime_cache_path(Path(root), entry.name, trt.__version__, here))
         config = rtx_runtime_config(trt, engine, cache)
-    return engine, (logger, runtime, cache), shared_scratch(trt), config
-
-
-def shared_scratch(trt):
-    """The allocation strategy under which the two contexts share one scratch buffer (USER_MANAGED; they run one
-    after the other on one stream), or None where this TensorRT has none: then each context sizes its own."""
-    return getattr(getattr(trt, "ExecutionContextAllocationStrategy", None), "USER_MANAGED", None)
+    # the two contexts share one scratch buffer (USER_MANAGED): they run one after the other on one stream
+    return engine, (logger, runtime, cache), trt.ExecutionContextAllocationStrategy.USER_MANAGED, config
 
 
 def on_own_memory(make):
@@ -126,7 +121,7 @@ def check_io(engine, addresses: dict[str, int], cache_dtype, name: str) -> None:
     unbound = [t for t in tensors if t not in addresses]
     if unbound:
         raise SpecrtError(f"engine '{name}' has a tensor '{unbound[0]}' this specrt does not bind; {REBUILD}")
-    have = getattr(engine.get_tensor_dtype(past_name(0, "key")), "name", None)
+    have = engine.get_tensor_dtype(past_name(0, "key")).name
     want = TRT_DTYPES.get(np.dtype(cache_dtype).name)
     if have != want:
         raise SpecrtError(f"engine '{name}' keeps its cache in {have}, its manifest entry says {want}; {REBUILD}")
@@ -134,7 +129,7 @@ def check_io(engine, addresses: dict[str, int], cache_dtype, name: str) -> None:
 
 class TrtContexts:
     """An engine's two execution contexts (prefill, decode), each kept on its own profile, every tensor address set
-    at open, sharing one scratch buffer where `strategy` (shared_scratch) allows; the shapes each is set for, and
+    at open, sharing one scratch buffer where `strategy` (USER_MANAGED) allows; the shapes each is set for, and
     the CUDA graphs captured on them by key. note: why capture stopped (None while it works). runtime_config:
     TensorRT for RTX's (rtx_runtime_config: USER_MANAGED scratch), the contexts are made from it; keep: what the
     engine must outlive, whose runtime cache (RuntimeCache) is saved at close."""
@@ -144,7 +139,7 @@ class TrtContexts:
         self.engine, self.memory, self.name, self.keep = engine, memory, name, keep
         check_io(engine, addresses, cache_dtype, name)
         shared = strategy is not None or runtime_config is not None
-        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if shared else 0
+        size = int(engine.device_memory_size_v2) if shared else 0
         self.scratch = memory.alloc(size) if size else None  # freed with the engine's memory
         self.contexts = []
         for profile in (PREFILL, DECODE):

@@ -78,7 +78,7 @@ class TrtHeads:
         else:
             ctx = (engine.create_execution_context(strategy) if strategy is not None
                    else engine.create_execution_context())
-        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if (strategy or runtime_config) else 0
+        size = int(engine.device_memory_size_v2) if (strategy or runtime_config) else 0
         if ctx is None or not ctx.set_optimization_profile_async(0, memory.stream):
             raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}'")
         if size:

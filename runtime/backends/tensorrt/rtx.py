@@ -40,10 +40,7 @@ def check_targets(entry, here: str) -> None:
 def check_validity(trt, runtime, blob: bytes, entry) -> None:
     """TensorRT for RTX's own check of an engine's header against this machine (Runtime.get_engine_validity),
     before deserializing: an engine it calls invalid would fail there with less to say."""
-    size = int(getattr(runtime, "engine_header_size", 0) or 0)
-    if not size or not hasattr(runtime, "get_engine_validity"):
-        return
-    validity, diagnostics = runtime.get_engine_validity(memoryview(blob)[:size])
+    validity, diagnostics = runtime.get_engine_validity(memoryview(blob)[:int(runtime.engine_header_size)])
     if validity != trt.EngineValidity.INVALID:
         return
     reasons = [n.lower().replace("_", " ") for n, v in trt.EngineInvalidityDiagnostics.__members__.items()
