@@ -287,7 +287,7 @@ def _screen_status(entry: dict) -> str:
     facts = entry.get("screen")
     if not facts:
         return "-"
-    from .runtime.backends.onnxruntime_cpu import screen_unusable
+    from .runtime.backends.onnxruntime_cpu.session import screen_unusable
 
     why = screen_unusable(facts, entry.get("build_versions"))
     check = facts.get("check") or {}

@@ -98,6 +98,49 @@ def test_no_import_circles():
     assert cycles(graph()) == []
 
 
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (in `if`/`try` blocks too): defs, classes, assignments, imports."""
+    out, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                n for h in getattr(node, "handlers", []) for n in h.body]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return out
+
+
+def missing_names(repo: Path = REPO) -> list[str]:
+    """Each `from specrt.x import name` (or relative) whose module is not ours or does not define the name."""
+    mods = modules(repo)
+    defined = {name: _defined(ast.parse(path.read_text())) for name, path in mods.items()}
+    missing = []
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            pkg, *subs = _imported(node, name, path.name == "__init__.py")
+            if node.level == 0 and not pkg.startswith("specrt."):
+                continue
+            if pkg not in mods:
+                missing.append(f"{path.relative_to(repo)}:{node.lineno} {pkg}")
+                continue
+            missing += [f"{path.relative_to(repo)}:{node.lineno} {sub}" for sub in subs
+                        if sub not in mods and sub.rpartition(".")[2] not in defined[pkg] | {"*"}]
+    return missing
+
+
+def test_every_import_of_ours_names_what_exists():
+    """A moved name fails here, not in the one command that imports it lazily."""
+    assert missing_names() == []
+
+
 def test_the_check_sees_a_circle(tmp_path):
     for folder in ROOTS:
         (tmp_path / folder).mkdir()
@@ -111,3 +154,8 @@ def test_the_check_sees_a_circle(tmp_path):
     assert edges["specrt.runtime.sub.b"] == {"specrt.runtime.c"}
     assert edges["specrt.runtime.c"] == {"specrt.runtime.sub.a", "specrt.errors"}
     assert cycles(edges) == [["specrt.runtime.c", "specrt.runtime.sub.a", "specrt.runtime.sub.b"]]
+    (tmp_path / "specrt" / "errors.py").write_text("import os\nif os.name:\n    E = 1\n")
+    (tmp_path / "specrt" / "cli.py").write_text("def f():\n    from .errors import E, F\n    from .gone import G\n"
+                                                 "    from .runtime.sub import a, z\n")
+    assert [m for m in missing_names(tmp_path) if m.startswith("specrt/")] == [
+        "specrt/cli.py:2 specrt.errors.F", "specrt/cli.py:3 specrt.gone", "specrt/cli.py:4 specrt.runtime.sub.z"]
