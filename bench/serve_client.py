@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING
 
 from ..errors import SpecrtError, first_line
 from .prompts import PromptCase
+from .serve_config import ServeBenchConfig, Target
 from .serve_procs import _log_hint
 
-if TYPE_CHECKING:  # annotations only: serve_load imports this module
-    from .serve_load import ServeBenchConfig, Target
 
 WARMUP = [{"role": "user", "content": "Say hello."}]  # not in the prompt set: no prefix shared with a measured one
 

@@ -13,14 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import SpecrtError
+from .serve_config import ServeBenchConfig, Target
 
-if TYPE_CHECKING:  # annotations only: serve_load imports this module
-    from .serve_load import ServeBenchConfig, Target
 
 LLAMACPP_PIP = "pip install 'llama-cpp-python[server]==0.3.36'"
 

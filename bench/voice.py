@@ -209,7 +209,7 @@ def run_voice(cfg, wl: Workload, calls: int, ours: list[tuple[str, str]], llama:
     import shutil
     import tempfile
 
-    from .serve_load import Target
+    from .serve_config import Target
     from .serve_procs import free_port, launched, specrt_command
 
     logs, notes, records = Path(tempfile.mkdtemp(prefix="specrt-voice-")), [], []
@@ -245,7 +245,7 @@ def _llama_targets(cfg, wl: Workload, llama: dict, logs: Path, stack: ExitStack,
     """llama-server at its defaults and in its best speculative mode, each launched into `stack`; a peer that
     cannot be built or started is skipped with one line in `notes`."""
     from . import llama_server as ls
-    from .serve_load import Target
+    from .serve_config import Target
     from .serve_procs import free_port, launched
 
     def skip(why: str) -> None:

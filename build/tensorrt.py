@@ -95,7 +95,7 @@ def profile_shapes(inputs: dict[str, tuple[int, ...]], seq: tuple[int, int, int]
                    ) -> dict[str, tuple[tuple[int, ...], ...]]:
     """The (min, opt, max) shape of every input of a portable decoder network for one profile. inputs: name ->
     the network's shape (-1 where dynamic); seq, logits, capacity, batch: (min, opt, max) of those dims (batch:
-    the sequences of one pass, runtime/backends/cuda_batch.py). A dim the network fixes keeps its size."""
+    the sequences of one pass, runtime/backends/device/batch.py). A dim the network fixes keeps its size."""
     axes = {name: dims for name, dims, _ in (*PORTABLE_INPUTS, *EAGLE_INPUTS)}  # an EAGLE head: features too
     ranges = {"batch": batch, "seq": seq, "num_logits": logits, "capacity": capacity}
     out = {}

@@ -293,7 +293,7 @@ class SlotEngine:
 
 
 class DeviceSlotEngine(SlotEngine):
-    """A SlotEngine over a batch engine on a GPU (backends/cuda_batch.py) that offers heads on that GPU the slot's
+    """A SlotEngine over a batch engine on a GPU (backends/device/batch.py) that offers heads on that GPU the slot's
     hidden rows on the device: enable_hidden(device_only=True), then hidden_address(row) / hidden_addresses(rows) of
     the slot's rows of its last pass (a chunked prefill's: all of it), valid until its next pass, and hidden_rows."""
 
@@ -350,7 +350,7 @@ class SoloEngine(SlotEngine):
 
 class DeviceSoloEngine(SoloEngine, DeviceSlotEngine):
     """A SoloEngine over a one-slot batch engine on a GPU: heads there read its hidden rows by address (the pass's
-    own output rows: backends/cuda_batch.py), and close() frees its device memory."""
+    own output rows: backends/device/batch.py), and close() frees its device memory."""
 
     def hidden_address(self, row: int) -> int:
         return int(self.batch.hidden_address(0, row))

@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..backends import BACKENDS
 from ..errors import SpecrtError
 from .backends import backend
 from .batch import Scheduler, slot_engine
@@ -146,12 +145,8 @@ class BatchSession:
     def batch_of(self, entry, options: EngineOptions):
         """The batch engine of a manifest entry (the target's, a draft model's), opened once."""
         if entry.name not in self._batches:
-            module = backend(entry)  # an unknown backend: its one-line error
-            if not BACKENDS[entry.backend].batch:
-                able = [n for n, b in BACKENDS.items() if b.precisions and b.batch]
-                raise SpecrtError(f"the {entry.backend} backend cannot run several streams at once yet; "
-                                  f"use --parallel 1 or an engine set of {', '.join(able)}")
-            self._batches[entry.name] = module.open_batch(self.manifest.root, entry, options, self.parallel)
+            # an unknown backend, or one without batch engines: its one-line error
+            self._batches[entry.name] = backend(entry).open_batch(self.manifest.root, entry, options, self.parallel)
         return self._batches[entry.name]
 
     @property

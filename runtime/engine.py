@@ -6,7 +6,7 @@ of the context; anything written past that is garbage that the next pass overwri
 rejecting a draft costs nothing. For a token tree, `commit(n, path)` moves the accepted nodes' K/V entries
 into place (a few rows per layer, never the whole cache).
 
-The loop, the proposers, `verify` and the Generator see only this Protocol. Each backend (a module under
+The loop, the proposers, `verify` and the Generator see only this Protocol. Each backend (a package under
 runtime/backends/, imported when an engine of its kind opens) implements it with its own memory;
 `open_engine` picks the backend from the manifest entry's `backend` field.
 """
@@ -87,8 +87,9 @@ class BatchEngine(Protocol):
     """`slots` sequences' caches behind one engine (runtime/batch.py): each slot is driven through a SlotEngine, the
     Engine contract over that slot, and the scheduler runs every waiting slot's pass as one call of `run`. A
     backend whose descriptor says `batch` (specrt/backends.py) has `open_batch(root, entry, options, slots)`. A
-    single stream is a batch engine of one slot (every backend's open_engine: batch.SoloEngine), which lays its cache
-    out per request (`reserve`) and gives views into its reused output buffers."""
+    single stream is a batch engine of one slot (runtime/backends/protocol.py's Runtime.open_engine:
+    batch.SoloEngine), which lays its cache out per request (`reserve`) and gives views into its reused output
+    buffers."""
 
     slots: int
     lengths: list[int]    # committed positions per slot
@@ -107,7 +108,7 @@ class BatchEngine(Protocol):
         """The width a pass of n tokens runs at (a backend that pads to its buckets: the bucket's)."""
 
     def enable_hidden(self) -> None:
-        """Opt in to each row's hidden states on every pass (PassRow.hidden). A GPU batch engine (cuda_batch.py)
+        """Opt in to each row's hidden states on every pass (PassRow.hidden). A GPU batch engine (device/batch.py)
         also takes slot= and device_only=True: that slot's rows then stay in a device copy of its own, which heads
         on its GPU read by address (batch.DeviceSlotEngine)."""
 

@@ -12,6 +12,7 @@ More: docs/runtime-notes.md, "Module notes: runtime/static_shapes.py".
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,3 +146,37 @@ def relayout(buffer: np.ndarray, heads: int, head_dim: int, old: int, new: int, 
         kept = buffer[: batch * heads * old * head_dim].reshape(batch, heads, old, head_dim)[:, :, :length].copy()
         view[:, :, :length] = kept
     return view
+
+
+class PaddedRuns:
+    """run() of a padded batch engine (the portable CPU one and the device one): rows up to batch_width tokens in one
+    call padded to the widest of them, wider rows alone, each call timed. A subclass has batch_width, _lock,
+    pass_width, _fit_rows (the layout every row's pass fits), _batched and _solo_pass; _split and _seconds are
+    hooks."""
+
+    def run(self, rows) -> list[tuple[float | None, int, int]]:
+        """Every row's pass (runtime/batch.py's PassRow) -> (seconds, rows, width) of each call."""
+        together, alone = self._split(rows)
+        ran = []
+        with self._lock:
+            self._fit_rows(rows, alone)
+            if together:
+                W = self.pass_width(max(len(r.tokens) for r in together))
+                t = time.perf_counter()
+                self._batched(together, W)
+                ran.append((self._seconds(together, W, time.perf_counter() - t), len(together), W))
+            for r in alone:
+                t = time.perf_counter()
+                self._solo_pass(r)
+                ran.append((time.perf_counter() - t, 1, self.pass_width(len(r.tokens))))
+        return ran
+
+    def _split(self, rows) -> tuple[list, list]:
+        """(the rows that share one call, the rows that run alone)."""
+        return [r for r in rows if len(r.tokens) <= self.batch_width], [r for r in rows
+                                                                         if len(r.tokens) > self.batch_width]
+
+    def _seconds(self, rows, width: int, seconds: float) -> float | None:
+        """What a batched call's time says about its cost (None: nothing, e.g. a CUDA graph's capture)."""
+        return seconds
+

@@ -16,20 +16,22 @@ from .errors import SpecrtError
 from .interface import PORTABLE_DTYPES
 
 PORTABLE_PRECISIONS = tuple(PORTABLE_DTYPES)  # fp32, fp16, fp8, int8, int4-awq
+DEFAULT_BACKEND, DEFAULT_CONTEXT = "onnxruntime", 4096  # a build not told --backend, --max-context
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
     help: str                          # one clause for --backend's help
-    runtime: str                       # the module under specrt.runtime.backends that opens its engines
+    runtime: str                       # the package under specrt.runtime.backends that opens its engines (its RUNTIME)
     set_suffix: str = ""               # a set's default name: <source><suffix>
     precisions: tuple[str, ...] = ()   # what `specrt engines` builds (() = not built: runtime only)
     default_precisions: tuple[str, ...] = ()
     portable: bool = False             # builds the portable graph (export/portable.py)
     compiler: str | None = None        # the portable graph compiled by this TensorRT (build/tensorrt.py COMPILERS)
-    batch: bool = False                # its module has open_batch: several streams (runtime/engine.py BatchEngine)
+    batch: bool = False                # its RUNTIME has open_batch: several streams (runtime/engine.py BatchEngine)
     gpu: bool = False                  # its engines run on an NVIDIA GPU (heads beside them read hidden rows there)
+    provider: str | None = None        # the ONNX Runtime execution provider its engines need (checked before a build)
 
     @property
     def module(self) -> str:
@@ -42,7 +44,7 @@ BACKENDS = {b.name: b for b in (
     Backend("onnxruntime-portable", "the standard-op graph GPUs compile, run on the CPU (their parity reference)",
             "onnxruntime_portable", "-portable", PORTABLE_PRECISIONS, ("fp32", "fp16"), portable=True, batch=True),
     Backend("onnxruntime-cuda", "onnxruntime-gpu's CUDA EP with CUDA graphs", "onnxruntime_cuda", "-cuda",
-            PORTABLE_PRECISIONS, ("fp16",), portable=True, batch=True, gpu=True),
+            PORTABLE_PRECISIONS, ("fp16",), portable=True, batch=True, gpu=True, provider="CUDAExecutionProvider"),
     Backend("tensorrt", "serialized TensorRT engines, built on the GPU that runs them", "tensorrt", "-tensorrt",
             PORTABLE_PRECISIONS, ("fp16",), portable=True, compiler="tensorrt", batch=True, gpu=True),
     Backend("tensorrt-rtx", "TensorRT for RTX engines, compiled ahead of time on any machine for --gpu-arch",
@@ -63,6 +65,7 @@ class Compiler:
     label: str
     install: str
     ahead_of_time: bool
+    rebuild: str  # the one-line fix for an engine of its that cannot run here
 
     def require(self):
         """The compiler's module, or a one-line SpecrtError naming the package to install."""
@@ -74,11 +77,14 @@ class Compiler:
 
 TENSORRT = Compiler("tensorrt", "tensorrt", "TensorRT",
                     "TensorRT is not installed: `pip install tensorrt-cu12` (or tensorrt-cu13, matching your CUDA) on "
-                    "a machine with an NVIDIA GPU; --backend tensorrt needs it", ahead_of_time=False)
+                    "a machine with an NVIDIA GPU; --backend tensorrt needs it", ahead_of_time=False,
+                    rebuild="rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend "
+                            "tensorrt-rtx --gpu-arch for it)")
 TENSORRT_RTX = Compiler("tensorrt-rtx", "tensorrt_rtx_bindings", "TensorRT for RTX",
                         "TensorRT for RTX is not installed: `pip install 'specrt[tensorrt-rtx]'` "
                         "(tensorrt-rtx-cu13-libs and -bindings 1.7.1.116); --backend tensorrt-rtx needs it",
-                        ahead_of_time=True)
+                        ahead_of_time=True,
+                        rebuild="rebuild the engine set with `specrt engines --backend tensorrt-rtx --gpu-arch ARCHS`")
 COMPILERS = {c.backend: c for c in (TENSORRT, TENSORRT_RTX)}
 INSTALL = TENSORRT.install
 

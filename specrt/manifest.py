@@ -133,7 +133,7 @@ def engine_memory(entry: EngineEntry, root: Path) -> dict:
 
 def stream_hidden_bytes(entries) -> int:
     """With several streams on a GPU backend, what each stream adds beside its KV cache where Medusa or EAGLE heads
-    run with the target: the device copy of its slot's hidden rows the heads read (runtime/backends/cuda_batch.py,
+    run with the target: the device copy of its slot's hidden rows the heads read (runtime/backends/device/batch.py,
     max_context rows of float32)."""
     target = next((e for e in entries if e.role == "target"), None)
     backend = _BACKENDS.get(target.backend) if target is not None else None

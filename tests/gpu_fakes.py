@@ -1,5 +1,5 @@
 """What the GPU backends' tests share where no GPU is: fakes of TensorRT's engine and context that run a random
-portable graph through an ONNX Runtime CPU session at cuda_memory.HostMemory's raw addresses, compiled heads faked the
+portable graph through an ONNX Runtime CPU session at device.memory.HostMemory's raw addresses, compiled heads faked the
 same way, memory that counts what crosses to the host, and the drivers of speculation on a target and a batch
 engine on the device (test_gpu_*.py, test_medusa.py, test_eagle.py, test_tensorrt_rtx.py import them)."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from specrt.errors import SpecrtError
 from specrt.manifest import EngineEntry
-from specrt.runtime.backends.cuda_memory import HostMemory
+from specrt.runtime.backends.device.memory import HostMemory
 from specrt.runtime.static_shapes import Buckets
 
 
@@ -265,7 +265,7 @@ class CountingMemory(HostMemory):
 
 def portable_solo(path, buckets: Buckets):
     """The portable CPU backend's single-stream engine over the random graph at path (one slot of its batch engine)."""
-    from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+    from specrt.runtime.backends.onnxruntime_portable.batch import PortableBatchEngine
     from specrt.runtime.batch import solo
 
     return solo(PortableBatchEngine(path, slots=1, num_layers=2, num_kv_heads=2, head_dim=8, vocab_size=96,
@@ -379,9 +379,9 @@ def fake_batch(path: Path, backend: str, slots: int = 3):
     graph at path, in CountingMemory."""
     import onnxruntime as ort
 
-    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.device.geometry import Geometry
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
-    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.backends.tensorrt.batch import TrtBatchEngine
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     geometry = Geometry(2, 2, 8, 32, 96, 600, "fp32")

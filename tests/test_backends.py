@@ -86,6 +86,29 @@ def reference_set(tiny_engines, tmp_path_factory) -> Path:
     return root
 
 
+def test_each_backend_package_opens_what_its_descriptor_says_and_defaults_the_rest(reference_set):
+    """specrt/backends.py's `batch` flag is whether the package's RUNTIME opens batch engines (else open_batch is the
+    one-line refusal); a backend without an EAGLE head of its own runs the ONNX graph on ONNX Runtime's CPU."""
+    import importlib
+
+    from specrt.backends import BACKENDS
+    from specrt.manifest import load_manifest
+    from specrt.runtime.backends import backend
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtEagleHead
+    from specrt.runtime.backends.protocol import Runtime, one_stream
+
+    for name, b in BACKENDS.items():
+        runtime = importlib.import_module(b.module).RUNTIME
+        assert isinstance(runtime, Runtime) and (runtime.open_batch is not one_stream) == b.batch, name
+    m = load_manifest(reference_set)
+    eagle = dataclasses.replace(m.engines["eagle-fp32"], backend="reference")
+    head = backend(eagle).open_eagle(m.root, eagle)
+    assert isinstance(head, OrtEagleHead) and head.topk == eagle.eagle["topk"]
+    with pytest.raises(SpecrtError, match="the reference backend cannot run several streams at once yet; use "
+                                          "--parallel 1 or an engine set of onnxruntime, "):
+        backend(m.engine("target")).open_batch(m.root, m.engine("target"), EngineOptions(), 2)
+
+
 def test_reference_engine_is_width_exact_and_keeps_tree_branches_apart(reference_set):
     from specrt.manifest import load_manifest
     from specrt.runtime.engine import open_engine

@@ -71,7 +71,7 @@ def run_threads(session, jobs):
 def test_batched_rows_equal_passes_alone(tiny_engines):
     """The batch engine's rows (different lengths, a tree row among chains) give the logits of each pass alone."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.backends.onnxruntime_batch import open_batch
+    from specrt.runtime.backends.onnxruntime_cpu.batch import open_batch
     from specrt.runtime.engine import EngineOptions, open_engine
     from specrt.runtime.speculative import tree_inputs
 
@@ -123,7 +123,7 @@ def test_a_chunked_prefill_equals_one_pass_and_lets_the_others_decode(tiny_engin
     """A prompt read in chunks while another slot decodes: the same logits and hidden states as one pass over it,
     and the other stream's one-token passes ran between the chunks; alone, the prompt goes in one pass."""
     from specrt.manifest import load_manifest
-    from specrt.runtime.backends.onnxruntime_batch import open_batch
+    from specrt.runtime.backends.onnxruntime_cpu.batch import open_batch
     from specrt.runtime.engine import EngineOptions, open_engine
 
     m = load_manifest(tiny_engines)
@@ -610,11 +610,11 @@ def test_batch_engines_follow_the_protocol_and_their_descriptor(tiny_engines):
 
     from specrt.backends import BACKENDS
     from specrt.manifest import load_manifest
-    from specrt.runtime.backends.cuda_batch import DeviceBatchEngine
-    from specrt.runtime.backends.onnxruntime_batch import OrtBatchEngine, open_batch
+    from specrt.runtime.backends.device.batch import DeviceBatchEngine
+    from specrt.runtime.backends.onnxruntime_cpu.batch import OrtBatchEngine, open_batch
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
-    from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
-    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.backends.onnxruntime_portable.batch import PortableBatchEngine
+    from specrt.runtime.backends.tensorrt.batch import TrtBatchEngine
     from specrt.runtime.engine import BatchEngine, EngineOptions
 
     for name, b in BACKENDS.items():

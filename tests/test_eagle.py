@@ -377,7 +377,7 @@ def _eagle_on(root, tree: bool, on_device: bool, backend: str):
     from gpu_fakes import CountingMemory, HostEagleEngine
 
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
-    from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
+    from specrt.runtime.backends.tensorrt.heads import TrtEagleHead
     from specrt.runtime.proposers.eagle import Eagle
 
     dims = dict(name="eagle-fp32", hidden=32, kv_heads=2, head_dim=8, topk=8)
@@ -507,7 +507,7 @@ def test_eagle_streams_in_a_batch_keep_their_features_on_the_device(fake_gpu_eag
 def test_device_feature_rows_are_gathered_and_refused_when_overwritten():
     """rows_plan packs rows that follow each other at their source into one copy; DeviceRows keep the epoch of
     the call whose outputs they are, and a joined level of mixed epochs is refused by a head."""
-    from specrt.runtime.backends.cuda_memory import DeviceRows, rows_plan
+    from specrt.runtime.backends.device.memory import DeviceRows, rows_plan
 
     plan = rows_plan(5000, 16, [100, 116, 132, 300, 100])
     assert [(c.dst, c.src, c.width) for c in plan] == [(5000, 100, 48), (5048, 300, 16), (5064, 100, 16)]
@@ -525,8 +525,8 @@ def test_the_cuda_ep_head_drafts_what_the_cpu_head_does(fake_gpu_eagle):
     chunks), chain steps and a tree level, and after its cache is saved and loaded back."""
     import onnxruntime as ort
 
-    from specrt.runtime.backends.cuda_memory import HostMemory
-    from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
+    from specrt.runtime.backends.device.memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtEagleHead
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaEagleHead
     from gpu_fakes import eagle_heads_agree
 
@@ -553,7 +553,7 @@ def test_an_onnxruntime_cuda_sets_eagle_head_opens_on_the_cuda_ep(fake_gpu_eagle
     from specrt.errors import SpecrtError
     from specrt.manifest import EngineEntry
     from specrt.runtime.backends import onnxruntime_cuda
-    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.device.memory import HostMemory
     from specrt.runtime.engine import open_eagle
 
     entry = EngineEntry(name="eagle-fp32", role="eagle", file="eagle.onnx", backend="onnxruntime-cuda",

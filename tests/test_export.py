@@ -15,7 +15,7 @@ def _engine_for(tmp_path, arch, seed):
     from specrt.build.ort import build_ort_engine, precision
     from specrt.export.exporter import export_checkpoint
     from specrt.export.sources import resolve
-    from specrt.runtime.backends.onnxruntime_batch import OrtBatchEngine
+    from specrt.runtime.backends.onnxruntime_cpu.batch import OrtBatchEngine
     from specrt.runtime.batch import solo
 
     ckpt = make_checkpoint(tmp_path / arch, arch, seed=seed)

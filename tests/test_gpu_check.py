@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specrt.runtime.backends import cuda_memory
+from specrt.runtime.backends.device import memory as cuda_memory
 from gpu_fakes import REPO
 
 

@@ -1,5 +1,5 @@
 """The device copies of the GPU backends (relayout across capacity buckets, tree commits): planned by pure functions
-and run on cuda_memory.HostMemory, which refuses overlapping copies, against static_shapes and numpy."""
+and run on device.memory.HostMemory, which refuses overlapping copies, against static_shapes and numpy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specrt.interface import KV_KINDS
-from specrt.runtime.backends.cuda_memory import Copy2D, DeviceCache, HostMemory, commit_plan, relayout_plan
+from specrt.runtime.backends.device.memory import Copy2D, DeviceCache, HostMemory, commit_plan, relayout_plan
 from specrt.runtime.static_shapes import relayout
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.runtime.backends.cuda_memory import HostMemory
+from specrt.runtime.backends.device.memory import HostMemory
 from specrt.runtime.static_shapes import Buckets
 from gpu_fakes import FakeTrtEngine, GraphRecordingSession, gpu_entry, one_line, portable_solo, random_portable
 
@@ -23,9 +23,9 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
     a larger capacity, and a rewind. Same graph and inputs: equal outputs."""
     import onnxruntime as ort
 
-    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.device.geometry import Geometry
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
-    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.backends.tensorrt.batch import TrtBatchEngine
     from specrt.runtime.batch import solo
 
     path = tmp_path / "target-fp32.onnx"
@@ -42,7 +42,7 @@ def test_the_gpu_engine_classes_equal_the_portable_cpu_backend(tmp_path, backend
         assert [c.strategy for c in fake.contexts] == ["USER_MANAGED"] * 2
         assert fake.contexts[0].scratch == fake.contexts[1].scratch == (eng.batch._trt.scratch, 4096)
     elif backend == "tensorrt-rtx":  # the same engine class, its contexts made from TensorRT for RTX's config
-        from specrt.runtime.backends.tensorrt import RuntimeCache
+        from specrt.runtime.backends.tensorrt.rtx import RuntimeCache
 
         fake, config = FakeTrtEngine(session), object()
         saved = []
@@ -136,7 +136,7 @@ def test_onnxruntime_cuda_graph_runs_warm_up_and_stay_on_one_thread(tmp_path, fa
     why, and the pass runs again uncaptured. Outputs equal the portable CPU backend's either way."""
     import onnxruntime as ort
 
-    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.device.geometry import Geometry
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
     from specrt.runtime.batch import solo
 
@@ -174,7 +174,7 @@ def test_onnxruntime_cuda_graph_runs_warm_up_and_stay_on_one_thread(tmp_path, fa
 
 
 def test_tensorrt_buckets_follow_the_engine_profile():
-    from specrt.runtime.backends.tensorrt import trt_buckets
+    from specrt.runtime.backends.tensorrt.engine import trt_buckets
 
     class Engine:
         def __init__(self, static: int):
@@ -195,7 +195,7 @@ def test_tensorrt_io_is_checked_against_the_buffers():
     """An engine tensor without a buffer, or a cache in another precision than the entry's, is one line at open."""
     from types import SimpleNamespace
 
-    from specrt.runtime.backends.tensorrt import check_io
+    from specrt.runtime.backends.tensorrt.engine import check_io
 
     class Engine:
         def __init__(self, names, cache):
@@ -221,17 +221,18 @@ def test_a_tensorrt_engine_of_another_version_or_gpu_is_refused(tmp_path, monkey
     import sys
     import types
 
-    from specrt.runtime.backends import tensorrt as backend
+    from specrt.runtime.backends.tensorrt import engine as backend
+    from specrt.runtime.engine import open_engine
 
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.16.0.1"))
     monkeypatch.setattr(backend, "require_device", lambda name: None)
     monkeypatch.setattr(backend, "compute_capability", lambda device=0: "9.0")
     (tmp_path / "t.engine").write_bytes(b"")
     with pytest.raises(SpecrtError) as e:
-        backend.open_engine(tmp_path, gpu_entry("tensorrt", "t.engine", build={"tensorrt": "10.15.1.29"}))
+        open_engine(tmp_path, gpu_entry("tensorrt", "t.engine", build={"tensorrt": "10.15.1.29"}))
     assert "built with TensorRT 10.15.1.29, this is 10.16.0.1" in one_line(e) and "--backend tensorrt" in str(e.value)
     with pytest.raises(SpecrtError) as e:
-        backend.open_engine(tmp_path, gpu_entry("tensorrt", "t.engine",
+        open_engine(tmp_path, gpu_entry("tensorrt", "t.engine",
                                              build={"tensorrt": "10.16.0.1", "compute_capability": "8.9"}))
     assert "built for compute capability 8.9, this GPU is 9.0" in one_line(e)
 
@@ -245,10 +246,10 @@ def test_the_gpu_batch_engines_equal_the_portable_cpu_batch_engine(tmp_path, bac
     snapshot restored over another sequence. Same graph and inputs: the same outputs and cache rows."""
     import onnxruntime as ort
 
-    from specrt.runtime.backends.cuda_engine import Geometry
+    from specrt.runtime.backends.device.geometry import Geometry
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaBatchEngine
-    from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
-    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.backends.onnxruntime_portable.batch import PortableBatchEngine
+    from specrt.runtime.backends.tensorrt.batch import TrtBatchEngine
     from specrt.runtime.batch import PassRow
     from specrt.runtime.engine import tree_moves
 
@@ -357,8 +358,8 @@ def test_a_tensorrt_batch_engine_refuses_slots_off_the_256_byte_boundary(tmp_pat
     multiple of 256 bytes (build/tensorrt.py rounds the capacity so none is) cannot bind a prefill at its slot."""
     import onnxruntime as ort
 
-    from specrt.runtime.backends.cuda_engine import Geometry
-    from specrt.runtime.backends.tensorrt_batch import TrtBatchEngine
+    from specrt.runtime.backends.device.geometry import Geometry
+    from specrt.runtime.backends.tensorrt.batch import TrtBatchEngine
 
     path = tmp_path / "target-fp32.onnx"
     random_portable(path)

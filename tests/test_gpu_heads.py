@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.runtime.backends.cuda_memory import HostMemory
+from specrt.runtime.backends.device.memory import HostMemory
 from gpu_fakes import batch_hidden_fetched, fake_batch, random_heads, random_portable
 
 
@@ -17,7 +17,7 @@ def test_ort_cuda_heads_read_the_hidden_row_by_address_as_the_cpu_heads_read_it(
     import onnxruntime as ort
 
     from specrt.export.medusa import export_heads_onnx
-    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtHeads
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaHeads
 
     rng = np.random.default_rng(3)

@@ -10,7 +10,7 @@ import pytest
 
 from specrt.errors import SpecrtError
 from specrt.interface import PORTABLE_CACHE_DIMS, PORTABLE_INPUTS, past_name, portable_signature
-from specrt.runtime.backends import cuda_memory
+from specrt.runtime.backends.device import memory as cuda_memory
 from specrt.runtime.engine import EngineOptions, open_engine
 from gpu_fakes import gpu_entry, has_module, identity_model, one_line, random_portable
 

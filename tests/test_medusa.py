@@ -401,7 +401,7 @@ def test_ceiling_medusa_replay_equals_the_loop(medusa_gen, replay, tiny_heads, t
     set's trained heads."""
     from experiments.ceiling import medusa_ranks, onnx_heads, replay_tree, tree_accepts
     from specrt.export.medusa import export_heads_onnx, load_heads
-    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtHeads
     from specrt.runtime.proposers.medusa import Medusa
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.speculative import FixedK, speculative_decode
@@ -535,9 +535,9 @@ def test_heads_beside_either_gpu_backends_target_keep_its_hidden_states_on_the_d
                                    speculate)
 
     from specrt.export.medusa import export_heads_onnx
-    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.device.memory import HostMemory
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaHeads
-    from specrt.runtime.backends.tensorrt_heads import TrtHeads
+    from specrt.runtime.backends.tensorrt.heads import TrtHeads
     from specrt.runtime.proposers.medusa import Medusa
 
     random_portable(tmp_path / "target-fp32.onnx")
@@ -588,9 +588,9 @@ def test_heads_on_the_device_read_each_batched_streams_own_rows(tmp_path, backen
                                    fake_target, plain, random_heads, speculate, speculate_batch)
 
     from specrt.export.medusa import export_heads_onnx
-    from specrt.runtime.backends.cuda_memory import HostMemory
+    from specrt.runtime.backends.device.memory import HostMemory
     from specrt.runtime.backends.onnxruntime_cuda import OrtCudaHeads
-    from specrt.runtime.backends.tensorrt_heads import TrtHeads
+    from specrt.runtime.backends.tensorrt.heads import TrtHeads
     from specrt.runtime.batch_session import _Shared
     from specrt.runtime.proposers.medusa import Medusa
 

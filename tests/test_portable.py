@@ -1,4 +1,4 @@
-"""The portable graph (export/portable.py) and its CPU backend (runtime/backends/onnxruntime_portable.py): the same
+"""The portable graph (export/portable.py) and its CPU backend (runtime/backends/onnxruntime_portable/): the same
 tokens as today's graph, width-exact, trees kept apart, the padded static-shape protocol equal to unpadded passes,
 standard ONNX ops inside onnx-tensorrt's operator table, and `specrt engines --backend` refusing what it cannot do."""
 
@@ -24,7 +24,7 @@ def _engine(root: Path, precision: str = "fp32", buckets: Buckets | None = None)
     m = load_manifest(root)
     e = open_engine(m.root, m.engine("target", precision))
     if buckets is not None:  # the same engine under another bucketing
-        from specrt.runtime.backends.onnxruntime_portable_batch import PortableBatchEngine
+        from specrt.runtime.backends.onnxruntime_portable.batch import PortableBatchEngine
         from specrt.runtime.batch import solo
 
         entry = m.engine("target", precision)

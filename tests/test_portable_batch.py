@@ -1,4 +1,4 @@
-"""Several streams at once over the portable graph (runtime/backends/onnxruntime_portable_batch.py): every row of a
+"""Several streams at once over the portable graph (runtime/backends/onnxruntime_portable/batch.py): every row of a
 round in one call padded to the widest (drafts' verifications beside one-token passes), idle slots padded past what
 they hold, the cache layout following the longest sequence, and each stream's output its output alone."""
 

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specrt.build.screen import add_screen, bounds
 from specrt.export.graph import read_initializers
-from specrt.runtime.backends.onnxruntime_cpu import screen_unusable
+from specrt.runtime.backends.onnxruntime_cpu.session import screen_unusable
 
 
 def _lm_head_model(rows: np.ndarray, tied: bool):

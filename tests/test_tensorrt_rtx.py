@@ -266,12 +266,13 @@ def _rtx_entry(tmp_path, **build):
     ("8.9", {"compiler": "tensorrt"}, "was compiled by TensorRT, and its entry names the tensorrt-rtx backend"),
 ])
 def test_an_engine_for_another_gpu_or_version_is_refused(tmp_path, monkeypatch, here, build, says):
-    from specrt.runtime.backends import tensorrt as backend
+    from specrt.runtime.backends.tensorrt import engine as backend
+    from specrt.runtime.engine import open_engine
 
     monkeypatch.setattr(backend, "require_device", lambda name: None)
     monkeypatch.setattr(backend, "compute_capability", lambda device=0: here)
     with pytest.raises(SpecrtError) as e:
-        backend.open_engine(tmp_path, _rtx_entry(tmp_path, **build))
+        open_engine(tmp_path, _rtx_entry(tmp_path, **build))
     assert says in _one_line(e)
     if here == "9.0":
         assert "--backend tensorrt" in str(e.value)
@@ -280,7 +281,7 @@ def test_an_engine_for_another_gpu_or_version_is_refused(tmp_path, monkeypatch, 
 def test_the_library_header_check_is_one_line_with_its_reasons(tmp_path):
     import tensorrt_rtx_bindings as trt
 
-    from specrt.runtime.backends.tensorrt import check_validity
+    from specrt.runtime.backends.tensorrt.rtx import check_validity
 
     D = trt.EngineInvalidityDiagnostics
     runtime = types.SimpleNamespace(engine_header_size=64, get_engine_validity=lambda b: (
@@ -331,7 +332,7 @@ def test_the_runtime_config_and_its_cache_file(tmp_path):
     cache read from its file (a file of another machine is dropped) and written back whole at close."""
     import tensorrt_rtx_bindings as trt
 
-    from specrt.runtime.backends.tensorrt import RuntimeCache, rtx_runtime_config
+    from specrt.runtime.backends.tensorrt.rtx import RuntimeCache, rtx_runtime_config
 
     path = tmp_path / ".cache" / "tensorrt-rtx" / "runtime.bin"
     engine = types.SimpleNamespace(create_runtime_config=FakeRuntimeConfig)
@@ -368,9 +369,9 @@ def test_compiled_heads_on_the_device_propose_what_the_onnx_heads_do(tmp_path, t
     """TrtHeads (every buffer in HostMemory, TensorRT faked by a session of the same graph at the addresses it was
     given) against OrtHeads on the CPU: the same candidates for every row, with and without the token input."""
     from specrt.export.medusa import export_heads_onnx
-    from specrt.runtime.backends.cuda_memory import HostMemory
-    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
-    from specrt.runtime.backends.tensorrt_heads import TrtHeads
+    from specrt.runtime.backends.device.memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtHeads
+    from specrt.runtime.backends.tensorrt.heads import TrtHeads
 
     hidden, vocab = 64, 384
     rng = np.random.default_rng(3)
@@ -401,9 +402,9 @@ def test_the_compiled_eagle_head_on_the_device_drafts_what_the_onnx_head_does(ti
 
     from specrt.build.tensorrt import fix_capacity
     from specrt.export.eagle import HeadShape, export_eagle_onnx
-    from specrt.runtime.backends.cuda_memory import HostMemory
-    from specrt.runtime.backends.onnxruntime_cpu import OrtEagleHead
-    from specrt.runtime.backends.tensorrt_heads import TrtEagleHead
+    from specrt.runtime.backends.device.memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtEagleHead
+    from specrt.runtime.backends.tensorrt.heads import TrtEagleHead
 
     config = AutoConfig.from_pretrained(str(tiny_dir))
     shape = HeadShape.of(config)
@@ -509,10 +510,10 @@ def test_the_runtime_opens_a_tensorrt_sets_compiled_heads_on_the_device(tensorrt
 
     from specrt.build.tensorrt import fix_capacity
     from specrt.manifest import EngineEntry
-    from specrt.runtime.backends import tensorrt as backend
-    from specrt.runtime.backends import tensorrt_heads
-    from specrt.runtime.backends.cuda_memory import HostMemory
-    from specrt.runtime.backends.onnxruntime_cpu import OrtHeads
+    from specrt.runtime.backends.tensorrt import engine as backend
+    from specrt.runtime.backends.tensorrt import heads as tensorrt_heads
+    from specrt.runtime.backends.device.memory import HostMemory
+    from specrt.runtime.backends.onnxruntime_cpu.heads import OrtHeads
     from specrt.runtime.engine import open_eagle, open_heads
 
     path, _, graphs, _ = tensorrt_heads_set
@@ -529,8 +530,10 @@ def test_the_runtime_opens_a_tensorrt_sets_compiled_heads_on_the_device(tensorrt
             pass
 
     runtime = SimpleNamespace(deserialize_cuda_engine=lambda blob: fakes[bytes(blob)]())
+    strategies = SimpleNamespace(USER_MANAGED="USER_MANAGED")
     monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__=tensorrt_rtx_bindings.__version__,
-                                                                 Logger=Logger, Runtime=lambda logger: runtime))
+                                                                 Logger=Logger, Runtime=lambda logger: runtime,
+                                                                 ExecutionContextAllocationStrategy=strategies))
     monkeypatch.setattr(backend, "require_device", lambda name: None)
     monkeypatch.setattr(backend, "compute_capability", lambda device=0: "8.9")
     monkeypatch.setattr(tensorrt_heads, "on_own_memory", lambda make: make(HostMemory()))

@@ -90,7 +90,7 @@ def test_choose_tree_takes_the_smallest_tree_within_noise_of_the_best():
 
 def _solo(root, e, hidden: bool = False):
     """A single-stream ONNX Runtime CPU engine of manifest entry e (one slot of its batch engine), screen off."""
-    from specrt.runtime.backends.onnxruntime_batch import OrtBatchEngine
+    from specrt.runtime.backends.onnxruntime_cpu.batch import OrtBatchEngine
     from specrt.runtime.batch import solo
 
     eng = solo(OrtBatchEngine(root / e.file, slots=1, num_layers=e.num_layers, num_kv_heads=e.num_kv_heads,

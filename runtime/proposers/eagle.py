@@ -26,7 +26,7 @@ class Eagle(HeldTokens, Proposer):
 
     def __init__(self, head, max_tokens: int = 6, tree: bool = False, beam: int = 6, nodes: int = 16,
                  max_context: int | None = None, pass_cost=None):
-        """head: an EAGLE head engine (runtime/backends/onnxruntime_cpu.OrtEagleHead); max_tokens: the deepest
+        """head: an EAGLE head engine (backends/onnxruntime_cpu/heads.OrtEagleHead); max_tokens: the deepest
         chain or tree; tree: EAGLE-2's dynamic tree of at most `nodes` nodes, `beam` expanded per level.
         pass_cost: the target's pass seconds by width ([[width, seconds], ...], measured at build): each round
         then verifies the number of nodes that maximises expected tokens per second, the nodes' cumulative draft

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, COMPILERS, TENSORRT
 from .commands import Command, Group
 from ..errors import SpecrtError
 from .model_flags import (DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_ENGINES, backend_option, eagle_head_option,
@@ -209,7 +209,7 @@ def info(engines_dir: Path = typer.Argument(DEFAULT_ENGINES, help="Engine set fo
     for e in m.engines.values():  # what a TensorRT compiler made of each graph
         b = e.build or {}
         if b.get("compiler") or b.get("tensorrt"):
-            label = {"tensorrt-rtx": "TensorRT for RTX"}.get(b.get("compiler"), "TensorRT")
+            label = COMPILERS.get(b.get("compiler"), TENSORRT).label
             where = (f"for {', '.join(b['gpu_archs'])}" if b.get("gpu_archs") else
                      f"on compute capability {b.get('compute_capability')}")
             console.print(f"compiled: {e.name} by {label} {b.get('version', b.get('tensorrt'))} {where}: "
@@ -243,8 +243,8 @@ def parity(
     if not entry.file.endswith(".onnx"):
         raise SpecrtError(f"engine '{entry.name}' is a {entry.backend} engine, not an ONNX graph; run parity on "
                           "the onnxruntime-portable set built from the same source")
-    if entry.backend == "onnxruntime":
-        raise SpecrtError(f"'{engines_dir}' holds onnxruntime (contrib-op) engines; build the portable set with "
+    if not BACKENDS[entry.backend].portable:
+        raise SpecrtError(f"'{engines_dir}' holds {entry.backend} (contrib-op) engines; build the portable set with "
                           "`specrt engines --backend onnxruntime-portable` and check that")
     feeds = protocol_feeds(m.root / entry.file, entry, np.arange(1, 33) % entry.vocab_size)
     if save_inputs is not None:
@@ -285,7 +285,7 @@ def _screen_status(entry: dict) -> str:
     facts = entry.get("screen")
     if not facts:
         return "-"
-    from ..runtime.backends.onnxruntime_cpu import screen_unusable
+    from ..runtime.backends.onnxruntime_cpu.session import screen_unusable
 
     why = screen_unusable(facts, entry.get("build_versions"))
     check = facts.get("check") or {}

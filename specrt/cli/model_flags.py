@@ -7,12 +7,11 @@ from pathlib import Path
 
 import typer
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, DEFAULT_BACKEND, DEFAULT_CONTEXT
 from ..cache_dir import CACHE_RULE, cache_root
 from ..errors import SpecrtError
 
 DEFAULT_ENGINES = Path("engines/smollm2-135m")
-DEFAULT_BACKEND, DEFAULT_CONTEXT = "onnxruntime", 4096
 MODEL_PANEL = "Build from --model (first use only)"
 
 

@@ -28,7 +28,7 @@ def on_gpu(backend: str) -> bool:
     Elsewhere eagle-int8 runs on ONNX Runtime's CPU provider."""
     from ..backends import BACKENDS
 
-    return BACKENDS[backend].compiler is not None or backend == "onnxruntime-cuda"
+    return BACKENDS[backend].gpu
 
 
 def check_head(head_path: Path) -> None:

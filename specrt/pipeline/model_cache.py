@@ -9,10 +9,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, DEFAULT_CONTEXT
 from ..cache_dir import cache_root
 from ..errors import SpecrtError
-from ..cli.model_flags import DEFAULT_CONTEXT
 from .orchestrate import (EngineSetRequest, _say, check_request, default_eagle, default_heads, heads_file,
                           make_engine_set)
 

@@ -20,7 +20,6 @@ from ..errors import SpecrtError
 from ..interface import (ATTENTION_MASK, INPUT_IDS, KV_KINDS, LOGITS_INDICES, PORTABLE_DTYPES, POSITION_IDS,
                          WRITE_INDICES, past_name, present_name)
 
-RUNNERS = ("onnxrt-cpu", "onnxrt-cpu-basic", "onnxrt-cuda", "tensorrt")
 VERIFY_WIDTH = 4
 
 
@@ -60,31 +59,41 @@ def protocol_feeds(onnx_path: Path, entry, prompt: np.ndarray, capacity: int = 2
     return [prefill, prefill_feed(entry, np.resize(prompt[-W:], W), capacity, cache, n, W)]
 
 
-def _runner(name: str, onnx_path: Path):
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+def _onnxrt(providers: list[str], basic: bool = False):
+    """A Polygraphy ONNX Runtime runner factory on these providers (basic: graph optimizations at BASIC only)."""
 
-    import onnxruntime as ort
+    def make(name: str, path: str):
+        from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
-    path = str(onnx_path)
-    if name == "onnxrt-cpu":
-        return OnnxrtRunner(SessionFromOnnx(path, providers=["CPUExecutionProvider"]), name=name)
-    if name == "onnxrt-cpu-basic":
-        basic = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        return OnnxrtRunner(SessionFromOnnx(path, providers=["CPUExecutionProvider"], graph_optimization_level=basic),
-                            name=name)
-    if name == "onnxrt-cuda":
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise SpecrtError("runner onnxrt-cuda needs onnxruntime-gpu with CUDA; this onnxruntime has "
+        import onnxruntime as ort
+
+        if not set(providers) <= set(ort.get_available_providers()):
+            raise SpecrtError(f"runner {name} needs onnxruntime-gpu with CUDA; this onnxruntime has "
                               f"{', '.join(ort.get_available_providers())}")
-        return OnnxrtRunner(SessionFromOnnx(path, providers=["CUDAExecutionProvider"]), name=name)
-    if name == "tensorrt":
-        from ..build.tensorrt import require_tensorrt
+        level = {"graph_optimization_level": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC} if basic else {}
+        return OnnxrtRunner(SessionFromOnnx(path, providers=providers, **level), name=name)
 
-        require_tensorrt()
-        from polygraphy.backend.trt import EngineFromNetwork, NetworkFromOnnxPath, TrtRunner
+    return make
 
-        return TrtRunner(EngineFromNetwork(NetworkFromOnnxPath(path, strongly_typed=True)), name=name)
-    raise SpecrtError(f"unknown parity runner '{name}'; choose from {', '.join(RUNNERS)}")
+
+def _tensorrt(name: str, path: str):
+    from ..build.tensorrt import require_tensorrt
+
+    require_tensorrt()
+    from polygraphy.backend.trt import EngineFromNetwork, NetworkFromOnnxPath, TrtRunner
+
+    return TrtRunner(EngineFromNetwork(NetworkFromOnnxPath(path, strongly_typed=True)), name=name)
+
+
+MAKERS = {"onnxrt-cpu": _onnxrt(["CPUExecutionProvider"]), "onnxrt-cpu-basic": _onnxrt(["CPUExecutionProvider"], True),
+          "onnxrt-cuda": _onnxrt(["CUDAExecutionProvider"]), "tensorrt": _tensorrt}  # each runner's factory
+RUNNERS = tuple(MAKERS)
+
+
+def _runner(name: str, onnx_path: Path):
+    if name not in MAKERS:
+        raise SpecrtError(f"unknown parity runner '{name}'; choose from {', '.join(RUNNERS)}")
+    return MAKERS[name](name, str(onnx_path))
 
 
 def compare(onnx_path: Path, feeds: list[dict], runners=("onnxrt-cpu", "onnxrt-cpu-basic"), atol: float = 1e-3,

@@ -46,7 +46,7 @@ def check_backend(backend: str, precisions: tuple[str, ...], gpu_archs: tuple[st
     if gpu_archs is not None and not ahead_of_time(backend):
         raise SpecrtError(f"--gpu-arch is for --backend tensorrt-rtx, which compiles ahead of time; {backend} "
                           "builds for the machine it runs on: drop --gpu-arch")
-    if backend == "onnxruntime":
+    if not b.portable:  # ONNX Runtime's contrib-op graphs: their precisions are check_request's (orchestrate.py)
         return ()
     bad = [p for p in precisions if p not in b.precisions]
     if bad:
@@ -59,11 +59,11 @@ def check_backend(backend: str, precisions: tuple[str, ...], gpu_archs: tuple[st
         compiler.require()
         if compiler.ahead_of_time:
             return check_gpu_archs(DEFAULT_GPU_ARCHS if gpu_archs is None else gpu_archs, precisions)
-    elif backend == "onnxruntime-cuda":
+    elif b.provider is not None:
         import onnxruntime as ort
 
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise SpecrtError("--backend onnxruntime-cuda needs onnxruntime-gpu with CUDA, and this onnxruntime "
+        if b.provider not in ort.get_available_providers():
+            raise SpecrtError(f"--backend {backend} needs onnxruntime-gpu with CUDA, and this onnxruntime "
                               f"has only {', '.join(ort.get_available_providers())}; `pip install onnxruntime-gpu` "
                               "on a machine with an NVIDIA GPU, or build --backend onnxruntime-portable for the CPU")
     return ()

@@ -49,7 +49,7 @@ exec(SHIM)
 
 def gpus() -> tuple[int, str]:
     """(CUDA devices, why none): cuda-bindings first, then torch."""
-    from specrt.runtime.backends.cuda_memory import device_count
+    from specrt.runtime.backends.device.memory import device_count
 
     n, why = device_count()
     if n:
@@ -183,7 +183,7 @@ def tensorrt_entry(entry: dict, out: Path) -> dict:
 def tensorrt_rtx_entry(entry: dict, out: Path) -> dict | None:
     """None for a precision TensorRT for RTX does not compile for this GPU (fp8 before Ada, ...): left out."""
     from specrt.build.tensorrt import ARCH_LACKS, TENSORRT_RTX, build_engine
-    from specrt.runtime.backends.cuda_memory import compute_capability
+    from specrt.runtime.backends.device.memory import compute_capability
 
     engine = out / (Path(entry["file"]).stem + ".engine")
     arch = "sm" + compute_capability(0).replace(".", "")
@@ -402,7 +402,7 @@ def run(args, table: Table, work: Path, budget: Budget) -> None:
 
     def make_rtx():
         from specrt.build.tensorrt import GPU_ARCHS
-        from specrt.runtime.backends.cuda_memory import compute_capability
+        from specrt.runtime.backends.device.memory import compute_capability
 
         try:
             import tensorrt_rtx_bindings  # noqa: F401

@@ -1,4 +1,4 @@
-"""What both GPU backends share besides their batch engine (cuda_batch.py, which a single stream runs on too: its
+"""What both GPU backends share besides their batch engine (device/batch.py, which a single stream runs on too: its
 one slot): the geometry of the decoder a backend lays its buffers out for, whether to capture CUDA graphs, and the
 widest pass an engine takes.
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import PORTABLE_DTYPES
+from ....errors import SpecrtError
+from ....interface import PORTABLE_DTYPES
 
 GRAPHS_ENV = "SPECRT_CUDA_GRAPHS"
 

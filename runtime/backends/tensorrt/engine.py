@@ -1,7 +1,7 @@
-"""The TensorRT backends (tensorrt and tensorrt-rtx, one code): a serialized engine of the portable graph
-(build/tensorrt.py) with one CUDA graph per (pass width, cache capacity).
+"""A serialized TensorRT engine opened after every check that it runs here (load_engine, deserialize), the two
+execution contexts on its profiles (TrtContexts), and the buffers a device batch engine binds (buffer_addresses).
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/tensorrt.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/tensorrt/".
 """
 
 from __future__ import annotations
@@ -10,60 +10,58 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
+from ....errors import SpecrtError
+from ....interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
                           POSITION_IDS, WRITE_INDICES, past_name, present_name)
-from ..engine import EngineOptions
-from ..static_shapes import Buckets
-from .cuda_engine import Geometry
-from .cuda_memory import CudaMemory, check, compute_capability, cudart, require_device
-from .tensorrt_rtx import (REBUILD, RuntimeCache, _rebuild, check_targets, check_validity,  # noqa: F401
-                           rtx_runtime_config, runtime_cache_path)
+from ...static_shapes import Buckets
+from ..device.geometry import Geometry
+from ..device.memory import CudaMemory, check, compute_capability, cudart, require_device
+from .rtx import REBUILD, RuntimeCache, check_targets, check_validity, rebuild, rtx_runtime_config, runtime_cache_path
 
 PREFILL, DECODE = 0, 1  # optimization profiles, in the order build/tensorrt.py adds them
 
 
 def import_tensorrt():
     """The tensorrt module, or a one-line SpecrtError on how to install it (the same as build/tensorrt.py's)."""
-    from ...backends import TENSORRT
+    from ....backends import TENSORRT
 
     return TENSORRT.require()
 
 
-def _deserialize(root: Path, entry):
+def deserialize(root: Path, entry):
     """(engine, buckets, max_prompt, what must outlive it, the contexts' allocation strategy, TensorRT for RTX's
     runtime config or None) of a manifest entry's serialized decoder engine, after every check that it runs here
-    (_load's) and of its profiles."""
-    engine, keep, strategy, config = _load(root, entry)
+    (load_engine's) and of its profiles."""
+    engine, keep, strategy, config = load_engine(root, entry)
     path = Path(root) / entry.file
     if engine.num_optimization_profiles != 2:
         raise SpecrtError(f"engine '{path}' has {engine.num_optimization_profiles} optimization profiles, not the "
-                          f"prefill and decode ones build/tensorrt.py makes; {_rebuild(entry)}")
+                          f"prefill and decode ones build/tensorrt.py makes; {rebuild(entry)}")
     max_prompt = engine.get_tensor_profile_shape(INPUT_IDS, PREFILL)[2][1]
     max_width = engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][1]
     buckets = trt_buckets(engine, entry.max_context, max_width, f"engine '{path}'")
     return engine, buckets, max_prompt, keep, strategy, config
 
 
-def _load(root: Path, entry):
+def load_engine(root: Path, entry):
     """(engine, what must outlive it, the contexts' allocation strategy, TensorRT for RTX's runtime config or None)
     of a manifest entry's serialized engine, after every check that it runs here: the compiler, a GPU, the compiler
     version and the GPU architecture it was built for (TensorRT for RTX: and its own header check)."""
-    from ...backends import COMPILERS, TENSORRT
+    from ....backends import BACKENDS, COMPILERS
 
-    compiler = COMPILERS.get(entry.backend, TENSORRT)
+    compiler = COMPILERS[BACKENDS[entry.backend].compiler]
     trt = compiler.require()
     require_device(entry.backend)
     built = entry.build or {}  # the pipeline's provisional entries (checks before the manifest) record nothing
     if built.get("compiler") not in (None, compiler.backend):  # each compiler's engines run only under it
         made = COMPILERS.get(built["compiler"], compiler).label
         raise SpecrtError(f"engine '{entry.name}' was compiled by {made}, and its entry names the {entry.backend} "
-                          f"backend ({compiler.label}); {_rebuild(entry)}")
+                          f"backend ({compiler.label}); {rebuild(entry)}")
     version = built.get("version", built.get("tensorrt"))
     if version not in (None, trt.__version__):
         raise SpecrtError(f"engine '{entry.name}' was built with {compiler.label} {version}, this is "
                           f"{trt.__version__}, and serialized engines run only under their own version; "
-                          f"{_rebuild(entry)}")
+                          f"{rebuild(entry)}")
     here = compute_capability(0)
     if compiler.ahead_of_time:
         check_targets(entry, here)
@@ -79,18 +77,13 @@ def _load(root: Path, entry):
     engine = runtime.deserialize_cuda_engine(blob)
     if engine is None:
         raise SpecrtError(f"{compiler.label} cannot deserialize engine '{path}' (see its log above); "
-                          f"{_rebuild(entry)}")
+                          f"{rebuild(entry)}")
     config, cache = None, None
     if compiler.ahead_of_time:
         cache = RuntimeCache(trt, runtime_cache_path(Path(root), entry.name, trt.__version__, here))
         config = rtx_runtime_config(trt, engine, cache)
-    return engine, (logger, runtime, cache), shared_scratch(trt), config
-
-
-def shared_scratch(trt):
-    """The allocation strategy under which the two contexts share one scratch buffer (USER_MANAGED; they run one
-    after the other on one stream), or None where this TensorRT has none: then each context sizes its own."""
-    return getattr(getattr(trt, "ExecutionContextAllocationStrategy", None), "USER_MANAGED", None)
+    # the two contexts share one scratch buffer (USER_MANAGED): they run one after the other on one stream
+    return engine, (logger, runtime, cache), trt.ExecutionContextAllocationStrategy.USER_MANAGED, config
 
 
 def on_own_memory(make):
@@ -101,15 +94,6 @@ def on_own_memory(make):
     except BaseException:
         memory.close()
         raise
-
-
-def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()):
-    """The TensorRT engine of a manifest entry (engine.open_engine's TensorRT half): a single stream, slot 0 of a
-    batch engine of one slot (tensorrt_batch.py) whose passes run at once (batch.DeviceSoloEngine)."""
-    from ..batch import solo
-    from .tensorrt_batch import open_batch as open_
-
-    return solo(open_(root, entry, options, 1))
 
 
 def trt_buckets(engine, max_context: int, max_width: int, what: str) -> Buckets:
@@ -137,7 +121,7 @@ def check_io(engine, addresses: dict[str, int], cache_dtype, name: str) -> None:
     unbound = [t for t in tensors if t not in addresses]
     if unbound:
         raise SpecrtError(f"engine '{name}' has a tensor '{unbound[0]}' this specrt does not bind; {REBUILD}")
-    have = getattr(engine.get_tensor_dtype(past_name(0, "key")), "name", None)
+    have = engine.get_tensor_dtype(past_name(0, "key")).name
     want = TRT_DTYPES.get(np.dtype(cache_dtype).name)
     if have != want:
         raise SpecrtError(f"engine '{name}' keeps its cache in {have}, its manifest entry says {want}; {REBUILD}")
@@ -145,7 +129,7 @@ def check_io(engine, addresses: dict[str, int], cache_dtype, name: str) -> None:
 
 class TrtContexts:
     """An engine's two execution contexts (prefill, decode), each kept on its own profile, every tensor address set
-    at open, sharing one scratch buffer where `strategy` (shared_scratch) allows; the shapes each is set for, and
+    at open, sharing one scratch buffer where `strategy` (USER_MANAGED) allows; the shapes each is set for, and
     the CUDA graphs captured on them by key. note: why capture stopped (None while it works). runtime_config:
     TensorRT for RTX's (rtx_runtime_config: USER_MANAGED scratch), the contexts are made from it; keep: what the
     engine must outlive, whose runtime cache (RuntimeCache) is saved at close."""
@@ -155,7 +139,7 @@ class TrtContexts:
         self.engine, self.memory, self.name, self.keep = engine, memory, name, keep
         check_io(engine, addresses, cache_dtype, name)
         shared = strategy is not None or runtime_config is not None
-        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if shared else 0
+        size = int(engine.device_memory_size_v2) if shared else 0
         self.scratch = memory.alloc(size) if size else None  # freed with the engine's memory
         self.contexts = []
         for profile in (PREFILL, DECODE):
@@ -243,7 +227,7 @@ def pass_shapes(g: Geometry, rows: int, width: int, capacity: int, logits_rows: 
     return shapes
 
 
-def _addresses(e) -> dict[str, int]:
+def buffer_addresses(e) -> dict[str, int]:
     """A device engine's buffers by tensor name (each cache buffer as both past input and present output)."""
     out = {INPUT_IDS: e.tokens, POSITION_IDS: e.positions, ATTENTION_MASK: e.mask, WRITE_INDICES: e.write,
            LOGITS_INDICES: e.rows, LOGITS: e.out_logits, GREEDY_TOKENS: e.out_greedy, HIDDEN_STATES: e.out_hidden}
@@ -251,22 +235,3 @@ def _addresses(e) -> dict[str, int]:
         for kind, ptr in zip(KV_KINDS, layer):
             out[past_name(i, kind)] = out[present_name(i, kind)] = ptr
     return out
-
-
-# the rest of the backend module's API (runtime/backends/__init__.py), in modules of their own that import this one
-def open_batch(root: Path, entry, options: EngineOptions, slots: int):
-    from .tensorrt_batch import open_batch as open_
-
-    return open_(root, entry, options, slots)
-
-
-def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
-    from .tensorrt_heads import open_heads as open_
-
-    return open_(root, entry, options)
-
-
-def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
-    from .tensorrt_heads import open_eagle as open_
-
-    return open_(root, entry, options)

@@ -1,36 +1,37 @@
 """Batched passes over the portable graph (runtime/batch.py's BatchEngine): B sequences (slots) in one session run,
 each with its own cache row, write index, positions and [W, C] mask, padded to the round's widest pass.
 
-A single stream is a batch of one slot (onnxruntime_portable.open_engine): its layout is the committed positions plus
+A single stream is a batch of one slot (the package's RUNTIME.open_engine): its layout is the committed positions plus
 the widest pad when a request starts (`reserve`), grown only when a pass needs more, its outputs are views into the
 reused buffers, and huge pages are asked for.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_portable_batch.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_portable/batch.py".
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
+from ....errors import SpecrtError
+from ....interface import (ATTENTION_MASK, GREEDY_TOKENS, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, LOGITS_INDICES,
                           PORTABLE_DTYPES, POSITION_IDS, WRITE_INDICES)
-from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
-from ..hugepages import advise_huge_pages, anonymous_mappings
-from ..static_shapes import Buckets, PassInputs, fill_row, relayout
-from .onnxruntime_batch import grown
-from .onnxruntime_cpu import TAKING_TURNS, bind_in_place, open_session, session_options
+from ...engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
+from ...hugepages import advise_huge_pages, anonymous_mappings
+from ...static_shapes import Buckets, PaddedRuns, PassInputs, fill_row, relayout
+from ..onnxruntime_cpu.batch import grown
+from ..onnxruntime_cpu.session import TAKING_TURNS, bind_in_place, open_session, session_options
 
+MAX_PASS_TOKENS = 64
 # Rows up to this many tokens share the round's call (a draft's verification: 1 + MAX_DRAFT_TOKENS at most)
 BATCH_WIDTH = 33
 
 
-def open_batch(root: Path, entry, options: EngineOptions, slots: int,
-               huge_pages: bool = False) -> "PortableBatchEngine":
+def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "PortableBatchEngine":
+    """`slots` sequences of a portable decoder entry; one slot (a single stream) asks for huge pages as options say."""
+    huge_pages = options.huge_pages and slots == 1
     config = {**(entry.session_config or {}), **(TAKING_TURNS if options.taking_turns else {})}
     return PortableBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
                                num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
@@ -39,7 +40,7 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int,
                                width_exact=entry.width_exact, name=entry.name, huge_pages=huge_pages)
 
 
-class PortableBatchEngine:
+class PortableBatchEngine(PaddedRuns):
     """`slots` sequences' caches and one portable session. buckets: the widths and capacities passes run at (default:
     widths 1, 2, 4 ... 64, a capacity every 256 positions)."""
 
@@ -53,8 +54,6 @@ class PortableBatchEngine:
         if precision not in PORTABLE_DTYPES:
             raise SpecrtError(f"portable engine '{onnx_path}' has precision '{precision}'; this specrt runs "
                               f"{', '.join(PORTABLE_DTYPES)} portable engines; rebuild the set with `specrt engines`")
-        from .onnxruntime_portable import MAX_PASS_TOKENS
-
         before = anonymous_mappings() if huge_pages else None
         self.session = open_session(Path(onnx_path), session_options(threads, session_config))
         self.slots, self.max_context, self.vocab_size = slots, max_context, vocab_size
@@ -77,9 +76,8 @@ class PortableBatchEngine:
         self._mask = np.empty(slots * w * self.buckets.max_capacity, np.float32)
         self._causal = np.triu(np.full((w, w), -np.inf, np.float32), 1)
         self.with_hidden = False
-        self._logits = np.empty(0, np.float32)
-        self._greedy = np.empty(0, np.int64)
-        self._hidden = np.empty(0, np.float32)
+        self._out = {"logits": np.empty(0, np.float32), "greedy": np.empty(0, np.int64),
+                     "hidden": np.empty(0, np.float32)}  # flat output buffers reused across passes (grown)
         self._layout(self.buckets.capacities[0])
         if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (runtime/hugepages.py)
             advise_huge_pages(since=before)
@@ -146,35 +144,23 @@ class PortableBatchEngine:
                 for view in layer:
                     view[slot, :, dst] = view[slot, :, src]
 
-    def run(self, rows) -> list[tuple[float, int, int]]:
-        """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one call padded to the
-        widest of them, wider rows alone. Returns (seconds, rows, width) of each call."""
-        if self.slots == 1:  # a single stream: the layout reserve set, grown only when a pass needs more
-            r = rows[0]
-            W = self.pass_width(len(r.tokens))
-            with self._lock:
-                if self.lengths[0] + W > self.capacity:  # the next layout up (copies the committed positions once)
-                    self._layout(self.buckets.capacity(self.lengths[0] + W))
-                t = time.perf_counter()
-                self._solo_pass(r)
-                return [(time.perf_counter() - t, 1, W)]
-        ran = []
-        together = [r for r in rows if len(r.tokens) <= self.batch_width]
-        alone = [r for r in rows if len(r.tokens) > self.batch_width]
-        if len(together) == 1:  # one row: over its slot alone, no pad rows
-            alone, together = together + alone, []
-        with self._lock:
-            W = self.pass_width(max((len(r.tokens) for r in together), default=1))
-            self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
-            if together:
-                t = time.perf_counter()
-                self._batched(together, W)
-                ran.append((time.perf_counter() - t, len(together), W))
-            for r in alone:
-                t = time.perf_counter()
-                self._solo_pass(r)
-                ran.append((time.perf_counter() - t, 1, self.pass_width(len(r.tokens))))
-        return ran
+    def _split(self, rows) -> tuple[list, list]:
+        """One slot: its row alone over the layout reserve set; several: rows up to batch_width share a call, a row
+        alone runs over its slot alone (no pad rows)."""
+        if self.slots == 1:
+            return [], list(rows)
+        together, alone = super()._split(rows)
+        return ([], together + alone) if len(together) == 1 else (together, alone)
+
+    def _fit_rows(self, rows, alone) -> None:
+        """One slot: the layout reserve set, grown only when its pass needs more (copying the committed positions
+        once); several: the smallest that holds every slot's committed positions and each alone row's pass."""
+        if self.slots == 1:
+            W = self.pass_width(len(rows[0].tokens))
+            if self.lengths[0] + W > self.capacity:
+                self._layout(self.buckets.capacity(self.lengths[0] + W))
+            return
+        self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
 
     def _batched(self, rows, W: int) -> None:
         B, C = max(r.slot for r in rows) + 1, self.capacity
@@ -213,12 +199,12 @@ class PortableBatchEngine:
         io.bind_cpu_input(ATTENTION_MASK, mask)
         io.bind_cpu_input(WRITE_INDICES, write)
         io.bind_cpu_input(LOGITS_INDICES, logits_rows)
-        logits = grown(self, "_logits", B * N * self.vocab_size, np.float32)
-        greedy = grown(self, "_greedy", B * N, np.int64)
+        logits = grown(self._out, "logits", B * N * self.vocab_size)
+        greedy = grown(self._out, "greedy", B * N)
         io.bind_output(LOGITS, "cpu", 0, np.float32, [B, N, self.vocab_size], logits.ctypes.data)
         io.bind_output(GREEDY_TOKENS, "cpu", 0, np.int64, [B, N], greedy.ctypes.data)
         if self.with_hidden:
-            hidden = grown(self, "_hidden", B * W * self._hidden_size, np.float32)
+            hidden = grown(self._out, "hidden", B * W * self._hidden_size)
             io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [B, W, self._hidden_size], hidden.ctypes.data)
         self._shape = (B, W, N)
         self.session.run_with_iobinding(io)
@@ -230,10 +216,11 @@ class PortableBatchEngine:
         B, W, N = self._shape
         rows, copy = slice(start, start + r.num_logits), self.slots > 1
         if r.greedy:
-            out = self._greedy[:B * N].reshape(B, N)[b, rows]
+            out = self._out["greedy"][:B * N].reshape(B, N)[b, rows]
         else:
-            out = self._logits[:B * N * self.vocab_size].reshape(B, N, self.vocab_size)[b, rows]
+            out = self._out["logits"][:B * N * self.vocab_size].reshape(B, N, self.vocab_size)[b, rows]
         r.out = out.copy() if copy else out
         if self.with_hidden:
-            hidden = self._hidden[:B * W * self._hidden_size].reshape(B, W, self._hidden_size)[b, :len(r.tokens)]
+            H = self._hidden_size
+            hidden = self._out["hidden"][:B * W * H].reshape(B, W, H)[b, :len(r.tokens)]
             r.hidden = hidden.copy() if copy else hidden

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ..engine import ContextFullError, EngineOptions, KVSnapshot, restore_views, snapshot_views
+from ....errors import SpecrtError
+from ...engine import ContextFullError, EngineOptions, KVSnapshot, restore_views, snapshot_views
+from ..protocol import Runtime
 
 
 def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> "ReferenceEngine":
@@ -25,6 +26,9 @@ def open_engine(root: Path, entry, options: EngineOptions = EngineOptions()) -> 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()) -> "ReferenceHeads":
     return ReferenceHeads(Path(root) / entry.file)
+
+
+RUNTIME = Runtime(single=open_engine, open_heads=open_heads)  # one stream only: no batch engine
 
 
 def random_weights(seed: int, vocab: int, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -8,7 +8,7 @@ slot's rows only. batch.LoadPlanner knows (`wide_rows_alone`): under load a draf
 idle slots in the bound range get one-token pads written past their committed length (garbage by the engine
 contract), so the cache holds max_context + 1 positions per slot.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_batch.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/onnxruntime_cpu/batch.py".
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
+from ....errors import SpecrtError
+from ....interface import (APPROX_INPUT, GREEDY_OUTPUT, HIDDEN_STATES, INPUT_IDS, KV_KINDS, LOGITS, NUM_LOGITS_TO_KEEP,
                           POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, TREE_MASK)
-from ..batch import SoloEngine
-from ..engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
-from ..hugepages import advise_huge_pages, anonymous_mappings
-from .onnxruntime_cpu import SCREEN_MAX_ROWS, bind_in_place, entry_config, open_session, session_options
+from ...batch import SoloEngine
+from ...engine import EngineOptions, KVSnapshot, restore_views, snapshot_views
+from ...hugepages import advise_huge_pages, anonymous_mappings
+from .session import SCREEN_MAX_ROWS, bind_in_place, entry_config, open_session, session_options
 
 
 def screen_rows(onnx_path: Path) -> bytes | None:
@@ -59,28 +59,24 @@ def screen_rows(onnx_path: Path) -> bytes | None:
     return model.SerializeToString()
 
 
-def grown(owner, name: str, size: int, dtype) -> np.ndarray:
-    """owner.<name>: a flat output buffer reused across passes, replaced by a larger one when it is too small."""
-    buf = getattr(owner, name)
+def grown(buffers: dict[str, np.ndarray], name: str, size: int) -> np.ndarray:
+    """buffers[name]: a flat output buffer reused across passes, replaced by a larger one when it is too small."""
+    buf = buffers[name]
     if buf.size < size:
-        buf = np.empty(size, dtype)
-        setattr(owner, name, buf)
+        buf = buffers[name] = np.empty(size, buf.dtype)
     return buf
 
 
-def open_batch(root: Path, entry, options: EngineOptions, slots: int, huge_pages: bool = False) -> "OrtBatchEngine":
+def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "OrtBatchEngine":
+    """`slots` sequences of a decoder entry; one slot (a single stream) asks for huge pages as options say."""
     config, note = entry_config(entry, options)
+    huge_pages = options.huge_pages and slots == 1
     engine = OrtBatchEngine(Path(root) / entry.file, slots=slots, num_layers=entry.num_layers,
                             num_kv_heads=entry.num_kv_heads, head_dim=entry.head_dim, vocab_size=entry.vocab_size,
                             max_context=entry.max_context, threads=options.threads, session_config=config,
                             screen=note is None, width_exact=entry.width_exact, name=entry.name, huge_pages=huge_pages)
     engine.screen_note = note
     return engine
-
-
-def open_solo(root: Path, entry, options: EngineOptions) -> "OrtSoloEngine":
-    """A single stream's engine (onnxruntime_cpu.open_engine): slot 0 of a batch engine of one slot."""
-    return OrtSoloEngine(open_batch(root, entry, options, 1, huge_pages=options.huge_pages))
 
 
 class OrtSoloEngine(SoloEngine):
@@ -145,9 +141,8 @@ class OrtBatchEngine:
         self._solo = [self.session.io_binding() for _ in range(slots)] if slots > 1 else self._ranges
         self._layout(self._top)
         self._zero_mask = np.zeros(self.max_pass_tokens ** 2, np.float32)  # flat: any [1, n, n] view is contiguous
-        self._logits = np.empty(0, np.float32)
-        self._greedy = np.empty(0, np.int64)
-        self._hidden = np.empty(0, np.float32)
+        self._out = {"logits": np.empty(0, np.float32), "greedy": np.empty(0, np.int64),
+                     "hidden": np.empty(0, np.float32)}  # flat output buffers reused across passes (grown)
         if huge_pages:  # weights pre-packed and cache allocated: ask for huge pages (runtime/hugepages.py)
             advise_huge_pages(since=before)
 
@@ -160,7 +155,7 @@ class OrtBatchEngine:
     @property
     def greedy(self) -> np.ndarray:
         """The greedy tokens of the last call, row after row (screen graphs)."""
-        return self._greedy
+        return self._out["greedy"]
 
     def _layout(self, capacity: int) -> None:
         """View the cache for `capacity` positions a slot (keeping the committed ones) and bind every range to it."""
@@ -260,10 +255,10 @@ class OrtBatchEngine:
             # alone: same cache contents and outputs, one extra call, only for a tree drafted in the very first round
             # (docs/runtime-notes.md, "Trees over an empty cache"). Both calls write into one set of output rows.
             keep = min(r.num_logits, n - 1)
-            grown(self, "_logits", r.num_logits * self.vocab_size, np.float32)
-            grown(self, "_greedy", r.num_logits, np.int64)
+            grown(self._out, "logits", r.num_logits * self.vocab_size)
+            grown(self._out, "greedy", r.num_logits)
             if self.with_hidden:
-                grown(self, "_hidden", n * self.hidden_size, np.float32)
+                grown(self._out, "hidden", n * self.hidden_size)
             self._call(io, ids[:, :1], pos[:, :1], mask[:, :1, :1], np.array([0], np.int32), 1, 1, approx)
             self._call(io, ids[:, 1:], pos[:, 1:], np.ascontiguousarray(mask[:, 1:, 1:]), np.array([n - 1], np.int32),
                        n, keep, approx, at=r.num_logits - keep, hidden_at=1)
@@ -283,16 +278,16 @@ class OrtBatchEngine:
         io.bind_cpu_input(SEQLENS_K, np.ascontiguousarray(seqlens, np.int32))
         io.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array(total, np.int32))
         io.bind_cpu_input(NUM_LOGITS_TO_KEEP, np.array(keep, np.int64))
-        logits = grown(self, "_logits", (at + B * keep) * V, np.float32)
+        logits = grown(self._out, "logits", (at + B * keep) * V)
         io.bind_output(LOGITS, "cpu", 0, np.float32, [B, keep, V], logits.ctypes.data + at * V * 4)
         self._shape = (B, at + keep)
         if self._has_screen:
             io.bind_cpu_input(APPROX_INPUT, self._flags[approx])
-            greedy = grown(self, "_greedy", at + B * keep, np.int64)
+            greedy = grown(self._out, "greedy", at + B * keep)
             io.bind_output(GREEDY_OUTPUT, "cpu", 0, np.int64, [B, keep], greedy.ctypes.data + at * 8)
         if self.with_hidden:
             H = self.hidden_size
-            hidden = grown(self, "_hidden", (hidden_at + B * W) * H, np.float32)
+            hidden = grown(self._out, "hidden", (hidden_at + B * W) * H)
             io.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, [B, W, H], hidden.ctypes.data + hidden_at * H * 4)
         self._hshape = (B, hidden_at + W)
         self.session.run_with_iobinding(io)
@@ -304,12 +299,14 @@ class OrtBatchEngine:
         B, keep = self._shape
         copy = self.slots > 1
         if r.greedy and self._has_screen:
-            out = self._greedy[:B * keep].reshape(B, keep)[b, :r.num_logits]
+            out = self._out["greedy"][:B * keep].reshape(B, keep)[b, :r.num_logits]
             r.out = out.copy() if copy else out
         else:
-            logits = self._logits[:B * keep * self.vocab_size].reshape(B, keep, self.vocab_size)[b, :r.num_logits]
+            V = self.vocab_size
+            logits = self._out["logits"][:B * keep * V].reshape(B, keep, V)[b, :r.num_logits]
             r.out = logits.argmax(axis=1) if r.greedy else logits.copy() if copy else logits
         if self.with_hidden:
             Bh, W = self._hshape
-            hidden = self._hidden[:Bh * W * self.hidden_size].reshape(Bh, W, self.hidden_size)[b, :len(r.tokens)]
+            H = self.hidden_size
+            hidden = self._out["hidden"][:Bh * W * H].reshape(Bh, W, H)[b, :len(r.tokens)]
             r.hidden = hidden.copy() if copy else hidden

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...errors import SpecrtError
-from ...interface import INPUT_IDS, KV_KINDS, past_name, present_name
-from ..engine import EngineOptions
-from ..static_shapes import Buckets
-from .cuda_batch import DeviceBatchEngine
-from .cuda_engine import Geometry, graphs_wanted
-from .tensorrt import DECODE, PREFILL, REBUILD, TrtContexts, _addresses, _deserialize, on_own_memory, pass_shapes
+from ....errors import SpecrtError
+from ....interface import INPUT_IDS, KV_KINDS, past_name, present_name
+from ...engine import EngineOptions
+from ...static_shapes import Buckets
+from ..device.batch import DeviceBatchEngine
+from ..device.geometry import Geometry, graphs_wanted
+from .engine import DECODE, PREFILL, REBUILD, TrtContexts, buffer_addresses, deserialize, on_own_memory, pass_shapes
 
 
 def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBatchEngine":
     """`slots` sequences of a manifest entry's TensorRT engine (runtime/batch.py's batch engine): the engine's
     decode profile must take that many sequences a pass (build/tensorrt.py's MAX_BATCH)."""
-    engine, buckets, max_prompt, keep, strategy, config = _deserialize(root, entry)
+    engine, buckets, max_prompt, keep, strategy, config = deserialize(root, entry)
     most = int(engine.get_tensor_profile_shape(INPUT_IDS, DECODE)[2][0])
     if most < slots:
         raise SpecrtError(f"engine '{entry.name}' takes {most} sequence(s) a pass, fewer than --parallel {slots}; "
@@ -32,7 +32,7 @@ def open_batch(root: Path, entry, options: EngineOptions, slots: int) -> "TrtBat
 
 
 class TrtBatchEngine(DeviceBatchEngine):
-    """cuda_batch.DeviceBatchEngine over a TensorRT engine: batched passes on the decode profile (one CUDA graph per
+    """device.batch.DeviceBatchEngine over a TensorRT engine: batched passes on the decode profile (one CUDA graph per
     (rows, width, capacity)), a prefill alone on the prefill profile with its cache addresses at its slot."""
 
     backend = "tensorrt"
@@ -47,7 +47,7 @@ class TrtBatchEngine(DeviceBatchEngine):
         if slots > 1 and stride % 256:  # TensorRT takes tensor addresses on 256-byte boundaries only
             raise SpecrtError(f"engine '{name}' holds {stride} bytes of cache a sequence, not a multiple of 256, so "
                               f"its slots cannot be bound one by one; {REBUILD}")
-        self._trt = TrtContexts(engine, memory, name, _addresses(self), geometry.cache_dtype, strategy,
+        self._trt = TrtContexts(engine, memory, name, buffer_addresses(self), geometry.cache_dtype, strategy,
                                 runtime_config, keep)
         self._prefill_at: tuple[int, int] | None = (0, self.capacity)  # the slot and layout its cache addresses hold
 

@@ -8,7 +8,7 @@ download outputs asynchronously on the engine's one stream, device-to-device 2-D
 tree commits, which bytes go back) runs on the CPU in tests, through an ONNX Runtime CPU session bound to the
 same raw addresses.
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/cuda_memory.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/device/memory.py".
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import KV_KINDS
-from ..engine import tree_moves
+from ....errors import SpecrtError
+from ....interface import KV_KINDS
+from ...engine import tree_moves
 
 INSTALL = ("`pip install cuda-bindings` (NVIDIA's CUDA Python bindings; `cuda-bindings==12.*` where the driver is "
            "CUDA 12's) on a machine with an NVIDIA GPU and driver, or build the engines with --backend "

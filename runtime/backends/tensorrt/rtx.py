@@ -8,23 +8,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...errors import SpecrtError
-from .cuda_memory import check, cudart
+from ....backends import BACKENDS, COMPILERS, TENSORRT
+from ....errors import SpecrtError
+from ..device.memory import check, cudart
 
-REBUILD = ("rebuild the engine set with `specrt engines --backend tensorrt` on this GPU (or --backend tensorrt-rtx "
-           "--gpu-arch for it)")
+REBUILD = TENSORRT.rebuild
 
 
-def _rebuild(entry) -> str:
-    if entry.backend == "tensorrt-rtx":
-        return "rebuild the engine set with `specrt engines --backend tensorrt-rtx --gpu-arch ARCHS`"
-    return REBUILD
+def rebuild(entry) -> str:
+    """The one-line fix for an engine of entry's compiler that cannot run here."""
+    return COMPILERS[BACKENDS[entry.backend].compiler].rebuild
 
 
 def check_targets(entry, here: str) -> None:
     """A TensorRT for RTX engine runs on the architectures it was compiled for (entry.build's gpu_archs); Hopper and
     data-center Blackwell are regular TensorRT's. One line naming the backend or --gpu-arch to build instead."""
-    from ...backends import DEFAULT_GPU_ARCHS, GPU_ARCHS
+    from ....backends import DEFAULT_GPU_ARCHS, GPU_ARCHS
 
     arch = "sm" + here.replace(".", "")
     targets = (entry.build or {}).get("gpu_archs") or list(DEFAULT_GPU_ARCHS)
@@ -41,16 +40,13 @@ def check_targets(entry, here: str) -> None:
 def check_validity(trt, runtime, blob: bytes, entry) -> None:
     """TensorRT for RTX's own check of an engine's header against this machine (Runtime.get_engine_validity),
     before deserializing: an engine it calls invalid would fail there with less to say."""
-    size = int(getattr(runtime, "engine_header_size", 0) or 0)
-    if not size or not hasattr(runtime, "get_engine_validity"):
-        return
-    validity, diagnostics = runtime.get_engine_validity(memoryview(blob)[:size])
+    validity, diagnostics = runtime.get_engine_validity(memoryview(blob)[:int(runtime.engine_header_size)])
     if validity != trt.EngineValidity.INVALID:
         return
     reasons = [n.lower().replace("_", " ") for n, v in trt.EngineInvalidityDiagnostics.__members__.items()
                if diagnostics & int(v)] or ["no reason given"]
     fix = ("update the NVIDIA driver" if any(r.startswith(("old cuda", "cuda error")) for r in reasons)
-           else _rebuild(entry))
+           else rebuild(entry))
     raise SpecrtError(f"TensorRT for RTX says engine '{entry.name}' cannot run here ({', '.join(reasons)}); {fix}")
 
 

@@ -1,24 +1,23 @@
 """Batched passes on a GPU (runtime/batch.py's batch engine): the protocol of the portable batch engine
-(onnxruntime_portable_batch.py, its CPU reference) over device memory, with one CUDA graph per (rows, width,
+(onnxruntime_portable/batch.py, its CPU reference) over device memory, with one CUDA graph per (rows, width,
 capacity).
 
-More: docs/runtime-notes.md, "Module notes: runtime/backends/cuda_batch.py".
+More: docs/runtime-notes.md, "Module notes: runtime/backends/device/batch.py".
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
-from ..engine import KVSnapshot
-from ..static_shapes import Buckets, PassInputs, fill_row
-from .cuda_engine import Geometry, check_prompt
-from .cuda_memory import Copy2D, DeviceCache, Memory
+from ...engine import KVSnapshot
+from ...static_shapes import Buckets, PaddedRuns, PassInputs, fill_row
+from .geometry import Geometry, check_prompt
+from .memory import Copy2D, DeviceCache, Memory
 
 
-class DeviceBatchEngine:
+class DeviceBatchEngine(PaddedRuns):
     """`slots` sequences' caches in device memory and the padded batched pass; a subclass says how one pass runs
     (`_launch`). Device buffers a subclass binds: `tokens`, `positions` ([rows, W] int64), `mask` ([rows, 1, W, C]
     float32), `write` ([rows] int64), `rows` ([N] int64 logits rows); outputs `out_logits` [rows, N, V] float32,
@@ -151,38 +150,31 @@ class DeviceBatchEngine:
             if self.slots > 1:  # one slot: queued before its next pass on the same stream
                 self.memory.sync()
 
-    def run(self, rows) -> list[tuple[float, int, int]]:
-        """Every row's pass (runtime/batch.py's PassRow): rows up to batch_width tokens in one pass padded to the
-        widest of them, wider rows alone. Returns (seconds, rows, width) of each pass (seconds None: the first pass
-        of its shape, which captured a graph)."""
+    def run(self, rows) -> list[tuple[float | None, int, int]]:
+        """PaddedRuns.run, after every row's checks (seconds None: the first pass of its shape, which captured a
+        graph)."""
         for r in rows:  # the buffers hold max_pass_tokens logits rows a sequence (SlotEngine checks it first)
             if not 1 <= r.num_logits <= min(len(r.tokens), self.max_pass_tokens):
                 raise ValueError(f"a pass returns 1..min(n, {self.max_pass_tokens}) logits, asked {r.num_logits} "
                                  f"of {len(r.tokens)}")
             check_prompt(self, len(r.tokens))
-        ran = []
-        together = [r for r in rows if len(r.tokens) <= self.batch_width]
-        alone = [r for r in rows if len(r.tokens) > self.batch_width]
-        with self._lock:
-            if self.slots == 1:  # a single stream: the layout reserve set, grown only when its pass needs more
-                need = self.lengths[0] + self.pass_width(len(rows[0].tokens))
-                if need > self.capacity:
-                    self._relayout(self.buckets.capacity(min(need, self.buckets.max_capacity)))
-            else:
-                self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
-            if together:
-                W = self.pass_width(max(len(r.tokens) for r in together))
-                key = (max(r.slot for r in together) + 1, W, self.capacity)
-                t = time.perf_counter()
-                self._batched(together, W)
-                # the rows the planner asks about; a shape's first pass (its capture) is not a pass's cost
-                ran.append((None if key not in self._timed else time.perf_counter() - t, len(together), W))
-                self._timed.add(key)
-            for r in alone:
-                t = time.perf_counter()
-                self._solo_pass(r)
-                ran.append((time.perf_counter() - t, 1, self.pass_width(len(r.tokens))))
-        return ran
+        return super().run(rows)
+
+    def _fit_rows(self, rows, alone) -> None:
+        """One slot: the layout reserve set, grown only when its pass needs more; several: _fit."""
+        if self.slots == 1:
+            need = self.lengths[0] + self.pass_width(len(rows[0].tokens))
+            if need > self.capacity:
+                self._relayout(self.buckets.capacity(min(need, self.buckets.max_capacity)))
+        else:
+            self._fit(max([0] + [self.lengths[r.slot] + self.pass_width(len(r.tokens)) for r in alone]))
+
+    def _seconds(self, rows, width: int, seconds: float) -> float | None:
+        """The rows the planner asks about; a shape's first pass (its capture) is not a pass's cost."""
+        key = (max(r.slot for r in rows) + 1, width, self.capacity)
+        first = key not in self._timed
+        self._timed.add(key)
+        return None if first else seconds
 
     def _batched(self, rows, W: int) -> None:
         B, C, m = max(r.slot for r in rows) + 1, self.capacity, self.memory

@@ -3,7 +3,7 @@ head (TrtEagleHead); heads still in ONNX (sets built before their heads were com
 provider.
 
 TrtEagleHead runs export/eagle.py's fp32 graph (RotaryEmbedding, TensorScatter into its own cache, Attention;
-build/tensorrt.py's prefill and decode profiles) as a device_eagle.DeviceEagleHead, which keeps its cache and, beside
+build/tensorrt.py's prefill and decode profiles) as a device.eagle.DeviceEagleHead, which keeps its cache and, beside
 a target on this GPU, its features on the device (only the top-k tokens and their log-probabilities come back). Its
 one static capacity is the engine's: TensorRT's KV-cache update wants a static sequence dimension.
 """
@@ -14,23 +14,24 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (EAGLE_FEATURES, EAGLE_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN,
+from ....errors import SpecrtError
+from ....interface import (EAGLE_FEATURES, EAGLE_TOKENS, HEADS_CANDIDATES, HEADS_HIDDEN, HEADS_SCORES, HEADS_TOKEN,
                           INPUT_IDS, past_name)
-from ..engine import EngineOptions
-from .cuda_memory import Copy2D
-from .device_eagle import DeviceEagleHead
-from .tensorrt import DECODE, PREFILL, REBUILD, RuntimeCache, TrtContexts, _load, on_own_memory
+from ...engine import EngineOptions
+from ..device.memory import Copy2D
+from ..device.eagle import DeviceEagleHead
+from .engine import DECODE, PREFILL, REBUILD, TrtContexts, load_engine, on_own_memory
+from .rtx import RuntimeCache
 
 
 def open_heads(root: Path, entry, options: EngineOptions = EngineOptions()):
     """Medusa heads: compiled heads (an .engine, as tensorrt-rtx sets hold them) on the GPU beside the target
     (TrtHeads), an ONNX graph on ONNX Runtime's CPU provider."""
     if entry.file.endswith(".engine"):
-        engine, keep, strategy, config = _load(root, entry)
+        engine, keep, strategy, config = load_engine(root, entry)
         return on_own_memory(lambda memory: TrtHeads(engine, memory, entry.name, keep=keep, strategy=strategy,
                                                      runtime_config=config))
-    from .onnxruntime_cpu import OrtHeads
+    from ..onnxruntime_cpu.heads import OrtHeads
 
     return OrtHeads(Path(root) / entry.file, threads=1, session_config=entry.session_config)
 
@@ -39,10 +40,10 @@ def open_eagle(root: Path, entry, options: EngineOptions = EngineOptions()):
     """An EAGLE head: compiled (an .engine, as tensorrt-rtx sets hold it) on the GPU beside the target
     (TrtEagleHead), an ONNX graph on ONNX Runtime's CPU provider."""
     if not entry.file.endswith(".engine"):
-        from .onnxruntime_cpu import open_eagle as open_onnx
+        from ..onnxruntime_cpu.heads import open_eagle as open_onnx
 
         return open_onnx(root, entry, options)
-    engine, keep, strategy, config = _load(root, entry)
+    engine, keep, strategy, config = load_engine(root, entry)
     return on_own_memory(lambda memory: TrtEagleHead(
         engine, memory, name=entry.name, hidden=entry.hidden_size, kv_heads=entry.num_kv_heads,
         head_dim=entry.head_dim, topk=int((entry.eagle or {})["topk"]), keep=keep, strategy=strategy,
@@ -77,7 +78,7 @@ class TrtHeads:
         else:
             ctx = (engine.create_execution_context(strategy) if strategy is not None
                    else engine.create_execution_context())
-        size = int(getattr(engine, "device_memory_size_v2", 0) or 0) if (strategy or runtime_config) else 0
+        size = int(engine.device_memory_size_v2) if (strategy or runtime_config) else 0
         if ctx is None or not ctx.set_optimization_profile_async(0, memory.stream):
             raise SpecrtError(f"TensorRT could not create an execution context for engine '{name}'")
         if size:
@@ -118,7 +119,7 @@ class TrtHeads:
 class TrtEagleHead(DeviceEagleHead):
     """OrtEagleHead's interface over a compiled EAGLE head, with its features kept on the device (the module
     docstring): rows up to the prefill profile's widest a call (wider calls in chunks), each call on the decode
-    profile's context where it fits. keep, strategy, runtime_config: tensorrt._load's."""
+    profile's context where it fits. keep, strategy, runtime_config: tensorrt.load_engine's."""
 
     def __init__(self, engine, memory, *, name: str, hidden: int, kv_heads: int, head_dim: int, topk: int,
                  keep: tuple = (), strategy=None, runtime_config=None):

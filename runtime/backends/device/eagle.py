@@ -1,6 +1,7 @@
 """An EAGLE head on the GPU beside the target, whatever runs its graph (export/eagle.py's fp32 standard-op graph):
-a compiled TensorRT engine (tensorrt_heads.TrtEagleHead) or ONNX Runtime's CUDA EP (onnxruntime_cuda.OrtCudaEagleHead).
-DeviceEagleHead holds what they share, with onnxruntime_cpu.OrtEagleHead's interface (runtime/proposers/eagle.py
+a compiled TensorRT engine (tensorrt.heads.TrtEagleHead) or ONNX Runtime's CUDA EP (onnxruntime_cuda.heads's
+OrtCudaEagleHead).
+DeviceEagleHead holds what they share, with onnxruntime_cpu.heads.OrtEagleHead's interface (runtime/proposers/eagle.py
 drives any of them): every buffer allocated once at one static capacity (the masks are that wide), the cache on the
 device written in place (each buffer bound as past input and present output), and the features kept there.
 
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import SpecrtError
-from ...interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HIDDEN_STATES, INPUT_IDS,
+from ....errors import SpecrtError
+from ....interface import (ATTENTION_MASK, EAGLE_FEATURES, EAGLE_LOGPROBS, EAGLE_TOKENS, HIDDEN_STATES, INPUT_IDS,
                           KV_KINDS, POSITION_IDS, WRITE_INDICES, past_name, present_name)
-from ..engine import KVSnapshot, restore_views, snapshot_views
-from .cuda_memory import DeviceRows, rows_plan
+from ...engine import KVSnapshot, restore_views, snapshot_views
+from .memory import DeviceRows, rows_plan
 
 OUTPUTS = (HIDDEN_STATES, EAGLE_TOKENS, EAGLE_LOGPROBS)
 
