@@ -88,7 +88,7 @@ def _row(name, open_, close, key, listed, parallel, pad, prompt, prompt_turn="sy
 
 
 HERMES_RESULT = "<tool_response>\n{content}\n</tool_response>"
-HERMES_BARE = (("", ""), ("{", "}"), ("```json\n", "\n```"), ("```\n", "\n```"))
+HERMES_BARE = (("", ""), ("{", "}"))
 # detection order: the most specific first; Hermes (Qwen2.5/3, SmolLM2/3, Hermes) matches anything
 FORMATS: tuple[ToolFormat, ...] = (
     _row("mistral-args", "[TOOL_CALLS]", "", "arguments", False, True, "",

@@ -332,8 +332,8 @@ def test_every_proposer_under_every_tool_formats_grammar_equals_plain(sessions, 
 
 
 def test_auto_holds_a_reply_opening_as_a_bare_call_to_one_call(tmp_path):
-    """Hermes under "auto" (docs/formats.md#bare-calls): a reply that is one call bare, in doubled braces or in a
-    json fence is accepted token by token; a reply opening like one must be a call of a tool (other JSON there is
+    """Hermes under "auto" (docs/formats.md#bare-calls): a reply that is one call bare or in doubled braces is
+    accepted token by token; a reply opening like one must be a call of a tool (other JSON there is
     refused, text elsewhere free); tool_choice "none" refuses the shapes. A "model" that writes '{' whenever it
     may writes a doubled-brace call, which reads back as a call."""
     from tokenizers import Tokenizer

@@ -5,6 +5,7 @@ budget, a held prefix of a marker, markup that does not parse)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -105,12 +106,15 @@ BARE_ARGS = '{"party": 4, "note": "} and {{ inside", "time": "19:30"}'
 TOOLS = ("book_table", "ping")
 
 
+FENCE = ("```json\n", "\n```")  # a shape a row may list (a marker of several characters on each side)
+
+
 @pytest.mark.parametrize("size", [1, 2, 5, 1000])
-@pytest.mark.parametrize("shape", by_name("hermes").bare)
+@pytest.mark.parametrize("shape", by_name("hermes").bare + (FENCE,))
 def test_a_reply_that_is_one_bare_call_is_a_call_in_each_shape(shape, size):
     """Qwen2.5-Coder under "auto" writes its call bare, or in the doubled braces of its template: a call, never
     content, whole and streamed, the budget cut or not."""
-    fmt, (before, after) = by_name("hermes"), shape
+    fmt, (before, after) = replace(by_name("hermes"), bare=(shape,)), shape
     reply = "\n" + before + '{"name": "book_table", "arguments": ' + BARE_ARGS + "}" + after + "\n"
     for cut in (False, True):
         p, events = _stream_named(fmt, reply, size, cut)
