@@ -38,6 +38,10 @@ class ToolFormat:
     id_chars: int = 0         # the call ids the template demands (Mistral: 9 letters and digits); 0 = OpenAI's
     named: str = ""           # a call is name + this + its arguments' JSON (Ministral 3's "[ARGS]"), not an object
     between: str = "\n"       # between the blocks of several calls (not listed)
+    # more shapes of one call, each (before, after) around its bare JSON, taken as a call where they are the whole
+    # reply under "auto" (docs/formats.md#bare-calls): Qwen2.5-Coder writes its call bare, or in the doubled
+    # braces its template shows
+    bare: tuple[tuple[str, str], ...] = ()
 
     def call_json(self, name: str, arguments: str) -> str:
         if self.named:
@@ -85,6 +89,7 @@ def _row(name, open_, close, key, listed, parallel, pad, prompt, prompt_turn="sy
 
 
 HERMES_RESULT = "<tool_response>\n{content}\n</tool_response>"
+HERMES_BARE = (("", ""), ("{", "}"))
 # detection order: the most specific first; Hermes (Qwen2.5/3, SmolLM2/3, Hermes) matches anything
 FORMATS: tuple[ToolFormat, ...] = (
     _row("mistral-args", "[TOOL_CALLS]", "", "arguments", False, True, "",
@@ -104,7 +109,7 @@ FORMATS: tuple[ToolFormat, ...] = (
     _row("gemma-json", "", "", "parameters", False, False, "", JSON_PROMPT, prompt_turn="user",
          result="Result of the call: {content}", result_role="user", template=("<start_of_turn>",)),
     _row("hermes", "<tool_call>", "</tool_call>", "arguments", False, True, "\n", HERMES_PROMPT,
-         result=HERMES_RESULT),
+         result=HERMES_RESULT, bare=HERMES_BARE),
 )
 NAMES = tuple(f.name for f in FORMATS)
 

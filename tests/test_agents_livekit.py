@@ -110,6 +110,10 @@ async def _converse(base_url: str, model: str) -> tuple[BookingAgent, list, llm.
 def test_booking_conversation(server, session):
     base_url, recorder = server
     agent, results, history, elapsed = asyncio.run(_converse(base_url, session.manifest.name))
+    for r in results:  # what the model said and called, turn by turn
+        print([(type(e).__name__, getattr(e.item, "text_content", None) or getattr(e.item, "arguments", None))
+               for e in r.events])
+    print(agent.bookings, f"{elapsed:.1f} s")
 
     refused = [(json.loads(r["body"] or b"{}"), r["status"], r["text"].decode()) for r in recorder.requests
                if r["status"] != 200]

@@ -190,3 +190,86 @@ def test_an_unknown_tool_format_is_one_line_listing_the_names():
     r = CliRunner().invoke(app, ["serve", "--tool-format", "chatml"])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert "chatml" in r.output and all(n in r.output for n in NAMES), r.output
+
+
+def _gguf_template(path) -> str:
+    import gguf
+
+    return gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"].contents()
+
+
+def _embedded_template() -> str:
+    """The chat template inside the embedded default's GGUF (SmolLM2-135M-Instruct)."""
+    from specrt.errors import SpecrtError
+    from specrt.export.sources import resolve
+
+    try:
+        return _gguf_template(resolve("smollm2-135m").path)
+    except SpecrtError as e:
+        pytest.skip(str(e))
+
+
+def _preset_template(file: str):
+    """The chat template inside a preset's GGUF, where `specrt engines --preset` assembled it: the folder
+    $SPECRT_PRESET_GGUFS (an engines folder's .cache/presets), else engines/.cache/presets; skipped without it."""
+    def read() -> str:
+        import os
+        from pathlib import Path
+
+        folder = Path(os.environ.get("SPECRT_PRESET_GGUFS") or Path(__file__).resolve().parents[1] / "engines" /
+                      ".cache" / "presets")
+        if not (folder / file).is_file():
+            pytest.skip(f"no {file} in {folder} (set SPECRT_PRESET_GGUFS to an engines folder's .cache/presets)")
+        return _gguf_template(folder / file)
+    return read
+
+
+# a GGUF source: the template it carries, the vocabulary's Hermes markers (tokens of their own, or spelt out)
+QWEN_MARKERS = ("<tool_call>", "</tool_call>")
+GGUF_TEMPLATES = {"smollm2-embedded": (_embedded_template, ()),
+                  "qwen2.5": (lambda: template("Qwen-Qwen2.5-7B-Instruct.jinja"), QWEN_MARKERS),
+                  # its example call in doubled braces, which the model copies under auto (docs/formats.md#bare-calls)
+                  "qwen2.5-coder-1.5b": (_preset_template("qwen2.5-coder-1.5b-instruct.gguf"), QWEN_MARKERS)}
+
+
+@pytest.mark.parametrize("source", GGUF_TEMPLATES)
+def test_the_template_a_gguf_carries_reaches_the_engine_set_and_calls_come_back(source, tmp_path):
+    """An engine set built from a GGUF (a tiny Llama written as llama.cpp writes one, tests/tiny.make_gguf)
+    carries the GGUF's own chat template (SmolLM2's from the embedded default's file, Qwen2.5's from llama.cpp's
+    collection, Qwen2.5-Coder 1.5B's from the preset's file where it was assembled): the format is detected from it,
+    tools and a tool round render, a forced call comes back parsed, whole and streamed, and under auto the model
+    (favouring '{') calls bare, in tool_calls."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from tiny import make_checkpoint, make_gguf
+
+    read, plain = GGUF_TEMPLATES[source]
+    text = read()
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", seed=0, positions=2048,
+                           tokenizer={"specials": CHATML, "plain": plain}, favour={"{": 7.0})
+    gguf_file = make_gguf(tmp_path / f"{source}.gguf", ckpt, text)
+    engines = make_engine_set(EngineSetRequest(str(gguf_file), source, ("fp32",), 2048, tmp_path / "engines"),
+                              log=lambda m: None)
+    session = load(engines, "fp32", "auto")
+    assert session.manifest.chat_template == text and session.codec.tool_format.name == "hermes"
+    fmt = session.codec.tool_format
+    call = ToolCall(fmt.new_id(), "book_table", '{"party": 4, "time": "19:30"}')
+    history = [Message("user", ASK[0]["content"]), Message("assistant", "", (call,)),
+               Message("tool", RESULT, (), call.id)]
+    prompt = session.codec.render_chat(history, [BOOK, HOURS])
+    assert "opening_hours" in prompt and '"party": 4' in prompt.split("Book a table for 4")[-1], prompt
+    assert "<tool_response>" in prompt and '"table": 7' in prompt
+    with TestClient(create_app(session), raise_server_exceptions=False) as client:
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json=_body(tool_choice="required", parallel_tool_calls=False,
+                                                               stream=stream))
+            assert r.status_code == 200, r.text
+            if not stream:
+                (got,) = r.json()["choices"][0]["message"]["tool_calls"]
+                name, args = got["function"]["name"], got["function"]["arguments"]
+                continue
+            deltas = [c["choices"][0]["delta"] for c in sse(r.text) if c != "[DONE]" and c["choices"]]
+            calls = [c for d in deltas for c in d.get("tool_calls") or []]
+            assert not any(d.get("content") for d in deltas) and calls[0]["function"]["name"] == name
+            assert json.loads("".join(c["function"]["arguments"] for c in calls)) == json.loads(args)
+        r = client.post("/v1/chat/completions", json=_body(tool_choice="auto")).json()["choices"][0]
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] is None, r

@@ -329,3 +329,46 @@ def test_every_proposer_under_every_tool_formats_grammar_equals_plain(sessions, 
         content, calls, _ = split(a.text, f)
         assert a.stats.finish_reason == "eos" and calls and not content, a.text
         assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome", "Oslo")
+
+
+def test_auto_holds_a_reply_opening_as_a_bare_call_to_one_call(tmp_path):
+    """Hermes under "auto" (docs/formats.md#bare-calls): a reply that is one call bare or in doubled braces is
+    accepted token by token; a reply opening like one must be a call of a tool (other JSON there is
+    refused, text elsewhere free); tool_choice "none" refuses the shapes. A "model" that writes '{' whenever it
+    may writes a doubled-brace call, which reads back as a call."""
+    from tokenizers import Tokenizer
+
+    from specrt.runtime.grammar import GrammarTokenizer
+    from specrt.runtime.tool_formats import by_name
+    from specrt.tool_calls import grammar, split, text_grammar
+    from tiny import make_tokenizer
+
+    make_tokenizer(tmp_path, 384, plain=("<tool_call>", "</tool_call>"))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    gt, fmt = GrammarTokenizer(tok.to_str(), 384, [2]), by_name("hermes")
+    tools = [{"name": "book_table", "parameters": {"type": "object", "properties": {"party": {"enum": [2, 4]}},
+                                                   "required": ["party"], "additionalProperties": False}}]
+    auto, none = grammar(tools, False, True, gt.literal, fmt), text_grammar(fmt, literal=gt.literal)
+    call = '{"name": "book_table", "arguments": {"party": 4}}'
+
+    def takes(source: str, text: str) -> bool:
+        m, ids = gt.matcher(source).m, tok.encode(text).ids
+        return m.validate_tokens(ids) == len(ids) and (m.consume_tokens(ids) or True) and m.is_accepting()
+
+    for before, after in fmt.bare:
+        assert takes(auto, before + call + after) and not takes(none, before + call + after), before
+    for text in ("Sure, at 19:30.", "```python\nx = 1\n```", "Done: " + call):
+        assert takes(auto, text) and takes(none, text), text
+    for text in ('{"answer": 4}', '{"name": "book_table", "arguments": {"party": 3}}', " " + call + " and more",
+                 '{{"name": "other", "arguments": {}}}'):
+        assert not takes(auto, text), text
+    g, out, brace = gt.matcher(auto), [], tok.token_to_id("{")
+    for _ in range(80):
+        ok = np.flatnonzero(g.allowed())
+        if ok.tolist() == [2]:
+            break
+        out.append(brace if g.allowed()[brace] else int(ok[0]))
+        g.advance(out[-1:])
+    text = tok.decode(out)
+    content, calls, _ = split(text, fmt, names=["book_table"])
+    assert text.startswith("{{") and content == "" and [c.name for c in calls] == ["book_table"], text

@@ -132,3 +132,37 @@ def test_no_markup_in_content_in_each_family_format(family, tmp_path):
     with TestClient(create_app(session), raise_server_exceptions=False) as c:
         seen = _sweep(c, PROMPTS[:1], (8, 24, 64, 160), FAMILY_MARKUP)
     assert seen["calls"] and seen["auto calls"] and seen["cut markup"] and seen["text"], seen
+
+
+@pytest.fixture(scope="module")
+def bare_engines(tmp_path_factory):
+    """A tiny Hermes-format model that opens its reply with '{' (as Qwen2.5-Coder writes a call bare under auto)."""
+    from specrt.pipeline import EngineSetRequest, make_engine_set
+    from tiny import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-bare", "llama", seed=0, positions=2048,
+                           tokenizer={"plain": ("<tool_call>", "</tool_call>")}, favour={"{": 7.0})
+    return make_engine_set(EngineSetRequest(str(ckpt), "tiny", ("fp32",), 2048, tmp_path_factory.mktemp("bare")),
+                           log=lambda m: None)
+
+
+def test_a_bare_call_under_auto_is_a_call_never_content(bare_engines):
+    """docs/formats.md#bare-calls: the sweep on a model that writes a bare '{' first: under auto its reply is held
+    to one call (tool_calls, never content), under none to text; greedy speculative equals plain on it."""
+    from specrt.runtime.tokenizer import Message
+    from specrt.tool_calls import grammar
+
+    session, plain = load(bare_engines, "fp32", "auto"), load(bare_engines, "fp32", "off")
+    tools = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in (BOOK, HOURS)]
+    ask = [Message("user", ASK[0]["content"])]
+    a, b = (s.generate(ask, max_new_tokens=160, tools=[BOOK, HOURS],
+                       grammar=s.grammar(grammar(tools, False, True, s.grammar_literal, s.codec.tool_format)))
+            for s in (session, plain))
+    assert a.token_ids == b.token_ids and a.stats.proposer != "off"
+    assert a.text.startswith("{") and a.stats.finish_reason == "eos", a.text  # the bare shape, ended by itself
+    with TestClient(create_app(session), raise_server_exceptions=False) as c:
+        seen = _sweep(c, PROMPTS[:1], (8, 24, 64, 160))
+        r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": [BOOK, HOURS], "max_tokens": 160,
+                                                 "temperature": 0, "tool_choice": "auto"}).json()["choices"][0]
+    assert r["finish_reason"] == "tool_calls" and r["message"]["content"] is None, r
+    assert seen["calls"] and seen["auto calls"] and seen["cut markup"] and seen["text"], seen

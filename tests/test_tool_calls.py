@@ -5,6 +5,7 @@ budget, a held prefix of a marker, markup that does not parse)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -99,3 +100,67 @@ def test_detection_is_data_and_one_call_a_turn_is_refused_in_a_history():
         by_name("llama3-json").calls_text(CALLS)
     with pytest.raises(SpecrtError, match="mistral, .*, hermes"):
         by_name("chatml")
+
+
+BARE_ARGS = '{"party": 4, "note": "} and {{ inside", "time": "19:30"}'
+TOOLS = ("book_table", "ping")
+
+
+FENCE = ("```json\n", "\n```")  # a shape a row may list (a marker of several characters on each side)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+@pytest.mark.parametrize("shape", by_name("hermes").bare + (FENCE,))
+def test_a_reply_that_is_one_bare_call_is_a_call_in_each_shape(shape, size):
+    """Qwen2.5-Coder under "auto" writes its call bare, or in the doubled braces of its template: a call, never
+    content, whole and streamed, the budget cut or not."""
+    fmt, (before, after) = replace(by_name("hermes"), bare=(shape,)), shape
+    reply = "\n" + before + '{"name": "book_table", "arguments": ' + BARE_ARGS + "}" + after + "\n"
+    for cut in (False, True):
+        p, events = _stream_named(fmt, reply, size, cut)
+        assert not any(e.content for e in events), events
+        assert [c.name for c in p.calls] == ["book_table"] and json.loads(p.calls[0].arguments)["party"] == 4
+        assert [e.start.name for e in events if e.start] == ["book_table"]
+        content, calls, _ = split(reply, fmt, cut, TOOLS)
+        assert content == "" and [(c.name, c.arguments) for c in calls] == [("book_table", p.calls[0].arguments)]
+
+
+def _stream_named(fmt, text, size, cut=False):
+    p = CallParser(fmt, TOOLS)
+    events = []
+    for i in range(0, len(text), size):
+        events += p.feed(text[i:i + size])
+    return p, events + p.finish(cut)
+
+
+@pytest.mark.parametrize("text", [
+    '{"answer": 42}', '{"name": "unknown_tool", "arguments": {"party": 4}}', '{"name": "book_table"}',
+    '{"name": "book_table", "arguments": "party 4"}', '{{"answer": 42}}', '```json\n{"total": 3}\n```',
+    '```python\nprint({"name": 1})\n```', "Sure, {\"name\": \"book_table\", \"arguments\": {}} is what I'd send.",
+    "{ not json at all"])
+def test_json_that_is_not_one_call_of_a_known_tool_stays_text(text):
+    """A known tool's name and an arguments object must both be there; anything else that opens like JSON is
+    text, streamed as whole."""
+    fmt = by_name("hermes")
+    for size in (1, 3, 1000):
+        p, events = _stream_named(fmt, text, size)
+        assert "".join(e.content for e in events) == text and not p.calls, (size, events)
+    assert split(text, fmt, False, TOOLS) == (text, [], False)
+    call = '{"name": "book_table", "arguments": {"party": 4}}'
+    assert split(call, fmt) == (call, [], False)  # no tools given: no bare call either
+
+
+def test_a_bare_call_cut_by_the_budget_is_never_content():
+    """Every prefix of a bare call (single and doubled braces), the budget ending the reply there: no content.
+    Ended by the model instead, a prefix that names a tool is malformed markup (dropped); one that does not is
+    text."""
+    fmt = by_name("hermes")
+    for reply in ('{"name": "book_table", "arguments": ' + BARE_ARGS + "}",
+                  '{{"name": "book_table", "arguments": ' + BARE_ARGS + "}}"):
+        for n in range(1, len(reply)):
+            for size in (1, 4):
+                p, events = _stream_named(fmt, reply[:n], size, cut=True)
+                assert not any(e.content for e in events) and (p.cut or p.calls), (n, events)
+        p, events = _stream_named(fmt, reply[:-1], 2)
+        assert not any(e.content for e in events) and p.cut and not p.calls
+    assert split('{"name": "nothing we know', fmt, False, TOOLS) == ('{"name": "nothing we know', [], False)

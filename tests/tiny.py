@@ -102,3 +102,67 @@ def make_checkpoint(out: Path, arch: str = "llama", seed: int = 0, layers: int =
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == arch
     return out
+
+
+def make_gguf(path: Path, ckpt: Path, template: str | None = None) -> Path:
+    """A tiny Llama checkpoint (make_checkpoint) written as a GGUF, as llama.cpp's converter writes one: its
+    weights under llama.cpp's names (q/k rows permuted), its byte-level BPE vocabulary, merges and special ids, and
+    `template` (else the checkpoint's) as tokenizer.chat_template, which transformers reads back on export."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from specrt.pipeline.engines import chat_template
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    heads, kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    vocab = {**tok["model"]["vocab"], **{t["content"]: i for i, t in added.items()}}
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if vocab[t] in added and added[vocab[t]]["special"] else 4 if vocab[t] in added else 1
+                       for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(template if template is not None else chat_template(ckpt))
+
+    def permute(x, n):  # llama.cpp's rotary layout of q/k rows (transformers permutes them back on load)
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, x in load_file(str(ckpt / "model.safetensors")).items():
+        base = name.removesuffix(".weight")
+        if base.startswith("model.layers."):
+            i, rest = base.removeprefix("model.layers.").split(".", 1)
+            x = permute(x, heads) if rest == "self_attn.q_proj" else permute(x, kv) if rest == "self_attn.k_proj" else x
+            base = f"blk.{i}.{layer[rest]}"
+        else:
+            base = names[base]
+        w.add_tensor(base + ".weight", np.ascontiguousarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -76,7 +76,8 @@ def open_reply(codec, req: GenRequest, inside: bool) -> Reply | None:
     """The reader of a chat reply that may think or call tools; None for plain text."""
     if not (req.parse_calls or codec.think is not None):
         return None
-    return Reply(codec.think, inside, codec.tool_format if req.parse_calls else None)
+    return Reply(codec.think, inside, codec.tool_format if req.parse_calls else None,
+                 tuple(t["name"] for t in req.call_tools))
 
 
 class ThinkSplitter:
@@ -121,9 +122,9 @@ class ThinkSplitter:
 class Reply:
     """Events of a chat reply: Event(reasoning=...), Event(content=...) and the calls' events (CallParser)."""
 
-    def __init__(self, think: ThinkFormat | None, inside: bool = False, fmt: ToolFormat | None = None):
+    def __init__(self, think: ThinkFormat | None, inside: bool = False, fmt: ToolFormat | None = None, names=()):
         self.think = ThinkSplitter(think, inside) if think is not None else None
-        self.parser = CallParser(fmt) if fmt is not None else None
+        self.parser = CallParser(fmt, names) if fmt is not None else None  # names: the tools a bare call may name
         self.reasoning, self.inside = "", inside
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from ..runtime.generate import stop_prefix
@@ -64,12 +65,30 @@ def grammar(tools: list[dict], required: bool, parallel: bool = True, literal=js
     open_ = literal(fmt.open)
     if required:
         return head + f'start: {pre}{open_} {rest}\n'
+    bare, text = _bare(fmt, tools)
     if not open_.startswith('"'):  # a special token ends the text by itself (llguidance's StructTag does the same)
-        return head + f'start: {pre}TEXT ({open_} {rest})?\n' + TEXT
-    return head + f'start: {pre}(TEXT | trig {rest})\ntrig[lazy]: TEXT {open_}\n' + TEXT
+        return head + f'start: {pre}(TEXT ({open_} {rest})?{bare[0]})\n' + bare[1] + text
+    return head + f'start: {pre}(TEXT | trig {rest}{bare[0]})\ntrig[lazy]: TEXT {open_}\n' + bare[1] + text
 
 
 BARE = 'TEXT: /[^{](.|\\n)*/\n'  # text that is not a bare JSON call
+
+
+def _bare(fmt: ToolFormat, tools: list[dict]) -> tuple[tuple[str, str], str]:
+    """Under "auto", a reply that is one call in a shape of fmt.bare (docs/formats.md#bare-calls): its alternative
+    and rules, and the TEXT that starts as none of them (a reply opening like one is held to a call)."""
+    if not fmt.bare:
+        return ("", ""), TEXT
+    shapes = " | ".join(" ".join([json.dumps(b)] * bool(b) + ["bare_call"] + [json.dumps(a)] * bool(a))
+                        for b, a in fmt.bare)
+    rules = f'bare: {shapes}\nbare_call: %json {json.dumps(call_schema(tools, fmt.key))}\n'
+    return (" | bare", rules), f'TEXT: /(.|\\n)*/ & ~/{_bare_start(fmt)}(.|\\n)*/\n'
+
+
+def _bare_start(fmt: ToolFormat) -> str:
+    """The regex of a reply's start that may be a bare call (fmt.bare): text opening so is not text."""
+    leads = sorted({_escape(b.strip()) for b, _ in fmt.bare if b.strip()})
+    return f"[ \\n]*({'|'.join(leads)})?[ \\n]*\\{{" if leads else "[ \\n]*\\{"
 
 
 def _escape(text: str) -> str:
@@ -93,8 +112,9 @@ def text_grammar(fmt: ToolFormat = HERMES, think: ThinkFormat | None = None, ins
     pre, rules = _thinking(think, inside, literal)
     if not fmt.open:
         return f'%llguidance {{}}\n{rules}start: {pre}TEXT?\n' + BARE
+    bare = f' & ~/{_bare_start(fmt)}(.|\\n)*/' if fmt.bare else ""
     return (f'%llguidance {{}}\n{rules}start: {pre}TEXT\n'
-            f'TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_escape(fmt.open)}(.|\\n)*/\n')
+            f'TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_escape(fmt.open)}(.|\\n)*/{bare}\n')
 
 
 @dataclass
@@ -116,14 +136,27 @@ class CallParser:
     (its closing marker, or the end of its JSON where the format has none). `cut` is set when finish() dropped the
     markup of a call the reply ended inside."""
 
-    def __init__(self, fmt: ToolFormat = HERMES):
+    def __init__(self, fmt: ToolFormat = HERMES, names=()):
         self.fmt, self.buf, self.in_call, self.calls = fmt, "", False, []
         self.at_start, self.cut, self.space = True, False, ""
+        self.names = frozenset(names)  # the tools a bare call may name (fmt.bare)
+        self.leading = bool(fmt.bare and fmt.open and names)  # the reply's start: it may still be a bare call
 
     def feed(self, delta: str) -> list[Event]:
         self.buf += delta
         out: list[Event] = []
         while True:
+            if self.leading:
+                text = self.buf.lstrip()
+                got = [bare_call(text, before, after, self.fmt, self.names) for before, after in self.fmt.bare]
+                done = next((g for g in got if isinstance(g, tuple)), None)
+                if done is None and (not text or WAIT in got):
+                    return out
+                self.leading = False
+                if done is not None:  # a call; text after it (none under the grammar) is read as usual
+                    self.buf = text[done[0]:]
+                    self._add([done[1]], out)
+                continue
             if self.in_call:
                 end = self._end()
                 if end < 0:
@@ -183,6 +216,9 @@ class CallParser:
         if calls is None:  # without a grammar only: markup that is not a call is dropped, never spoken
             log.warning("dropped tool-call markup that does not parse as the '%s' format", self.fmt.name)
             return
+        self._add(calls, out)
+
+    def _add(self, calls: list[ToolCall], out: list) -> None:
         for call in calls:
             i = len(self.calls)
             self.calls.append(call)
@@ -193,7 +229,11 @@ class CallParser:
         a call (or the whitespace after one, before the next) is markup too. A call the reply ended inside is dropped
         (`cut` set)."""
         out = []
-        if self.in_call or (cut and ((self.buf and self.fmt.open) or self.space)):
+        if self.leading and self.buf.strip() and (cut or names_a_tool(self.buf, self.names)):
+            self.cut = True  # a bare call cut short, or one that never parsed: markup, never spoken
+            if not cut:
+                log.warning("dropped a bare tool call that does not parse as the '%s' format", self.fmt.name)
+        elif self.in_call or (cut and ((self.buf and self.fmt.open) or self.space)):
             self.cut = True
         elif not (self.fmt.open == "" and self.at_start):
             self._text(self.buf, out)
@@ -219,8 +259,57 @@ def parse_calls(body: str, fmt: ToolFormat) -> list[ToolCall] | None:
     return calls or None
 
 
-def split(text: str, fmt: ToolFormat = HERMES, cut: bool = False) -> tuple[str, list[ToolCall], bool]:
-    """A whole reply: its content (outside the calls, stripped), its calls, and whether markup was cut."""
-    p = CallParser(fmt)
+WAIT = "wait"
+_KEY = re.compile(r'\{\s*"((?:[^"\\]|\\.)*)"\s*:\s*')  # an object's first key
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _string(body: str) -> str | None:
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return None
+
+
+def bare_call(text: str, before: str, after: str, fmt: ToolFormat, names) -> tuple[int, ToolCall] | str | None:
+    """Whether a reply's start (text, stripped on the left) is one bare call of a known tool in the shape `before`
+    JSON `after` (whitespace between them free): (its end in text, the call); WAIT while it may still be one; None
+    when it is not (docs/formats.md#bare-calls: a known tool's name and an arguments object, or it stays text)."""
+    lead = before.strip()
+    if not text.startswith(lead):
+        return WAIT if lead.startswith(text) else None
+    i = len(text) - len(text[len(lead):].lstrip())
+    if i == len(text) or text[i] != "{":
+        return WAIT if i == len(text) else None
+    key = _KEY.match(text, i)
+    if key is None:  # '{{' is not this shape (it is the doubled one); a key still being written may be
+        more = text[i + 1:].lstrip()
+        return WAIT if not more or more[0] == '"' else None
+    if _string(key[1]) not in ("name", fmt.key):
+        return None
+    name = _NAME.match(text, key.start(1) - 1)
+    if name is not None and _string(name[1]) not in names:
+        return None
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, i)
+    except json.JSONDecodeError:
+        return WAIT  # not complete yet (or never: finish() decides)
+    if not (isinstance(obj.get("name"), str) and obj["name"] in names and isinstance(obj.get(fmt.key), dict)):
+        return None
+    rest, tail = text[end:].lstrip(), after.strip()
+    if not rest.startswith(tail):
+        return WAIT if tail.startswith(rest) else None
+    call = ToolCall(fmt.new_id(), obj["name"], json.dumps(obj[fmt.key], ensure_ascii=False))
+    return len(text) - len(rest) + len(tail), call
+
+
+def names_a_tool(text: str, names) -> bool:
+    return any(_string(m[1]) in names for m in _NAME.finditer(text))
+
+
+def split(text: str, fmt: ToolFormat = HERMES, cut: bool = False, names=()) -> tuple[str, list[ToolCall], bool]:
+    """A whole reply: its content (outside the calls, stripped), its calls (a bare one naming one of `names`), and
+    whether markup was cut."""
+    p = CallParser(fmt, names)
     content = "".join(e.content for e in p.feed(text) + p.finish(cut))
     return content.strip(), p.calls, p.cut
