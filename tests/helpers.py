@@ -36,6 +36,14 @@ def turn_choice(i: int):
     return "auto" if AUTO else FORCE_BOOKING if i == BOOKING_TURN else "none"
 
 
+def booking_turn(called: list[bool]) -> int:
+    """The turn that booked, given which turns called a tool: the forced turn; under "auto" the model picks its
+    turn (Qwen2.5-Coder 1.5B books on the first, inventing what it was not told), so any one turn, once."""
+    booked = [i for i, c in enumerate(called) if c]
+    assert booked == [BOOKING_TURN] or (AUTO and len(booked) == 1), f"turns that called a tool: {booked}"
+    return booked[0]
+
+
 def markup_in(text: str) -> list[str]:
     return [m for m in MARKUP if m in text]
 
