@@ -132,7 +132,7 @@ class BatchSession:
         for s in range(parallel):
             gen = Generator(manifest, precision, options, engine=slot_engine(self.batch, s, self.scheduler),
                             codec=codec)
-            control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, p.buckets, p.pair_acceptance))
+            control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, sources=p.sources))
             decoder = make_decoder(mode, manifest, precision, options=options, config=config,
                                    opener=_SlotOpener(self, s), controller=control)
             self.slots.append(_Slot(gen, decoder))

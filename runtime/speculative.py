@@ -30,6 +30,7 @@ from .proposers import Context, DraftModel, HiddenRows, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import Fallback
 from .proposers.medusa import Medusa
+from .proposers.sources import Sources
 from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
@@ -85,6 +86,9 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught)
             control.observe(r)
             stats.observe(r, engine.width_exact)
+            if n:  # which drafter drafted (auto's choice)
+                by = stats.drafted_by_source
+                by[proposer.source(bucket)] = by.get(proposer.source(bucket), 0) + 1
             tally.add(result.acceptance)
             ctx.extend(result.tokens, committed=engine.length)
             yield forced + result.tokens.tolist()
@@ -268,23 +272,29 @@ DRAFTERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup,
 
 def build_proposer(mode: str, manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
                    opener: Opener = OPEN) -> Proposer:
-    """The proposer of a --speculate method: its one drafter, or its two as a Fallback (primary, then secondary)."""
-    parts = [DRAFTERS[d](manifest, precision, options, cfg, opener) for d in METHODS[mode].drafters]
+    """The proposer of a --speculate method: its one drafter, its two as a Fallback (primary, then secondary), or the
+    proposers of the methods it chooses among (Sources)."""
+    method = METHODS[mode]
+    if method.sources:
+        return Sources(mode, [build_proposer(m, manifest, precision, options, cfg, opener) for m in method.sources])
+    parts = [DRAFTERS[d](manifest, precision, options, cfg, opener) for d in method.drafters]
     return parts[0] if len(parts) == 1 else Fallback(mode, *parts)
 
 
 def resolve_mode(mode: str, manifest: Manifest, precision: str = "fp32") -> str:
     """The --speculate name 'auto' stands for on this engine set (other names are returned as they are).
 
-    'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32 (the heads were
-    trained on fp32 hidden states), else prompt lookup (docs/runtime-notes.md, "auto's choice per precision")."""
+    'auto' drafts with the draft model when the set has one, else lookup+medusa with heads at fp32 (the heads were
+    trained on fp32 hidden states), else prompt lookup (docs/runtime-notes.md, "auto's choice per precision"), each
+    beside suffix decoding (and the draft model beside prompt lookup too), the controller choosing per round by
+    measured pay (docs/voice.md, "auto learns from the workload")."""
     if mode not in MODES:
         raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
     if mode != "auto":
         return mode
     roles = manifest.roles
     heads = "medusa" in roles and manifest.engine("target", precision).precision == "fp32"
-    return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
+    return "draft/lookup/suffix" if "draft" in roles else "lookup+medusa/suffix" if heads else "lookup/suffix"
 
 
 class SpeculativeDecoder(Decoder):
@@ -322,6 +332,7 @@ def make_decoder(mode: str, manifest: Manifest, precision: str = "fp32", *,
     elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
         control = GatedK(proposer.max_tokens)
     else:
-        control = AdaptiveK(proposer.max_tokens, target.width_exact, buckets=proposer.buckets,
-                            pair=proposer.pair_acceptance)
+        control = AdaptiveK(proposer.max_tokens, target.width_exact, sources=proposer.sources)
+    if isinstance(proposer, Sources) and hasattr(control, "choose"):
+        proposer.choose = control.choose  # the controller picks the source each round
     return SpeculativeDecoder(proposer, control, verify_typical if config.lossy_typical else verify)

@@ -186,5 +186,5 @@ def test_serve_startup_loads_the_manifest_once_and_resolves_auto_once(tiny_engin
     monkeypatch.setattr(uvicorn.Server, "run", serve_until_loaded)
     r = CliRunner().invoke(app, ["serve", "--engines", str(tiny_engines), "--threads", "1", *extra])
     assert r.exit_code == 0, r.output
-    assert ready["mode"] == "prompt-lookup"  # auto on a set without a draft model or heads
+    assert ready["mode"] == "lookup/suffix"  # auto on a set without a draft model or heads
     assert counted == {"manifest": 1, "auto": 1}
