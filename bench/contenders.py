@@ -94,6 +94,7 @@ class Ours:
 
     def load(self, log=print) -> None:
         from ..runtime.engine import EngineOptions
+        from ..runtime.methods import METHODS
         from ..runtime.session import load
         from ..runtime.speculative import draft_entry
 
@@ -106,7 +107,8 @@ class Ours:
         except SpecrtError as e:
             raise Unavailable(str(e)) from None
         self.gen, self.decode = self.session.generator, self.session.decoder
-        self.draft_engine = draft_entry(self.manifest, self.precision).name if self.session.mode == "draft" else None
+        uses_draft = METHODS.get(self.session.mode) is not None and METHODS[self.session.mode].needs == "draft"
+        self.draft_engine = draft_entry(self.manifest, self.precision).name if uses_draft else None
 
     def run(self, prompt_ids: list[int], messages, max_new_tokens: int) -> Trace:
         from ..runtime.tokenizer import Message

@@ -27,6 +27,7 @@ SENTENCE_END = ".!?"
 SPEC_COUNTERS = {"rounds_drafted": "specrt:spec_decode_num_drafts_total",
                  "draft_tokens": "specrt:spec_decode_num_draft_tokens_total",
                  "accepted": "specrt:spec_decode_num_accepted_tokens_total", "tokens": "specrt_generated_tokens_total"}
+BY_SOURCE = 'specrt:spec_decode_num_drafts_per_source_total{source="'
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ def spec_counters(target) -> dict[str, float]:
         for key, metric in SPEC_COUNTERS.items():
             if name == metric:
                 values[key] = float(value)
+        if name.startswith(BY_SOURCE):  # auto's rounds per drafter: ...{source="suffix"}
+            values["by:" + name[len(BY_SOURCE):].strip('"}')] = float(value)
     return values
 
 
@@ -162,7 +165,8 @@ def drafting(res_records: list[dict], before: dict, after: dict) -> dict:
     out = {}
     for name in dict.fromkeys(r["server"] for r in res_records):
         if name in after and after[name]:
-            out[name] = {k: after[name].get(k, 0) - before.get(name, {}).get(k, 0) for k in SPEC_COUNTERS}
+            out[name] = {k: after[name].get(k, 0) - before.get(name, {}).get(k, 0) for k in {**SPEC_COUNTERS,
+                                                                                            **after[name]}}
             continue
         tm = [r.get("timings") or {} for r in res_records if r["server"] == name]
         if any("draft_n" in t for t in tm):

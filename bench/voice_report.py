@@ -114,8 +114,9 @@ def drafting_lines(res: dict) -> list[str]:
         rounds = (f"{d['rounds_drafted']:.0f} rounds drafted, " if "rounds_drafted" in d else "")
         per = (f", {d['accepted'] / d['rounds_drafted']:.2f} accepted per drafting round"
                if d.get("rounds_drafted") else "")
+        by = ", ".join(f"{k[3:]} {v:.0f}" for k, v in d.items() if k.startswith("by:") and v)
         out.append(f"- {name}: {rounds}{d['draft_tokens']:.0f} draft tokens, {d['accepted']:.0f} accepted ({rate})"
-                   f"{per}; {d['tokens']:.0f} tokens made")
+                   f"{per}; {d['tokens']:.0f} tokens made" + (f"; drafting rounds by drafter: {by}" if by else ""))
     return out
 
 

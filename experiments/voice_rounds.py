@@ -60,7 +60,9 @@ def _turn(session, messages, max_tokens):
         "kept": [r.result.num_accepted for r in rounds],
         "draft_ms_per_token": [round(1e3 * r.draft_s / r.asked, 1) for r in drafts],
         "verify_ms_by_width": _by_width(rounds),
-        "controller_d_ms": [round(1e3 * c.d, 1) for c in _controllers(session) if c is not None and hasattr(c, "d")],
+        "drafted_by_source": st.drafted_by_source,
+        "controller_d_ms": [{s.name: round(1e3 * d, 1) for s, d in zip(c.drafters.sources, c.drafters.ds)}
+                            for c in _controllers(session) if c is not None and hasattr(c, "drafters")],
     }
 
 

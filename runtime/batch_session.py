@@ -129,7 +129,7 @@ class BatchSession:
         self.slots: list[_Slot] = []
         for s in range(parallel):
             gen = Generator(plan, engine=slot_engine(self.batch, s, self.scheduler), codec=codec)
-            control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, p.buckets, p.pair_acceptance))
+            control = (lambda p, s=s: LoadK(self.planner, s, p.max_tokens, sources=p.sources))
             self.slots.append(_Slot(gen, decoder_of(plan, _SlotOpener(self, s), control)))
         self.pool = SlotPool(parallel, lambda s: self.slots[s].generator._held)
         self.prefix_store: PrefixStore | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .choice import Source, SourceTable
 from .verify import VerifyResult
 
 
@@ -44,14 +45,20 @@ class Controller(Protocol):
     def observe(self, r: Round) -> None:
         """What the round asked, cost and kept."""
 
+    def choose(self, buckets: list[int]) -> int:
+        """Which of several drafters drafts this round, given each one's bucket (0: the base)."""
+
 
 class Acceptance:
     """alpha_i = P(draft position i accepted | position i - 1 accepted) per bucket, from decayed counts of the
     bucket's recent rounds: (hits + prior_n alpha_{i-1}) / (tries + prior_n), so a position with little data
     leans on the one before it, then on alpha0."""
 
-    def __init__(self, buckets: int, k_max: int, keep: float = 0.85, prior_n: float = 1.0, alpha0: float = 0.5):
-        self.buckets, self.k_max, self.keep, self.prior_n, self.alpha0 = buckets, k_max, keep, prior_n, alpha0
+    def __init__(self, buckets: int, k_max: int, keep: float | list[float] = 0.85, prior_n: float = 1.0,
+                 alpha0: float = 0.5):
+        """keep: the decay of the counts per round, one for all buckets or one per bucket."""
+        self.buckets, self.k_max, self.prior_n, self.alpha0 = buckets, k_max, prior_n, alpha0
+        self.keeps = list(keep) if isinstance(keep, (list, tuple)) else [keep] * buckets
         self.reset()
 
     def reset(self) -> None:
@@ -73,7 +80,7 @@ class Acceptance:
         if not acceptance.size:
             return
         r = acceptance.size if acceptance.all() else int(acceptance.argmin()) + 1
-        keep = self.keep
+        keep = self.keeps[bucket]
         hits, tries = [h * keep for h in self.hits[bucket]], [n * keep for n in self.tries[bucket]]
         for i, a in enumerate(acceptance[:r].tolist()):
             tries[i] += 1.0
@@ -159,6 +166,9 @@ class FixedK:
     def k(self, bucket: int = 0) -> int:
         return self.fixed
 
+    def choose(self, buckets: list[int]) -> int:
+        return 0  # a fixed --draft-tokens drafts with the base drafter only
+
     def observe(self, r: Round) -> None:
         pass
 
@@ -190,6 +200,9 @@ class GatedK:
         if self.since_plain >= self.PROBE or (not self.t_plain and self.n_draft >= 2):
             return 0                             # measure plain decoding now and then
         return self.fixed
+
+    def choose(self, buckets: list[int]) -> int:
+        return 0  # a proposer that sizes its own drafts is one drafter
 
     @property
     def speedup(self) -> float:
@@ -244,16 +257,36 @@ class AdaptiveK:
     FORGIVE = 32                                 # winning rounds in a row that reset a bucket's backoff
 
     def __init__(self, k_max: int, width_exact: bool = True, max_width: int = 64, buckets: int = 1,
-                 pair: bool = False):
+                 pair: bool = False, sources: tuple[Source, ...] | None = None):
         """pair: the acceptance is a model pair's (Proposer.pair_acceptance): measured over a longer window and kept
-        across requests, as several buckets' are (docs/voice.md, "Why auto drafted little on voice turns")."""
-        self.k_max, self.buckets, self.carry = k_max, buckets, pair or buckets > 1
-        self.acceptance = Acceptance(buckets, k_max, self.KEEP_PAIR if pair else self.KEEP, self.PRIOR_N, self.ALPHA0)
+        across requests, as several buckets' are (docs/voice.md, "Why auto drafted little on voice turns").
+        sources: the drafters of a proposer that has several (Proposer.sources), each with its buckets, its draft cost
+        and its pass widths; `choose` picks the one that drafts each round (docs/voice.md, "auto learns from the
+        workload"). None: one source of `buckets` buckets."""
+        sources = sources or (Source("", buckets, pair),)
+        self.k_max, self.drafters = k_max, SourceTable(sources, k_max)
+        self.of, self.buckets = self.drafters.of, len(self.drafters.of)
+        self.carry = any(s.pair for s in sources) or self.buckets > 1
+        self.acceptance = Acceptance(self.buckets, k_max, self.drafters.keeps(self.KEEP, self.KEEP_PAIR), self.PRIOR_N,
+                                     self.ALPHA0)
         self.cost = PassCost(0.1 if width_exact else 0.22, max_width, self.DECAY, self.COST_RATE, self.TRUST)
-        self.width = [1.0 + k for k in range(k_max + 1)]  # w_k, k = 0..k_max
-        self.d = 0.0                             # draft seconds per drafted token (EMA)
         self.rounds = 0                          # decode rounds observed (the clock of the backoffs)
+        self.source = 0                          # the source of the last bucket asked
         self.reset()
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        return self.drafters.sources
+
+    @property
+    def d(self) -> float:
+        """Draft seconds per drafted token (EMA) of the last asked bucket's source."""
+        return self.drafters.ds[self.source]
+
+    @property
+    def width(self) -> list[float]:
+        """Pass width of a k-draft (EMA), k = 0..k_max, of the last asked bucket's source."""
+        return self.drafters.widths[self.source]
 
     def start(self) -> None:
         """A new request. Acceptance per bucket carries over from earlier requests when there are several
@@ -282,18 +315,30 @@ class AdaptiveK:
 
     def best(self, bucket: int = 0) -> int:
         """The k with the best expected rate for this bucket (0 = plain decoding beats every draft)."""
-        cost = self.cost
-        best_k, best_rate = 0, self.MARGIN / cost(self.width[0])
+        cost, src = self.cost, self.of[bucket]
+        width, d = self.drafters.widths[src], self.drafters.ds[src]
+        best_k, best_rate = 0, self.MARGIN / cost(width[0])
         gain, run = 1.0, 1.0
         for k, a in enumerate(self.acceptance.alpha(bucket), 1):
             run *= a
             gain += run
-            rate = gain / (cost(self.width[k]) + self.d * k)
+            rate = gain / (cost(width[k]) + d * k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
+    def choose(self, buckets: list[int]) -> int:
+        """Which source drafts this round, given each source's bucket now (choice.SourceTable.choose); a source
+        retried after a while is explored from the prior, as a bucket back from its backoff is."""
+        off = lambda b: self.backoff.off(b, self.rounds)  # noqa: E731
+        i, retry = self.drafters.choose(buckets, self.acceptance.alpha, self.cost, self.rounds, off)
+        if retry:
+            self.acceptance.forget(buckets[i])
+            self.explore[buckets[i]] = self.EXPLORE
+        return i
+
     def k(self, bucket: int = 0) -> int:
+        self.source = self.of[bucket]
         if self.since_plain >= self.PROBE or (self.cost.seen[1] < 2 and self.since_plain >= 2):
             return 0
         if self.backoff.off(bucket, self.rounds):
@@ -317,9 +362,8 @@ class AdaptiveK:
         self.rounds += 1
         self.cost.observe(r.width, r.verify_s)
         self.since_plain = 0 if r.width == 1 else self.since_plain + 1
+        self.drafters.observe(bucket, r.asked, r.drafted, r.width, r.draft_s, self.rounds)
         if r.asked > 0 and acc.size:
-            self.d += self.RATE * (r.draft_s / r.asked - self.d)
-            self.width[r.asked] += self.RATE * (r.width - self.width[r.asked])
             if self.explore[bucket] > 0:
                 self.explore[bucket] -= 1
             else:                                # it was judged worth a draft when asked

@@ -50,6 +50,7 @@ class Stats:
     cancel_s: float = 0.0  # cancelled: from Stream.close() to the loop's end (the engine free again)
     queue_s: float = 0.0   # a server's request: waiting for the engine before the loop started (ttft_s excludes it)
     grammar_s: float = 0.0  # a constrained request: time in the grammar engine (masks, draft checks, advancing)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # rounds with a draft, per drafter (auto's)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -290,10 +291,9 @@ class Generator:
         return s.result
 
     def _reuse(self, ids: list[int], decode) -> int:
-        """KV reuse: how many leading prompt tokens the target's cache already holds (>= 1 token is left to
-        prefill). With a prefix_store, a kept sequence sharing more of the prompt than the engine's is loaded back
-        into the engine, and the engine's, if this request would overwrite much of it and it is not kept already
-        (stash), is saved there first."""
+        """KV reuse: how many leading prompt tokens the target's cache already holds (>= 1 left to prefill). With a
+        prefix_store, a kept sequence sharing more of the prompt than the engine's is loaded back into the engine,
+        and the engine's, if this request would overwrite much of it and is not kept already (stash), first saved."""
         if not self.keep_cache:
             return 0
         limit = len(ids) - 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 from .batch import BatchCosts, Scheduler
+from .choice import Source, SourceTable
 from .control import Acceptance, AdaptiveK, Round
 
 
@@ -64,6 +65,11 @@ class LoadPlanner:
             self._made_at = self.scheduler.passes
         return self._plan[member]
 
+    def lone_cost(self):
+        """t(1, w): seconds of one stream's pass of width w, as this batch measured it."""
+        cost = _Memo(self.scheduler.costs_of(self.batch))
+        return lambda w: cost(1, max(1, round(w)))
+
     def _common(self, active: dict, cost) -> dict[int, int]:
         B, tables = len(active), {m: c.table() for m, c in active.items()}
         runs_at = self.batch.pass_width  # a backend that pads to its buckets
@@ -119,18 +125,39 @@ class LoadK:
     KEEP, PRIOR_N, ALPHA0, RATE, PROBE = 0.85, 1.0, 0.5, 0.3, 32
     KEEP_PAIR = AdaptiveK.KEEP_PAIR
 
-    def __init__(self, planner: LoadPlanner, member: int, k_max: int, buckets: int = 1, pair: bool = False):
-        """pair: a model pair's acceptance, kept across requests over a longer window (as AdaptiveK's)."""
-        self.planner, self.member, self.k_max, self.buckets = planner, member, k_max, buckets
-        self.carry = pair or buckets > 1
-        self.acceptance = Acceptance(buckets, k_max, self.KEEP_PAIR if pair else self.KEEP, self.PRIOR_N, self.ALPHA0)
-        self.given = [1.0] * buckets               # P(a draft is given | asked), per bucket
-        self.width = [1.0 + k for k in range(k_max + 1)]  # pass width of a k-draft (trees: more than 1 + k)
-        self.d = 0.0
+    def __init__(self, planner: LoadPlanner, member: int, k_max: int, buckets: int = 1, pair: bool = False,
+                 sources: tuple[Source, ...] | None = None):
+        """pair: a model pair's acceptance, kept across requests over a longer window (as AdaptiveK's); sources: the
+        drafters of a proposer that has several (as AdaptiveK's)."""
+        sources = sources or (Source("", buckets, pair),)
+        self.planner, self.member, self.k_max = planner, member, k_max
+        self.drafters = SourceTable(sources, k_max)
+        self.of, self.buckets, self.given = self.drafters.of, len(self.drafters.of), self.drafters.given
+        self.carry = any(s.pair for s in sources) or self.buckets > 1
+        self.acceptance = Acceptance(self.buckets, k_max, self.drafters.keeps(self.KEEP, self.KEEP_PAIR), self.PRIOR_N,
+                                     self.ALPHA0)
         self.bucket = 0
         self.since_draft = 0
+        self.rounds = 0        # decode rounds observed (the clock of the source retries)
+        self.retry = False     # the chosen source is being tried again: draft at least one token
         self.hopeless = False  # the planner found no draft could pay in the batch as it is now, even all kept
         planner.members[member] = self
+
+    @property
+    def d(self) -> float:
+        """Draft seconds per drafted token of the current bucket's source."""
+        return self.drafters.ds[self.of[self.bucket]]
+
+    @property
+    def width(self) -> list[float]:
+        return self.drafters.widths[self.of[self.bucket]]
+
+    def choose(self, buckets: list[int]) -> int:
+        """Which source drafts this round (choice.SourceTable.choose), by each one's rate on a pass of its own."""
+        i, self.retry = self.drafters.choose(buckets, self.acceptance.alpha, self.planner.lone_cost(), self.rounds)
+        if self.retry:
+            self.acceptance.forget(buckets[i])
+        return i
 
     def start(self) -> None:
         self.since_draft = 0
@@ -158,18 +185,16 @@ class LoadK:
         k = self.planner.k(self.member)
         # re-measure now and then (acceptance changes with the text); a probe in a batch costs a pass of its own
         # that every stream waits for, so the batch as a whole probes about once every PROBE rounds
-        if k == 0 and not self.hopeless and self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active)):
+        if k == 0 and (self.retry or not self.hopeless and
+                       self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active))):
             k = 1
+        self.retry = False
         return k
 
     def observe(self, r: Round) -> None:
         self.acceptance.observe(r.bucket, r.result.acceptance)
-        if r.prefill or r.asked == 0:
-            self.since_draft += 0 if r.prefill else 1
+        if r.prefill:
             return
-        self.since_draft = 0
-        given = float(r.drafted > 0)
-        self.given[r.bucket] += self.RATE * (given - self.given[r.bucket])
-        if r.drafted:
-            self.d += self.RATE * (r.draft_s / r.asked - self.d)
-            self.width[r.asked] += self.RATE * (r.width - self.width[r.asked])
+        self.rounds += 1
+        self.drafters.observe(r.bucket, r.asked, r.drafted, r.width, r.draft_s, self.rounds)
+        self.since_draft = self.since_draft + 1 if r.asked == 0 else 0

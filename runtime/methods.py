@@ -1,6 +1,7 @@
 """The --speculate methods, registered once: the name, the engine role a method needs beside the target, one
 clause of help, and the drafters it runs (runtime/speculative.py's DRAFTERS; two: the first after a 2+ token
-match, else the second: proposers/hybrid.Fallback). The CLI's and the server's choices and help, the bench's modes
+match, else the second: proposers/hybrid.Fallback), or the methods it chooses among each round (proposers/sources.py:
+auto's, named a/b/c). The CLI's and the server's choices and help, the bench's modes
 and the tests derive from this table. Plain Python (no numpy), so `--help` imports it cheaply.
 """
 
@@ -15,6 +16,7 @@ class Method:
     needs: str | None  # the engine role it runs beside the target ("draft", "medusa", "eagle"); None: the target alone
     help: str
     drafters: tuple[str, ...]  # its proposer's builders in runtime/speculative.py's DRAFTERS (primary first)
+    sources: tuple[str, ...] = ()  # or: the methods whose drafters it chooses among each round (the base first)
 
 
 METHODS = {m.name: m for m in (
@@ -26,9 +28,18 @@ METHODS = {m.name: m for m in (
     Method("suffix+medusa", "medusa", "suffix decoding after a 2+ token match, else Medusa", ("suffix", "medusa")),
     Method("eagle", "eagle", "the EAGLE head's dynamic tree", ("eagle",)),
     Method("lookup+eagle", "eagle", "prompt lookup after a 2+ token match, else EAGLE", ("prompt-lookup", "eagle")),
+    # auto's: each round, the drafter whose kind of draft has paid best so far (docs/voice.md, "auto learns from
+    # the workload")
+    Method("draft/lookup/suffix", "draft", "each round whichever of the draft model, prompt lookup and suffix "
+           "decoding has paid best", (), ("draft", "prompt-lookup", "suffix")),
+    Method("lookup+medusa/suffix", "medusa", "each round whichever of lookup+medusa and suffix decoding has paid "
+           "best", (), ("lookup+medusa", "suffix")),
+    Method("lookup/suffix", None, "each round whichever of prompt lookup and suffix decoding has paid best", (),
+           ("prompt-lookup", "suffix")),
 )}
 MODES = ("off", *METHODS, "auto")
-AUTO_HELP = "the set's draft model, else lookup+medusa at fp32 with heads, else prompt-lookup"  # resolve_mode
+AUTO_HELP = ("draft/lookup/suffix on a set with a draft model, else lookup+medusa/suffix at fp32 with heads, else "
+             "lookup/suffix")  # resolve_mode
 
 
 def modes_help() -> str:

@@ -53,15 +53,17 @@ class SpeculativeConfig:
 def resolve_mode(mode: str, manifest: Manifest, target: EngineEntry) -> str:
     """The --speculate name 'auto' stands for on this engine set and target (other names are returned as they are).
 
-    'auto' picks the draft model when the set has one, else lookup+medusa with heads at fp32 (the heads were
-    trained on fp32 hidden states), else prompt lookup (docs/runtime-notes.md, "auto's choice per precision")."""
+    'auto' drafts with the draft model when the set has one, else lookup+medusa with heads at fp32 (the heads were
+    trained on fp32 hidden states), else prompt lookup (docs/runtime-notes.md, "auto's choice per precision"), each
+    beside suffix decoding (and the draft model beside prompt lookup too), the controller choosing per round by
+    measured pay (docs/voice.md, "auto learns from the workload")."""
     if mode not in MODES:
         raise SpecrtError(f"unknown --speculate '{mode}'; choose one of: {', '.join(MODES)}")
     if mode != "auto":
         return mode
     roles = manifest.roles
     heads = "medusa" in roles and target.precision == "fp32"
-    return "draft" if "draft" in roles else "lookup+medusa" if heads else "prompt-lookup"
+    return "draft/lookup/suffix" if "draft" in roles else "lookup+medusa/suffix" if heads else "lookup/suffix"
 
 
 @dataclass(frozen=True)

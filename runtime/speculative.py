@@ -31,6 +31,7 @@ from .proposers import Context, DraftModel, HiddenRows, PromptLookup, Proposer
 from .proposers.eagle import Eagle
 from .proposers.hybrid import Fallback
 from .proposers.medusa import Medusa
+from .proposers.sources import Sources
 from .proposers.suffix import SuffixDecoding, SuffixStores
 from .sampling import SamplingParams, probs_from_logits
 from .tree import tree_layout
@@ -83,6 +84,9 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught)
             control.observe(r)
             stats.observe(r, engine.width_exact)
+            if n:  # which drafter drafted (auto's choice)
+                by = stats.drafted_by_source
+                by[proposer.source(bucket)] = by.get(proposer.source(bucket), 0) + 1
             tally.add(result.acceptance)
             ctx.extend(result.tokens, committed=engine.length)
             yield forced + result.tokens.tolist()
@@ -235,8 +239,12 @@ DRAFTERS: dict[str, Callable[..., Proposer]] = {"prompt-lookup": _prompt_lookup,
 
 def build_proposer(mode: str, manifest: Manifest, precision: str, options: EngineOptions, cfg: SpeculativeConfig,
                    opener: Opener = OPEN) -> Proposer:
-    """The proposer of a --speculate method: its one drafter, or its two as a Fallback (primary, then secondary)."""
-    parts = [DRAFTERS[d](manifest, precision, options, cfg, opener) for d in METHODS[mode].drafters]
+    """The proposer of a --speculate method: its one drafter, its two as a Fallback (primary, then secondary), or the
+    proposers of the methods it chooses among (Sources)."""
+    method = METHODS[mode]
+    if method.sources:
+        return Sources(mode, [build_proposer(m, manifest, precision, options, cfg, opener) for m in method.sources])
+    parts = [DRAFTERS[d](manifest, precision, options, cfg, opener) for d in method.drafters]
     return parts[0] if len(parts) == 1 else Fallback(mode, *parts)
 
 
@@ -277,6 +285,6 @@ def decoder_of(plan: Plan, opener: Opener = OPEN, controller: Callable[[Proposer
     elif not proposer.adaptive:  # it sized its drafts itself (Medusa's tree, at build time): on or off
         control = GatedK(proposer.max_tokens)
     else:
-        control = AdaptiveK(proposer.max_tokens, plan.target.width_exact, buckets=proposer.buckets,
-                            pair=proposer.pair_acceptance)
+        control = AdaptiveK(proposer.max_tokens, plan.target.width_exact, sources=proposer.sources)
+    proposer.take_choice(control.choose)  # several drafters (Sources): the controller picks the one each round
     return SpeculativeDecoder(proposer, control, verify_typical if config.lossy_typical else verify)

@@ -77,7 +77,7 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
         if r["mode"] in ("prompt-lookup-fp32", "auto-fp32"):  # the counts the summary pools, per run
             assert r["rounds"] >= 1 and len(r["drafted"]) == len(r["accepted"]) == len(r["acceptance"])
             assert all(0 <= k <= d for k, d in zip(r["accepted"], r["drafted"]))
-    assert rows[("auto-fp32", "all")]["proposer"] == "prompt-lookup"  # no draft model, no heads in the tiny set
+    assert rows[("auto-fp32", "all")]["proposer"] == "lookup/suffix"  # no draft model, no heads in the tiny set
     assert rows[("prompt-lookup-fp32", "all")]["pooled"] and rows[("plain-fp32", "all")]["tau"] == 1.0
 
     from specrt.bench.report import write
@@ -88,7 +88,7 @@ def test_quick_bench_on_tiny_engines(tiny_engines, tmp_path, monkeypatch):
     md = (out / "report.md").read_text()
     assert "| plain-fp32 |" in md and "specrt bench --quick" in md and "Skipped" in md
     assert "- load order (sessions created later decoded faster here): plain-fp32, plain-int4," in md
-    assert "| new tokens |" in md and "auto-fp32: prompt-lookup" in md and "predates" not in md
+    assert "| new tokens |" in md and "auto-fp32: lookup/suffix" in md and "predates" not in md
     for png in ("speedup.png", "acceptance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert rows[("plain-fp32", "all")]["decode_speedup"] == 1.0

@@ -169,6 +169,8 @@ def test_voice_run_on_the_tiny_set(voice_run):
     assert all(r["identical_to_plain"] for r in recs if r["server"] == "specrt-fp32-auto")
     assert set(res["drafting"]) == set(names)   # /metrics read before and after the calls
     assert all(0 <= d["accepted"] <= d["draft_tokens"] for d in res["drafting"].values())
+    for d in res["drafting"].values():  # auto's drafting rounds per drafter, from /metrics, add up
+        assert sum(v for k, v in d.items() if k.startswith("by:")) == d["rounds_drafted"], d
     skipped = [n for n in res["notes"] if n.startswith("skipped:")]
     assert len(skipped) == 1 and "llama-server did not start" in skipped[0] and "unknown model format" in skipped[0]
     assert "\n" not in skipped[0]

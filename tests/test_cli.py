@@ -287,7 +287,7 @@ def test_generate_json_and_info(tiny_engines):
     assert set(out) >= {"text", "token_ids", "stats"}
     assert {"prompt_tokens", "new_tokens", "ttft_s", "tok_s"} <= set(out["stats"])
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 5
-    assert out["stats"]["proposer"] == "prompt-lookup"   # the default, auto: no draft model or heads in this set
+    assert out["stats"]["proposer"] == "lookup/suffix"   # the default, auto: no draft model or heads in this set
     r = specrt("info", tiny_engines)
     assert r.returncode == 0 and "target-fp32" in r.stdout
 
@@ -298,11 +298,11 @@ def test_compare_plain_says_in_one_line_what_speculation_bought(tiny_engines):
     r = specrt(*args)
     assert r.returncode == 0, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("auto (prompt-lookup): 12 tokens in ") and ", tau " in last, last
+    assert last.startswith("auto (lookup/suffix): 12 tokens in ") and ", tau " in last, last
     assert "plain: 12 tokens in " in last and "x tokens/s, identical output" in last, last
     out = json.loads(specrt(*args, "--json").stdout)["compare_plain"]
     assert out["identical"] and out["speedup"] > 0 and out["plain_stats"]["proposer"] == "off"
-    assert out["proposer"] == "prompt-lookup" and out["tau"] >= 1.0 and out["new_tokens"] == 12
+    assert out["proposer"] == "lookup/suffix" and out["tau"] >= 1.0 and out["new_tokens"] == 12
     assert_user_error(specrt(*args, "--speculate", "off"), "--compare-plain", "--speculate off")
 
 

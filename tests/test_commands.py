@@ -197,5 +197,6 @@ def test_serve_startup_makes_its_plan_once(tiny_engines, counted, monkeypatch, e
     monkeypatch.setattr(uvicorn.Server, "run", serve_until_loaded)
     r = CliRunner().invoke(app, ["serve", "--engines", str(tiny_engines), "--threads", "1", *extra])
     assert r.exit_code == 0, r.output
-    assert ready["mode"] == "prompt-lookup"  # auto on a set without a draft model or heads
+    # auto on a set without a draft model or heads, else what was asked
+    assert ready["mode"] == ("prompt-lookup" if "--speculate" in extra else "lookup/suffix")
     assert counted == ONCE

@@ -87,8 +87,9 @@ def test_self_draft_accepts_everything_and_follows_the_target(self_engines):
     assert spec.token_ids == plain.token_ids
     assert spec.stats.tau > 3.0                      # 4 accepted + bonus per round, minus the tail
     assert spec.stats.acceptance_by_position[:4] == [1.0, 1.0, 1.0, 1.0]
-    auto = _generate(self_engines, "auto", n=40)     # auto picks the draft model; adaptive K
-    assert auto.token_ids == plain.token_ids and auto.stats.proposer == "draft"
+    auto = _generate(self_engines, "auto", n=40)     # auto: the draft model beside prompt lookup and suffix decoding
+    assert auto.token_ids == plain.token_ids and auto.stats.proposer == "draft/lookup/suffix"
+    assert auto.stats.drafted_by_source.get("draft", 0) > 0
 
 
 def test_draft_cache_tracks_accepted_tokens(pair_engines):
@@ -202,7 +203,8 @@ def test_cli_json_reports_speculation_stats(pair_engines):
                                     "--speculate", "auto", "--max-new-tokens", "24", "--threads", "1"])
     assert r.exit_code == 0, r.output
     stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
-    assert stats["proposer"] == "draft" and stats["tau"] >= 1.0 and stats["exact"] is True
+    assert stats["proposer"] == "draft/lookup/suffix" and stats["tau"] >= 1.0 and stats["exact"] is True
+    assert set(stats["drafted_by_source"]) <= {"draft", "prompt-lookup", "suffix"}
     assert isinstance(stats["acceptance_by_position"], list) and stats["draft_s"] > 0 and stats["verify_s"] > 0
 
 

@@ -123,7 +123,7 @@ def test_greedy_medusa_equals_target_greedy(medusa_gen):
         assert med.stats.proposer == "medusa"
         auto = gen.generate(prompt, max_new_tokens=40, sampling=SamplingParams(),
                             decode=make_decoder("auto", gen.manifest, "fp32", options=EngineOptions(threads=1)))
-        assert auto.token_ids == plain.token_ids and auto.stats.proposer == "lookup+medusa"
+        assert auto.token_ids == plain.token_ids and auto.stats.proposer == "lookup+medusa/suffix"
 
 
 class ReplayHeads:
@@ -285,8 +285,10 @@ def test_lookup_medusa_routes_by_match_and_stays_exact(medusa_gen):
         assert out.token_ids == plain.token_ids and out.stats.proposer == "lookup+medusa"
     assert kinds["chain"] > 0 and kinds["tree"] > 0, kinds
     # auto takes it at fp32 only: at int4 the heads (trained on fp32 hidden states) measured no gain
-    assert make_decoder("auto", gen.manifest, "fp32", options=EngineOptions(threads=1)).proposer.name == "lookup+medusa"
-    assert make_decoder("auto", gen.manifest, "int4", options=EngineOptions(threads=1)).proposer.name == "prompt-lookup"
+    auto32 = make_decoder("auto", gen.manifest, "fp32", options=EngineOptions(threads=1)).proposer
+    assert [p.name for p in auto32.parts] == ["lookup+medusa", "suffix"]          # beside suffix decoding
+    auto4 = make_decoder("auto", gen.manifest, "int4", options=EngineOptions(threads=1)).proposer
+    assert [p.name for p in auto4.parts] == ["prompt-lookup", "suffix"]
 
 
 def test_suffix_medusa_routes_by_match_and_stays_exact(medusa_gen):

@@ -81,7 +81,7 @@ def test_streamed_chat_chunks(client, reference):
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + N
     assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     m = usage["metrics"]
-    assert m["proposer"] == "prompt-lookup" and m["exact"] is True and m["tau"] >= 1 and m["ttft_s"] > 0
+    assert m["proposer"] == "lookup/suffix" and m["exact"] is True and m["tau"] >= 1 and m["ttft_s"] > 0
     assert len({c["id"] for c in chunks + [usage]}) == 1
 
 

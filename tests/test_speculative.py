@@ -299,12 +299,12 @@ def test_make_decoder_maps_names_once(tiny_engines):
     gen = Generator.load(tiny_engines, "fp32", EngineOptions(threads=1))
     assert isinstance(make_decoder("off", gen.manifest), PlainDecoder)
     auto = make_decoder("auto", gen.manifest)               # no draft engine in this set
-    assert auto.proposer.name == "prompt-lookup" and isinstance(auto.control, AdaptiveK)
+    assert auto.proposer.name == "lookup/suffix" and isinstance(auto.control, AdaptiveK)
     assert isinstance(make_decoder("prompt-lookup", gen.manifest,
                                    config=__import__("specrt.runtime.speculative", fromlist=["x"])
                                    .SpeculativeConfig(draft_tokens=3)).control, FixedK)
     fixed = make_decoder("prompt-lookup", gen.manifest, config=SpeculativeConfig(draft_tokens=4)).proposer
-    assert fixed.ngram_sizes == (6, 4, 3, 2) and auto.proposer.ngram_sizes == (6, 4, 3, 2, 1)
+    assert fixed.ngram_sizes == (6, 4, 3, 2) and auto.proposer.parts[0].ngram_sizes == (6, 4, 3, 2, 1)
     for bad in ("nope", "Prompt-Lookup"):
         with pytest.raises(SpecrtError, match="unknown --speculate"):
             make_decoder(bad, gen.manifest)

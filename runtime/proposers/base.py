@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..control import Source
 from ..sampling import SamplingParams
 from ..verify import Draft, VerifyResult
 
@@ -104,6 +105,18 @@ class Proposer:
     # seconds the last propose spent reading context it had not seen yet (a draft model's catch-up prefill of a
     # new turn), included in the loop's draft time but not in the controller's cost of a drafted token
     catchup_s = 0.0
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """Its drafters as the controller keeps them apart (several: runtime/proposers/sources.py)."""
+        return (Source(self.name, self.buckets, self.pair_acceptance),)
+
+    def source(self, bucket: int) -> str:
+        """The name of the drafter a bucket's drafts come from (Stats.drafted_by_source)."""
+        return self.name
+
+    def take_choice(self, choose) -> None:
+        """The controller's choice of drafter per round, for a proposer of several (Sources); one drafter has none."""
 
     def bucket(self, ctx: Context) -> int:
         """The bucket of the draft the next propose(ctx, k) would make; called just before it."""

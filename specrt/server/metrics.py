@@ -44,6 +44,8 @@ class Metrics:
         m.tokens = prom.Counter("specrt_generated_tokens", "New tokens", registry=m.registry)
         # speculation, under vLLM's names (vllm:spec_decode_*) with our prefix
         m.drafts = prom.Counter("specrt:spec_decode_num_drafts", "Rounds that drafted", registry=m.registry)
+        m.drafts_by_source = prom.Counter("specrt:spec_decode_num_drafts_per_source", "Rounds that drafted, by "
+                                          "drafter (auto's choice each round)", ["source"], registry=m.registry)
         m.draft_tokens = prom.Counter("specrt:spec_decode_num_draft_tokens", "Draft tokens proposed",
                                       registry=m.registry)
         m.accepted = prom.Counter("specrt:spec_decode_num_accepted_tokens", "Draft tokens accepted",
@@ -65,6 +67,8 @@ class Metrics:
             self.kept_bytes.set(store.nbytes)
         self.requests.labels(st.finish_reason).inc()
         self.tokens.inc(st.new_tokens)
+        for source, n in st.drafted_by_source.items():
+            self.drafts_by_source.labels(source).inc(n)
         drafted = list(st.drafted_by_position)
         if drafted:
             # kept counts from the rates: exact while a position was drafted in < 10^4 rounds (4-decimal rates)
