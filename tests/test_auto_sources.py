@@ -9,14 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.runtime.batch import Scheduler
 from specrt.runtime.control import AdaptiveK, Round, Source
 from specrt.runtime.engine import EngineOptions
 from specrt.runtime.generate import Generator
-from specrt.runtime.load_k import LoadK, LoadPlanner
+from specrt.runtime.load_k import LoadK
 from specrt.runtime.session import load
 from specrt.runtime.speculative import make_decoder
-from test_voice_turns import _Batch, _result, cost
+from test_voice_turns import _result, cost, load_k
 
 # auto's sources on a set without a draft model: prompt lookup's and suffix decoding's buckets (a match, none)
 SOURCES = (Source("prompt-lookup", 2), Source("suffix", 2))
@@ -25,13 +24,7 @@ ROUNDS = 30
 
 
 def _load_k(sources) -> LoadK:
-    sched, batch = Scheduler(), _Batch()
-    table = sched.costs_of(batch)
-    for w in range(1, 18):
-        for _ in range(table.trust):
-            table.observe(1, w, cost(w))
-    sched.active.add(0)
-    return LoadK(LoadPlanner(sched, batch, 17), 0, 16, sources=sources)
+    return load_k(16, sources=sources)
 
 
 CONTROLLERS = {"adaptive": lambda: AdaptiveK(16, width_exact=False, sources=SOURCES),

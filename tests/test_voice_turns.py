@@ -60,15 +60,16 @@ class _Batch:
         return n
 
 
-def load_k() -> LoadK:
-    """A lone stream's LoadK under a planner whose pass costs were measured (the scheduler measures them)."""
+def load_k(max_tokens: int = 8, **kwargs) -> LoadK:
+    """A lone stream's LoadK under a planner whose pass costs were measured (the scheduler measures them); kwargs:
+    LoadK's own (default: one bucket, the pair's acceptance kept)."""
     sched, batch = Scheduler(), _Batch()
     table = sched.costs_of(batch)
-    for w in range(1, 10):
+    for w in range(1, max_tokens + 2):
         for _ in range(table.trust):
             table.observe(1, w, cost(w))
     sched.active.add(0)
-    return LoadK(LoadPlanner(sched, batch, 9), 0, 8, 1, pair=True)
+    return LoadK(LoadPlanner(sched, batch, max_tokens + 1), 0, max_tokens, **(kwargs or {"buckets": 1, "pair": True}))
 
 
 CONTROLLERS = {"adaptive": lambda: AdaptiveK(8, width_exact=False, pair=True), "load": load_k}
