@@ -18,7 +18,7 @@ BENCH_HELP = {
     "--reps": "Repetitions per prompt and mode (tok/s is their median).",
     "--quick": "1 prompt per category, at most 32 new tokens, core modes unless --modes (a few minutes).",
     "--load-order": "listed (the order of --modes / the default list) or reversed. ONNX Runtime sessions created "
-                    "later in a process can decode up to ~10% faster, so compare two contenders in both orders "
+                    "later in a process can decode faster, so compare two contenders in both orders "
                     "(docs/design-notes.md, 'Session load order').",
     "--isolate": "Run every contender in a worker process of its own (as a user's process holds one runtime): no "
                  "load-order effect, nothing shared; calls stay interleaved.",

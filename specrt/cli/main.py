@@ -26,8 +26,9 @@ ENGINES_HELP = {
     "--source": "Embedded model name, a Hugging Face model directory, or a .gguf file. Default: smollm2-135m.",
     "--name": "Engine set name (folder under --out). Default: from the source.",
     "--precisions": "Comma-separated precisions. onnxruntime (default fp32,int8,int4): fp32 (exact), int8, int4 "
-                    "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts, ~2 min for "
-                    "SmolLM2), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). Portable "
+                    "(weight-only GPTQ in blocks of 64, int8 compute; calibrated on Python-stdlib texts; its cost: "
+                    "docs/backends.md), int4-fp32 (int4 weights, fp32 compute: width-exact, for exact speculation). "
+                    "Portable "
                     "backends: fp32, fp16 (default fp32,fp16 on onnxruntime-portable, fp16 on GPUs), fp8 or int8 "
                     "(Q/DQ GEMMs: weights per channel, activations per tensor, calibrated), int4-awq (int4 weights in "
                     "blocks of 128 with AWQ scales, activations float); the Q/DQ precisions' quality against fp32 is "

@@ -22,8 +22,8 @@ def train_medusa(
     budget_minutes: float = typer.Option(25.0, "--budget-minutes", help="Wall-clock training budget (data excluded)."),
     epochs: int = typer.Option(3, "--epochs", help="Stop earlier after this many epochs."),
     lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (cosine decay)."),
-    parts: int = typer.Option(2, "--parts", help="Data parts: 1 = greedy continuations (~10 minutes), 2 = + sampled "
-                                                 "ones (~9 more; the shipped heads), 3 = + more sampled ones (~9 more; "
+    parts: int = typer.Option(2, "--parts", help="Data parts: 1 = greedy continuations, 2 = + sampled ones (the "
+                                                 "shipped heads), 3 = + more sampled ones (what each costs: "
                                                  "docs/design-notes.md, 'Medusa training data generation')."),
     plain_medusa: bool = typer.Option(False, "--plain-medusa",
                                       help="Medusa-1 heads on the hidden state only (no pending-token input)."),
