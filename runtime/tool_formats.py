@@ -42,6 +42,9 @@ class ToolFormat:
     # reply under "auto" (docs/formats.md#bare-calls): Qwen2.5-Coder writes its call bare, or in the doubled
     # braces its template shows
     bare: tuple[tuple[str, str], ...] = ()
+    # the info strings of a Markdown fence (```json) whose block, after text under "auto", is read as one call when
+    # it is one (docs/formats.md#fenced-calls): Qwen2.5-Coder writes a sentence, then its call fenced
+    fenced: tuple[str, ...] = ()
 
     def call_json(self, name: str, arguments: str) -> str:
         if self.named:
@@ -109,7 +112,7 @@ FORMATS: tuple[ToolFormat, ...] = (
     _row("gemma-json", "", "", "parameters", False, False, "", JSON_PROMPT, prompt_turn="user",
          result="Result of the call: {content}", result_role="user", template=("<start_of_turn>",)),
     _row("hermes", "<tool_call>", "</tool_call>", "arguments", False, True, "\n", HERMES_PROMPT,
-         result=HERMES_RESULT, bare=HERMES_BARE),
+         result=HERMES_RESULT, bare=HERMES_BARE, fenced=("json", "")),
 )
 NAMES = tuple(f.name for f in FORMATS)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -44,8 +45,14 @@ def booking_turn(called: list[bool]) -> int:
     return booked[0]
 
 
+# a call's JSON however it is spaced (pretty-printed, fenced): a "name" string and an arguments key in one object
+CALL_JSON = re.compile(r'\{[^{}]*("name"\s*:\s*"[^"]*"[^{}]*"(arguments|parameters)"'
+                       r'|"(arguments|parameters)"\s*:[\s\S]*"name"\s*:\s*")')
+
+
 def markup_in(text: str) -> list[str]:
-    return [m for m in MARKUP if m in text]
+    """The tool-call or think markup in text: MARKUP's strings, and a call's JSON in any spacing (CALL_JSON)."""
+    return [m for m in MARKUP if m in text] + [m[0] for m in CALL_JSON.finditer(text)]
 
 
 @contextlib.contextmanager

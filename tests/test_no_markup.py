@@ -150,7 +150,7 @@ def test_a_bare_call_under_auto_is_a_call_never_content(bare_engines):
     """docs/formats.md#bare-calls: the sweep on a model that writes a bare '{' first: under auto its reply is held
     to one call (tool_calls, never content), under none to text; greedy speculative equals plain on it."""
     from specrt.runtime.tokenizer import Message
-    from specrt.tool_calls import grammar
+    from specrt.server.tool_calls import grammar
 
     session, plain = load(bare_engines, "fp32", "auto"), load(bare_engines, "fp32", "off")
     tools = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in (BOOK, HOURS)]

@@ -164,3 +164,72 @@ def test_a_bare_call_cut_by_the_budget_is_never_content():
         p, events = _stream_named(fmt, reply[:-1], 2)
         assert not any(e.content for e in events) and p.cut and not p.calls
     assert split('{"name": "nothing we know', fmt, False, TOOLS) == ('{"name": "nothing we know', [], False)
+
+
+FENCED = 'Here\'s the JSON object for the function call:\n```json\n{\n  "name": "book_table",\n  "arguments": ' + \
+    BARE_ARGS + '\n}\n```'
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 1000])
+@pytest.mark.parametrize("tag, after", [("json", ""), ("", "\nShall I book it?")])
+def test_a_fenced_call_after_text_is_a_call_and_the_text_stays(tag, after, size):
+    """Qwen2.5-Coder under "auto" writes a sentence, then its call in a Markdown fence (docs/formats.md#fenced-calls):
+    the sentence is content, the fence a call, whole and streamed, at every delta size."""
+    from helpers import markup_in
+
+    fmt, reply = by_name("hermes"), FENCED.replace("```json", "```" + tag) + after
+    spoken = FENCED[:FENCED.index("```")] + after  # the text around the fence, as written
+    for cut in (False, True):
+        p, events = _stream_named(fmt, reply, size, cut)
+        content = "".join(e.content for e in events)
+        assert content == spoken, events
+        assert not markup_in(content) and "`" not in content
+        assert [(e.index, e.start.name) for e in events if e.start] == [(0, "book_table")]
+        assert json.loads(p.calls[0].arguments) == json.loads(BARE_ARGS) and not p.cut
+    content, calls, cut = split(reply, fmt, False, TOOLS)
+    assert content == spoken.strip() and not cut
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("book_table", json.loads(BARE_ARGS))]
+
+
+@pytest.mark.parametrize("text", [
+    "Like this:\n```python\nprint(book_table(party=4))\n```\nThen run it.",
+    'In Python:\n```python\nbook_table(**{"name": "book_table", "arguments": {"party": 4}})\n```',
+    'Totals:\n```json\n{"total": 3}\n```\nand more:\n```\n{"name": "unknown", "arguments": {}}\n```',
+    'See:\n```json\n{"name": "book_table", "arguments": "party 4"}\n```', "Use ``` for code, `x` inline.",
+    "```yaml\nname: book_table\n```"])
+def test_a_fenced_block_that_is_not_one_call_stays_text(text):
+    """Code, other JSON, an unknown tool's name, no arguments object: the fence is text, unchanged, at every delta
+    size (held back only while it may still be a call)."""
+    fmt = by_name("hermes")
+    for size in (1, 2, 3, 1000):
+        for cut in (False, True):
+            p, events = _stream_named(fmt, text, size, cut)
+            assert "".join(e.content for e in events) == text and not p.calls, (size, cut, events)
+    assert split(text, fmt, False, TOOLS) == (text.strip(), [], False)
+
+
+def test_a_fence_is_a_call_only_where_the_row_allows_it_and_tools_are_given():
+    """A row without `fenced`, or no tools given: the fence stays text; the format's own tags still read after one."""
+    fmt = by_name("hermes")
+    assert split(FENCED, replace(fmt, fenced=()), False, TOOLS) == (FENCED, [], False)
+    assert split(FENCED, fmt) == (FENCED, [], False)  # no tools given (tool_choice "none" parses no calls)
+    ping = '{"name": "ping", "arguments": {}}'
+    tagged = f"Sure.\n```json\n{ping}\n```\n<tool_call>\n{ping}\n</tool_call>"
+    content, calls, _ = split(tagged, fmt, False, TOOLS)
+    assert content == "Sure." and [c.name for c in calls] == ["ping", "ping"]
+
+
+def test_a_fenced_call_cut_by_the_budget_is_never_content():
+    """Every prefix of a fenced call, the budget ending the reply there: the text before the fence at most, never
+    the fence. Ended by the model unclosed, a block naming a tool is dropped as markup."""
+    from helpers import markup_in
+
+    fmt, text = by_name("hermes"), FENCED[:FENCED.index("```")]
+    for n in range(1, len(FENCED)):
+        for size in (1, 4):
+            p, events = _stream_named(fmt, FENCED[:n], size, cut=True)
+            content = "".join(e.content for e in events)
+            assert text.startswith(content) and not markup_in(content) and not p.calls, (n, events)
+            assert p.cut or n <= len(text) + 1, (n, events)
+    p, events = _stream_named(fmt, FENCED[:-3], 2)
+    assert "".join(e.content for e in events) == text and p.cut and not p.calls

@@ -141,6 +141,8 @@ class CallParser:
         self.at_start, self.cut, self.space = True, False, ""
         self.names = frozenset(names)  # the tools a bare call may name (fmt.bare)
         self.leading = bool(fmt.bare and fmt.open and names)  # the reply's start: it may still be a bare call
+        self.fenced = bool(fmt.fenced and fmt.open and names)  # a fenced block may be a call (fmt.fenced)
+        self.code = False  # inside a fenced block that is text: the next fence closes it
 
     def feed(self, delta: str) -> list[Event]:
         self.buf += delta
@@ -176,14 +178,35 @@ class CallParser:
                 self.buf = ""
                 return out
             start = self.buf.find(self.fmt.open)
+            fence = self.buf.find(FENCE) if self.fenced else -1
+            if fence >= 0 and (start < 0 or fence < start):
+                self._text(self.buf[:fence], out)
+                self.buf = self.buf[fence:]
+                if not self._fence(out):
+                    return out
+                continue
             if start >= 0:
                 self._text(self.buf[:start], out)
                 self.buf, self.in_call = self.buf[start + len(self.fmt.open):], True
                 continue
-            keep = stop_prefix(self.buf, (self.fmt.open,))
+            keep = stop_prefix(self.buf, (self.fmt.open,) + (FENCE,) * self.fenced)
             self._text(self.buf[:len(self.buf) - keep], out)
             self.buf = self.buf[len(self.buf) - keep:]
             return out
+
+    def _fence(self, out: list) -> bool:
+        """buf opens with a fence: a call's block goes out as the call, a block that is not one (or its closing
+        fence) as text; False while it may still be a call (held back)."""
+        got = None if self.code else fenced_call(self.buf, self.fmt, self.names)
+        if got == WAIT:
+            return False
+        if got is None:  # text, up to the fence that closes it
+            self._text(FENCE, out)
+            self.buf, self.code = self.buf[len(FENCE):], not self.code
+            return True
+        self.buf = self.buf[got[0]:]
+        self._add([got[1]], out)
+        return True
 
     def _text(self, text: str, out: list) -> None:
         """Content; after a call, whitespace waits for text (the newlines between calls are markup)."""
@@ -235,6 +258,9 @@ class CallParser:
                 log.warning("dropped a bare tool call that does not parse as the '%s' format", self.fmt.name)
         elif self.in_call or (cut and ((self.buf and self.fmt.open) or self.space)):
             self.cut = True
+        elif self.fenced and not self.code and self.buf.startswith(FENCE) and names_a_tool(self.buf, self.names):
+            self.cut = True  # a fenced call that never closed or never parsed: markup, never spoken
+            log.warning("dropped a fenced tool call that does not parse as the '%s' format", self.fmt.name)
         elif not (self.fmt.open == "" and self.at_start):
             self._text(self.buf, out)
         self.buf, self.in_call, self.space = "", False, ""
@@ -301,6 +327,22 @@ def bare_call(text: str, before: str, after: str, fmt: ToolFormat, names) -> tup
         return WAIT if tail.startswith(rest) else None
     call = ToolCall(fmt.new_id(), obj["name"], json.dumps(obj[fmt.key], ensure_ascii=False))
     return len(text) - len(rest) + len(tail), call
+
+
+FENCE = "```"  # a Markdown fence, its info string (fmt.fenced) on the rest of its line
+
+
+def fenced_call(text: str, fmt: ToolFormat, names) -> tuple[int, ToolCall] | str | None:
+    """Whether text, opening with a fence, is one call of a known tool fenced (docs/formats.md#fenced-calls): (the
+    end of its closing fence in text, the call); WAIT while it may still be one; None when it is not."""
+    line, newline, body = text[len(FENCE):].partition("\n")
+    if not newline:
+        return WAIT if any(t.startswith(line.strip()) for t in fmt.fenced) else None
+    if line.strip() not in fmt.fenced:
+        return None
+    inner = body.lstrip()
+    got = bare_call(inner, "", FENCE, fmt, names)
+    return (len(text) - len(inner) + got[0], got[1]) if isinstance(got, tuple) else got
 
 
 def names_a_tool(text: str, names) -> bool:
