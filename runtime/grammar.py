@@ -80,7 +80,7 @@ _LOCK = threading.Lock()
 def grammar_tokenizer(codec, vocab_size: int) -> GrammarTokenizer:
     """The GrammarTokenizer of a TextCodec (tokenizer.py), built on first use and kept on it."""
     with _LOCK:
-        gt = getattr(codec, "grammar_tokenizer", None)
+        gt = codec.grammar_tokenizer
         if gt is None or gt.vocab_size != vocab_size:
             gt = codec.grammar_tokenizer = GrammarTokenizer(codec.tokenizer.to_str(), vocab_size,
                                                             codec.eos_token_ids)

@@ -76,6 +76,8 @@ def load_messages_file(path: Path) -> list[Message]:
 
 
 class TextCodec:
+    grammar_tokenizer = None  # grammar.grammar_tokenizer's, built on first use
+
     def __init__(self, tokenizer_file: Path, chat_template: str | None, bos_token: str | None,
                  eos_token_ids: tuple[int, ...]):
         try:
