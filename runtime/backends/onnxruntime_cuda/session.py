@@ -27,12 +27,10 @@ def open_session(onnx_path: Path, stream: int, threads: int = 0, graphs: bool = 
     import onnxruntime as ort
 
     require_cuda_provider(ort.get_available_providers())
-    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21: CUDA and cuDNN from torch or nvidia-*
-    if preload is not None:                       # wheels, which the loader would not find on its own
-        try:
-            preload()
-        except Exception:  # noqa: BLE001 -- best effort: a missing library fails the session below, in one line
-            pass
+    try:  # CUDA and cuDNN from torch or nvidia-* wheels, which the loader would not find on its own
+        ort.preload_dlls()
+    except Exception:  # noqa: BLE001 -- best effort: a missing library fails the session below, in one line
+        pass
     def session(capture: bool):
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

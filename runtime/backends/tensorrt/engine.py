@@ -137,6 +137,7 @@ class TrtContexts:
     def __init__(self, engine, memory, name: str, addresses: dict[str, int], cache_dtype, strategy=None,
                  runtime_config=None, keep: tuple = ()):
         self.engine, self.memory, self.name, self.keep = engine, memory, name, keep
+        self.asks_capture = runtime_config is not None  # TensorRT for RTX's contexts say whether a stream captures
         check_io(engine, addresses, cache_dtype, name)
         shared = strategy is not None or runtime_config is not None
         size = int(engine.device_memory_size_v2) if shared else 0
@@ -188,8 +189,7 @@ class TrtContexts:
         """Record the pass just run as a CUDA graph (recording runs nothing: the warm-up above did the work). The
         stream is idle first, as trtexec's and TensorRT-Edge-LLM's captures have it."""
         rt, stream = cudart(), self.memory.stream
-        capturable = getattr(self.contexts[profile], "is_stream_capturable", None)
-        if capturable is not None and not capturable(stream):  # TensorRT for RTX says so before a capture
+        if self.asks_capture and not self.contexts[profile].is_stream_capturable(stream):
             self.note = f"the engine cannot be captured on this stream at {key}"
             return
         self.memory.sync()
