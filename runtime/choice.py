@@ -25,15 +25,25 @@ class Source:
     pair: bool = False
 
 
-def draft_rate(alpha: list[float], given: float, cost, width: list[float], d: float) -> float:
-    """Tokens per second of a round with a bucket's best draft: E(k) = 1 + given sum_j prod_{i<=j} alpha_i over
-    t(w_k) + d k, given = how often the source has a draft when asked (one that has none is a plain round)."""
-    best, gain, run = 0.0, 1.0, 1.0
-    for k, a in enumerate(alpha, 1):
+def expected_tokens(alpha: list[float], given: float = 1.0) -> list[float]:
+    """E(k), k = 0..len(alpha): tokens a round that asks for k keeps, 1 + given sum_{j<=k} prod_{i<=j} alpha_i;
+    given = how often a draft comes when asked (a round without one is a plain round)."""
+    out, gain, run = [1.0], 0.0, 1.0
+    for a in alpha:
         run *= a
-        gain += given * run
-        best = max(best, gain / (cost(width[k]) + d * k))
-    return best
+        gain += run
+        out.append(1.0 + given * gain)
+    return out
+
+
+def best_draft(expected: list[float], cost, width: list[float], d: float) -> tuple[int, float]:
+    """(the k >= 1 of the most tokens per second E(k) / (t(w_k) + d k), the first of equals; that rate)."""
+    best_k, best = 0, 0.0
+    for k in range(1, len(expected)):
+        rate = expected[k] / (cost(width[k]) + d * k)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k, best
 
 
 class SourceTable:
@@ -66,7 +76,7 @@ class SourceTable:
 
     def rate(self, bucket: int, alpha: list[float], cost) -> float:
         s = self.of[bucket]
-        return draft_rate(alpha, self.given[bucket], cost, self.widths[s], self.ds[s])
+        return best_draft(expected_tokens(alpha, self.given[bucket]), cost, self.widths[s], self.ds[s])[1]
 
     def choose(self, buckets: list[int], alpha, cost, now: int, off=lambda b: False) -> tuple[int, bool]:
         """(which source drafts, given each one's bucket now; whether it is a retry, its bucket's acceptance to be

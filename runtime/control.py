@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .choice import Source, SourceTable
+from .choice import Source, SourceTable, best_draft, expected_tokens
 from .verify import VerifyResult
 
 
@@ -271,22 +271,11 @@ class AdaptiveK:
                                      self.ALPHA0)
         self.cost = PassCost(0.1 if width_exact else 0.22, max_width, self.DECAY, self.COST_RATE, self.TRUST)
         self.rounds = 0                          # decode rounds observed (the clock of the backoffs)
-        self.source = 0                          # the source of the last bucket asked
         self.reset()
 
     @property
     def sources(self) -> tuple[Source, ...]:
         return self.drafters.sources
-
-    @property
-    def d(self) -> float:
-        """Draft seconds per drafted token (EMA) of the last asked bucket's source."""
-        return self.drafters.ds[self.source]
-
-    @property
-    def width(self) -> list[float]:
-        """Pass width of a k-draft (EMA), k = 0..k_max, of the last asked bucket's source."""
-        return self.drafters.widths[self.source]
 
     def start(self) -> None:
         """A new request. Acceptance per bucket carries over from earlier requests when there are several
@@ -315,17 +304,10 @@ class AdaptiveK:
 
     def best(self, bucket: int = 0) -> int:
         """The k with the best expected rate for this bucket (0 = plain decoding beats every draft)."""
-        cost, src = self.cost, self.of[bucket]
-        width, d = self.drafters.widths[src], self.drafters.ds[src]
-        best_k, best_rate = 0, self.MARGIN / cost(width[0])
-        gain, run = 1.0, 1.0
-        for k, a in enumerate(self.acceptance.alpha(bucket), 1):
-            run *= a
-            gain += run
-            rate = gain / (cost(width[k]) + d * k)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        src = self.of[bucket]
+        width = self.drafters.widths[src]
+        k, rate = best_draft(expected_tokens(self.acceptance.alpha(bucket)), self.cost, width, self.drafters.ds[src])
+        return k if rate > self.MARGIN / self.cost(width[0]) else 0
 
     def choose(self, buckets: list[int]) -> int:
         """Which source drafts this round, given each source's bucket now (choice.SourceTable.choose); a source
@@ -338,7 +320,6 @@ class AdaptiveK:
         return i
 
     def k(self, bucket: int = 0) -> int:
-        self.source = self.of[bucket]
         if self.since_plain >= self.PROBE or (self.cost.seen[1] < 2 and self.since_plain >= 2):
             return 0
         if self.backoff.off(bucket, self.rounds):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 from .batch import BatchCosts, Scheduler
-from .choice import Source, SourceTable
+from .choice import Source, SourceTable, expected_tokens
 from .control import Acceptance, AdaptiveK, Round
 
 
@@ -173,12 +173,7 @@ class LoadK:
 
     def table(self) -> list[float]:
         """E(k), k = 0..k_max: expected tokens of a round that asks for k (its bucket's acceptance)."""
-        out, gain, run, given = [1.0], 0.0, 1.0, self.given[self.bucket]
-        for a in self.acceptance.alpha(self.bucket):
-            run *= a
-            gain += run
-            out.append(1.0 + given * gain)
-        return out
+        return expected_tokens(self.acceptance.alpha(self.bucket), self.given[self.bucket])
 
     def k(self, bucket: int = 0) -> int:
         self.bucket = bucket
