@@ -22,7 +22,7 @@ from .batch import Scheduler, slot_engine
 from .load_k import LoadK, LoadPlanner
 from .engine import EngineOptions
 from .generate import Generator, Result, Stats, Stream
-from .plan import MAX_DRAFT_TOKENS, Plan
+from .plan import MAX_DRAFT_TOKENS, Plan, PlanView
 from .prefix_cache import PrefixStore
 from .sampling import SamplingParams
 from .speculative import Opener, decoder_of, draft_entry
@@ -106,7 +106,7 @@ class SlotPool:
             return self.slots - len(self._free)
 
 
-class BatchSession:
+class BatchSession(PlanView):
     """Session's interface (stream, generate, engine, manifest, precision, mode) over `parallel` slots."""
 
     def __init__(self, plan: Plan, parallel: int, prefill_chunk: int | None = None):
@@ -115,8 +115,7 @@ class BatchSession:
         prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         check_prefill_chunk(prefill_chunk)
         manifest = plan.manifest
-        self.plan, self.manifest, self.precision, self.mode, self.parallel = (plan, manifest, plan.precision,
-                                                                              plan.mode, parallel)
+        self.plan, self.parallel = plan, parallel
         self.scheduler = Scheduler()
         self.scheduler.prefill_chunk = prefill_chunk
         self._batches: dict[str, object] = {}

@@ -85,6 +85,25 @@ class Plan:
         return replace(self, mode="off", options=replace(self.options, taking_turns=False))
 
 
+class PlanView:
+    """What front ends read of a session's plan (Session, BatchSession): its set, precision and resolved mode."""
+
+    plan: Plan
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.plan.manifest
+
+    @property
+    def precision(self) -> str:
+        return self.plan.precision
+
+    @property
+    def mode(self) -> str:
+        """The resolved --speculate name ('off' = plain decoding)."""
+        return self.plan.mode
+
+
 def make_plan(engines: str | Path | Manifest, precision: str = "fp32", speculate: str = "auto",
               options: EngineOptions = EngineOptions(), config: SpeculativeConfig = SpeculativeConfig()) -> Plan:
     """The plan of an engine set (a folder, or its Manifest loaded already), a target precision and a --speculate

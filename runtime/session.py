@@ -17,21 +17,17 @@ from pathlib import Path
 from ..manifest import Manifest
 from .engine import Engine, EngineOptions
 from .generate import Generator, Result, Stream
-from .plan import Plan, SpeculativeConfig, make_plan
+from .plan import Plan, PlanView, SpeculativeConfig, make_plan
 from .prefix_cache import PrefixStore
 from .speculative import decoder_of
 from .tokenizer import Message
 
 
 @dataclass
-class Session:
+class Session(PlanView):
     plan: Plan
     generator: Generator
     decoder: object        # PlainDecoder or SpeculativeDecoder: .proposer and .control (None when plain)
-
-    def __post_init__(self):
-        # what front ends read of the plan; mode: the resolved --speculate name ('off' = plain decoding)
-        self.manifest, self.precision, self.mode = self.plan.manifest, self.plan.precision, self.plan.mode
 
     @property
     def engine(self) -> Engine:
