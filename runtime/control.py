@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .choice import Source, SourceTable, best_draft, expected_tokens
+from .choice import Source, SourceTable, best_draft, expected_tokens, kept
 from .verify import VerifyResult
 
 
@@ -33,20 +33,22 @@ class Round:
     verify_s: float
     prefill: bool          # the pass fed the prompt (round 1): its cost says nothing about a decode pass
     catchup_s: float = 0.0
+    caught: int = 0        # context tokens the proposer's catch-up read in catchup_s
 
 
 class Controller(Protocol):
     def start(self) -> None:
         """A new request."""
 
-    def k(self, bucket: int = 0) -> int:
-        """The draft length to ask for this round (0 = plain decoding)."""
+    def k(self, bucket: int = 0, unread: int = 0) -> int:
+        """The draft length to ask for this round (0 = plain decoding); unread: context tokens the proposer would
+        read before drafting (Proposer.unread)."""
 
     def observe(self, r: Round) -> None:
         """What the round asked, cost and kept."""
 
-    def choose(self, buckets: list[int]) -> int:
-        """Which of several drafters drafts this round, given each one's bucket (0: the base)."""
+    def choose(self, buckets: list[int], unread: list[int] | None = None) -> int:
+        """Which of several drafters drafts this round, given each one's bucket and unread context (0: the base)."""
 
 
 class Acceptance:
@@ -163,10 +165,10 @@ class FixedK:
     def start(self) -> None:
         pass
 
-    def k(self, bucket: int = 0) -> int:
+    def k(self, bucket: int = 0, unread: int = 0) -> int:
         return self.fixed
 
-    def choose(self, buckets: list[int]) -> int:
+    def choose(self, buckets: list[int], unread: list[int] | None = None) -> int:
         return 0  # a fixed --draft-tokens drafts with the base drafter only
 
     def observe(self, r: Round) -> None:
@@ -194,14 +196,14 @@ class GatedK:
     def start(self) -> None:
         self.since_plain = 0
 
-    def k(self, bucket: int = 0) -> int:
+    def k(self, bucket: int = 0, unread: int = 0) -> int:
         if self.backoff.off(0, self.rounds):
             return 0
         if self.since_plain >= self.PROBE or (not self.t_plain and self.n_draft >= 2):
             return 0                             # measure plain decoding now and then
         return self.fixed
 
-    def choose(self, buckets: list[int]) -> int:
+    def choose(self, buckets: list[int], unread: list[int] | None = None) -> int:
         return 0  # a proposer that sizes its own drafts is one drafter
 
     @property
@@ -282,6 +284,7 @@ class AdaptiveK:
         buckets (a match length's hit rate is a property of the model more than of the text: the mix of match
         lengths is what differs between texts); one pooled profile is reset, unless it is the model pair's (carry)."""
         self.since_plain = 0
+        self.drafters.start()
         if not self.carry:
             self.reset()
 
@@ -302,34 +305,38 @@ class AdaptiveK:
         """[buckets][k_max] estimated acceptance per draft position."""
         return [self.acceptance.alpha(b) for b in range(self.buckets)]
 
-    def best(self, bucket: int = 0) -> int:
-        """The k with the best expected rate for this bucket (0 = plain decoding beats every draft)."""
+    def best(self, bucket: int = 0, a: float = 0.0) -> int:
+        """The k with the best expected rate for this bucket (0 = plain decoding beats every draft); a: the
+        source's surcharge per token kept (SourceTable.surcharge)."""
         src = self.of[bucket]
         width = self.drafters.widths[src]
-        k, rate = best_draft(expected_tokens(self.acceptance.alpha(bucket)), self.cost, width, self.drafters.ds[src])
+        k, rate = best_draft(expected_tokens(self.acceptance.alpha(bucket)), self.cost, width, self.drafters.ds[src], a)
         return k if rate > self.MARGIN / self.cost(width[0]) else 0
 
-    def choose(self, buckets: list[int]) -> int:
+    def choose(self, buckets: list[int], unread: list[int] | None = None) -> int:
         """Which source drafts this round, given each source's bucket now (choice.SourceTable.choose); a source
         retried after a while is explored from the prior, as a bucket back from its backoff is."""
         off = lambda b: self.backoff.off(b, self.rounds)  # noqa: E731
-        i, retry = self.drafters.choose(buckets, self.acceptance.alpha, self.cost, self.rounds, off)
+        i, retry = self.drafters.choose(buckets, self.acceptance.alpha, self.cost, self.rounds, off, unread)
         if retry:
             self.acceptance.forget(buckets[i])
             self.explore[buckets[i]] = self.EXPLORE
         return i
 
-    def k(self, bucket: int = 0) -> int:
+    def k(self, bucket: int = 0, unread: int = 0) -> int:
         if self.since_plain >= self.PROBE or (self.cost.seen[1] < 2 and self.since_plain >= 2):
             return 0
         if self.backoff.off(bucket, self.rounds):
             return 0
+        a = self.drafters.surcharge(self.of[bucket], unread, self.cost)
         if self.backoff.came_back(bucket):       # forget the acceptance that made it stop, explore first
             self.acceptance.forget(bucket)
             self.explore[bucket] = self.EXPLORE
-        best = self.best(bucket)
-        if self.explore[bucket] > 0:
-            return max(best, 1)
+        best = self.best(bucket, a)
+        if self.explore[bucket] > 0:             # explore, unless the catch-up first costs more than it could win
+            return max(best, 1) if self.drafters.affords(a, self.cost) else 0
+        if best == 0 and a and self.best(bucket):
+            return 0                             # the catch-up, not the acceptance, loses: no judgement
         if best == 0:                            # judged: no draft length pays, switch this bucket off
             self.backoff.lose(bucket, self.rounds)
             self.on_rounds[bucket] = 0
@@ -338,12 +345,13 @@ class AdaptiveK:
     def observe(self, r: Round) -> None:
         acc, bucket = r.result.acceptance, r.bucket
         self.acceptance.observe(bucket, acc)
+        self.drafters.made(1 + kept(acc))
         if r.prefill:
             return
         self.rounds += 1
         self.cost.observe(r.width, r.verify_s)
         self.since_plain = 0 if r.width == 1 else self.since_plain + 1
-        self.drafters.observe(bucket, r.asked, r.drafted, r.width, r.draft_s, self.rounds)
+        self.drafters.observe(bucket, r.asked, r.drafted, r.width, r.draft_s, self.rounds, r.caught, r.catchup_s)
         if r.asked > 0 and acc.size:
             if self.explore[bucket] > 0:
                 self.explore[bucket] -= 1

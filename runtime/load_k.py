@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 from .batch import BatchCosts, Scheduler
-from .choice import Source, SourceTable, expected_tokens
+from .choice import Source, SourceTable, expected_tokens, kept
 from .control import Acceptance, AdaptiveK, Round
 
 
@@ -83,7 +83,7 @@ class LoadPlanner:
             for m, c in active.items():
                 k = c.fits(W)
                 gain += tables[m][k]
-                draft += c.d * k
+                draft += c.d * k + (c.a * tables[m][k] if k else 0.0)
             rate = gain / (cost(B, runs_at(W)) + draft)
             if rate > best:
                 best_w, best = W, rate
@@ -94,16 +94,17 @@ class LoadPlanner:
         own = {}  # each stream's best draft on a pass of its own: (k, the batch's tokens per second with it)
         B = len(active)
         base, rest = B / cost(B, 1), cost(B - 1, 1) if B > 1 else 0.0
-        secs = lambda c, k: cost(1, max(2, round(c.width[k]))) + c.d * k  # noqa: E731  (its own pass + drafting)
+        # its own pass, drafting and its catch-up spread over the rest of its request (choice.SourceTable.surcharge)
+        secs = lambda c, k, e: cost(1, max(2, round(c.width[k]))) + c.d * k + c.a * e  # noqa: E731
         for m, c in active.items():
             # could a draft pay at all, were every token of it kept? If not, acceptance need not be re-measured
-            c.hopeless = B > 1 and (B + c.k_max) / (rest + secs(c, c.k_max)) <= self.MARGIN * base
+            c.hopeless = B > 1 and (B + c.k_max) / (rest + secs(c, c.k_max, 1 + c.k_max)) <= self.MARGIN * base
             if c.hopeless:
                 own[m] = (0, 0.0)
                 continue
             table, best = c.table(), (0, 0.0)
             for k in range(1, c.k_max + 1):  # the k that gives the batch the most tokens per second
-                rate = (B + table[k] - 1) / (rest + secs(c, k))
+                rate = (B + table[k] - 1) / (rest + secs(c, k, table[k]))
                 if table[k] > 1.0 and rate > best[1]:
                     best = (k, rate)
             own[m] = best
@@ -141,6 +142,7 @@ class LoadK:
         self.rounds = 0        # decode rounds observed (the clock of the source retries)
         self.retry = False     # the chosen source is being tried again: draft at least one token
         self.hopeless = False  # the planner found no draft could pay in the batch as it is now, even all kept
+        self.a = 0.0           # the current source's surcharge per token kept (its catch-up; SourceTable.surcharge)
         planner.members[member] = self
 
     @property
@@ -152,15 +154,17 @@ class LoadK:
     def width(self) -> list[float]:
         return self.drafters.widths[self.of[self.bucket]]
 
-    def choose(self, buckets: list[int]) -> int:
+    def choose(self, buckets: list[int], unread: list[int] | None = None) -> int:
         """Which source drafts this round (choice.SourceTable.choose), by each one's rate on a pass of its own."""
-        i, self.retry = self.drafters.choose(buckets, self.acceptance.alpha, self.planner.lone_cost(), self.rounds)
+        i, self.retry = self.drafters.choose(buckets, self.acceptance.alpha, self.planner.lone_cost(), self.rounds,
+                                             unread=unread)
         if self.retry:
             self.acceptance.forget(buckets[i])
         return i
 
     def start(self) -> None:
         self.since_draft = 0
+        self.drafters.start()
         if not self.carry:
             self.acceptance.reset()
 
@@ -175,21 +179,26 @@ class LoadK:
         """E(k), k = 0..k_max: expected tokens of a round that asks for k (its bucket's acceptance)."""
         return expected_tokens(self.acceptance.alpha(self.bucket), self.given[self.bucket])
 
-    def k(self, bucket: int = 0) -> int:
+    def k(self, bucket: int = 0, unread: int = 0) -> int:
         self.bucket = bucket
+        lone = self.planner.lone_cost  # built only when a catch-up is due
+        self.a = self.drafters.surcharge(self.of[bucket], unread, lone()) if unread else 0.0
         k = self.planner.k(self.member)
         # re-measure now and then (acceptance changes with the text); a probe in a batch costs a pass of its own
-        # that every stream waits for, so the batch as a whole probes about once every PROBE rounds
-        if k == 0 and (self.retry or not self.hopeless and
-                       self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active))):
+        # that every stream waits for, so the batch as a whole probes about once every PROBE rounds; not while a
+        # catch-up would first cost more than it could win
+        probe = self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active))
+        affords = not self.a or self.drafters.affords(self.a, lone())
+        if k == 0 and (self.retry or not self.hopeless and probe) and affords:
             k = 1
         self.retry = False
         return k
 
     def observe(self, r: Round) -> None:
         self.acceptance.observe(r.bucket, r.result.acceptance)
+        self.drafters.made(1 + kept(r.result.acceptance))
         if r.prefill:
             return
         self.rounds += 1
-        self.drafters.observe(r.bucket, r.asked, r.drafted, r.width, r.draft_s, self.rounds)
+        self.drafters.observe(r.bucket, r.asked, r.drafted, r.width, r.draft_s, self.rounds, r.caught, r.catchup_s)
         self.since_draft = self.since_draft + 1 if r.asked == 0 else 0

@@ -62,7 +62,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             forced = check.forced(ctx)
             bucket = proposer.bucket(ctx)
             room = engine.max_context - ctx.length  # draft nodes the cache still has places for
-            k = 0 if first or forced else min(control.k(bucket), room)
+            k = 0 if first or forced else min(control.k(bucket, proposer.unread(ctx)), room)
             first = False
             draft = proposer.propose(ctx, k)
             if draft.tokens.size > room:  # a tree of depth <= k can hold more nodes than fit (at the context end)
@@ -81,7 +81,7 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
             proposer.observe(result, hidden)
             caught = proposer.catchup_s
-            r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught)
+            r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught, proposer.catchup_n)
             control.observe(r)
             stats.observe(r, engine.width_exact)
             if n:  # which drafter drafted (auto's choice)

@@ -60,14 +60,14 @@ class _Batch:
         return n
 
 
-def load_k(max_tokens: int = 8, **kwargs) -> LoadK:
+def load_k(max_tokens: int = 8, pass_cost=cost, **kwargs) -> LoadK:
     """A lone stream's LoadK under a planner whose pass costs were measured (the scheduler measures them); kwargs:
     LoadK's own (default: one bucket, the pair's acceptance kept)."""
     sched, batch = Scheduler(), _Batch()
     table = sched.costs_of(batch)
     for w in range(1, max_tokens + 2):
         for _ in range(table.trust):
-            table.observe(1, w, cost(w))
+            table.observe(1, w, pass_cost(w))
     sched.active.add(0)
     return LoadK(LoadPlanner(sched, batch, max_tokens + 1), 0, max_tokens, **(kwargs or {"buckets": 1, "pair": True}))
 

@@ -103,8 +103,10 @@ class Proposer:
     # each start from the prior; docs/voice.md, "Why auto drafted little on voice turns")
     pair_acceptance = False
     # seconds the last propose spent reading context it had not seen yet (a draft model's catch-up prefill of a
-    # new turn), included in the loop's draft time but not in the controller's cost of a drafted token
+    # new turn), included in the loop's draft time but not in the controller's cost of a drafted token; and the
+    # context tokens it read then
     catchup_s = 0.0
+    catchup_n = 0
 
     @property
     def sources(self) -> tuple[Source, ...]:
@@ -120,6 +122,11 @@ class Proposer:
 
     def bucket(self, ctx: Context) -> int:
         """The bucket of the draft the next propose(ctx, k) would make; called just before it."""
+        return 0
+
+    def unread(self, ctx: Context) -> int:
+        """Context tokens a propose(ctx, k >= 1) now would read in a catch-up first (the controller charges them:
+        runtime/choice.py, SourceTable.surcharge)."""
         return 0
 
     def start(self, ctx: Context, sampling: SamplingParams | None = None, rng: np.random.Generator | None = None):

@@ -67,9 +67,13 @@ class DraftModel(HeldTokens, Proposer):
         if self._sample and self._q is None:
             self._q = np.empty((self.max_tokens, self.engine.vocab_size), np.float32)
 
+    def unread(self, ctx: Context) -> int:
+        n = len(ctx.ids) - self.engine.length
+        return n - 1 if n > CATCHUP_APART else 0
+
     def propose(self, ctx: Context, k: int) -> Draft:
         eng = self.engine
-        self._base, self.catchup_s = ctx.length, 0.0
+        self._base, self.catchup_s, self.catchup_n = ctx.length, 0.0, 0
         # room: the draft cache must hold the context plus k - 1 drafted tokens
         k = min(k, self.max_tokens, eng.max_context - ctx.length + 1)
         if k < 1:
@@ -79,6 +83,7 @@ class DraftModel(HeldTokens, Proposer):
             t0 = time.perf_counter()
             eng.argmax(feed[:-1])
             eng.commit(len(feed) - 1)
+            self.catchup_n = len(feed) - 1
             feed = feed[-1:]
             self.catchup_s = time.perf_counter() - t0
         for i in range(k):

@@ -32,7 +32,8 @@ class Sources(Proposer):
         self.reads_hidden = next((p.reads_hidden for p in parts if p.reads_hidden), None)
         self._keep = [p for p in parts if p.keeps_state]
         self.keeps_state = bool(self._keep)
-        self.choose = lambda buckets: 0  # the controller's (make_decoder); a fixed --draft-tokens keeps the base
+        # the controller's (make_decoder); a fixed --draft-tokens keeps the base
+        self.choose = lambda buckets, unread: 0
         self.chosen = 0
 
     def take_choice(self, choose) -> None:
@@ -49,6 +50,13 @@ class Sources(Proposer):
     def catchup_s(self) -> float:
         return self.parts[self.chosen].catchup_s
 
+    @property
+    def catchup_n(self) -> int:
+        return self.parts[self.chosen].catchup_n
+
+    def unread(self, ctx: Context) -> int:
+        return self.parts[self.chosen].unread(ctx)
+
     def start(self, ctx: Context, sampling=None, rng=None) -> None:
         for p in self.parts:
             p.start(ctx, sampling, rng)
@@ -56,7 +64,7 @@ class Sources(Proposer):
 
     def bucket(self, ctx: Context) -> int:
         buckets = [o + p.bucket(ctx) for o, p in zip(self.offsets, self.parts)]
-        self.chosen = self.choose(buckets)
+        self.chosen = self.choose(buckets, [p.unread(ctx) for p in self.parts])
         return buckets[self.chosen]
 
     def propose(self, ctx: Context, k: int) -> Draft:
