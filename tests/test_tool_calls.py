@@ -233,3 +233,19 @@ def test_a_fenced_call_cut_by_the_budget_is_never_content():
             assert p.cut or n <= len(text) + 1, (n, events)
     p, events = _stream_named(fmt, FENCED[:-3], 2)
     assert "".join(e.content for e in events) == text and p.cut and not p.calls
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("name", NAMES)
+def test_streamed_content_starts_as_the_whole_replys_does(name, size):
+    """The blank lines a reply opens with, or leaves after a call's markup, are not sent: streamed content is the
+    non-streamed content's text (which is stripped), save whitespace at its very end."""
+    from specrt.server.replies import Reply
+
+    fmt = by_name(name)
+    for text in ["\n\n Hello there.", fmt.calls_text(CALLS[:1]) + "\n\nBooked. "]:
+        r = Reply(None, False, fmt, ("book_table",))
+        events = [e for i in range(0, len(text), size) for e in r.feed(text[i:i + size])] + r.finish(False)
+        whole = Reply(None, False, fmt, ("book_table",)).whole(text, False)
+        assert "".join(e.content for e in events).rstrip() == whole[0], (text, events)
+        assert [e.start.name for e in events if e.start] == [c.name for c in whole[2]]

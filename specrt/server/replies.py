@@ -4,6 +4,8 @@ format (tool_calls.py), and the text left, which alone is content (docs/formats.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import SpecrtError
 from .openai_api import ApiError, GenRequest
 from ..runtime.generate import stop_prefix
@@ -126,6 +128,7 @@ class Reply:
         self.think = ThinkSplitter(think, inside) if think is not None else None
         self.parser = CallParser(fmt, names) if fmt is not None else None  # names: the tools a bare call may name
         self.reasoning, self.inside = "", inside
+        self.spoke = False  # content sent yet: the whitespace before the first of it is dropped, as whole() strips it
 
     @property
     def calls(self):
@@ -148,7 +151,16 @@ class Reply:
                 out += self.parser.feed(text)
             else:
                 out.append(Event(content=text))
-        return out
+        return [e for e in map(self._lead, out) if e is not None]
+
+    def _lead(self, e: Event) -> Event | None:
+        """The event with the reply's leading whitespace dropped from its content (a call's markup or a think block
+        before the text leaves the template's blank lines; a voice agent would be sent them)."""
+        if self.spoke or not e.content:
+            return e
+        text = e.content.lstrip()
+        self.spoke = bool(text)
+        return replace(e, content=text) if text or e.start or e.arguments or e.reasoning or e.call else None
 
     def reasoning_tokens(self, codec, ids: list[int]) -> int | None:
         return None if self.think is None else reasoning_tokens(codec, ids, self.think.t, self.inside)
