@@ -12,7 +12,8 @@ changed (a script that starts repeating makes earlier answers right).
 A source that must first read context it has not seen (a draft model that sat out while the others drafted: its
 catch-up prefill) pays that once, for the rest of the request: its rate counts the catch-up's seconds spread over
 the tokens the request is expected to have left (`Remaining`), and it is not retried while that costs more than
-a tenth of a pass per token (docs/voice.md, "The draft's catch-up is a cost").
+a tenth of a pass per token (half a pass before it has ever drafted; docs/voice.md, "The draft's catch-up is a
+cost").
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class SourceTable:
     RETRY = 32     # rounds without a draft of its after which a source is tried again, from the prior
     RATE = 0.3     # EMA rate of the draft cost, the pass widths and how often a draft is given
     CATCHUP0 = 0.1  # a context token read in a catch-up, in target passes, until one was measured
-    AFFORD = 0.1   # a retry or an exploring draft only while its catch-up costs at most this many passes a token
+    AFFORD = 0.1   # a retry or an exploring draft only while its catch-up costs at most this many passes a token,
+    AFFORD0 = 0.5  # or this many for a source that has not drafted yet (nothing is known of it)
 
     def __init__(self, sources: tuple[Source, ...], k_max: int):
         self.sources = sources
@@ -104,9 +106,10 @@ class SourceTable:
         per = self.catchup[source] or self.CATCHUP0 * cost(1)
         return unread * per / self.left()
 
-    def affords(self, a: float, cost) -> bool:
-        """Whether a draft with surcharge `a` may be tried without a measured reason to (a retry, an exploration)."""
-        return a <= self.AFFORD * cost(1)
+    def affords(self, source: int, a: float, cost) -> bool:
+        """Whether a draft of `source` with surcharge `a` may be tried without a measured reason to (a retry, an
+        exploration)."""
+        return a <= (self.AFFORD if self.ds[source] else self.AFFORD0) * cost(1)
 
     def keeps(self, keep: float, keep_pair: float) -> list[float]:
         """The acceptance window of each bucket: a model pair's is longer."""
@@ -145,7 +148,7 @@ class SourceTable:
         for i, b in enumerate(buckets):
             s = self.of[b]
             if (now - self.last[s] >= self.RETRY and self.given[b] >= 0.5 and not off(b)
-                    and self.affords(a[i], cost)):
+                    and self.affords(s, a[i], cost)):
                 self.last[s] = now
                 return i, True
         rates = [0.0 if off(b) else self.rate(b, alpha(b), cost, a[i]) for i, b in enumerate(buckets)]

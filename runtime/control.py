@@ -334,7 +334,7 @@ class AdaptiveK:
             self.explore[bucket] = self.EXPLORE
         best = self.best(bucket, a)
         if self.explore[bucket] > 0:             # explore, unless the catch-up first costs more than it could win
-            return max(best, 1) if self.drafters.affords(a, self.cost) else 0
+            return max(best, 1) if self.drafters.affords(self.of[bucket], a, self.cost) else 0
         if best == 0 and a and self.best(bucket):
             return 0                             # the catch-up, not the acceptance, loses: no judgement
         if best == 0:                            # judged: no draft length pays, switch this bucket off

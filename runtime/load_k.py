@@ -188,7 +188,7 @@ class LoadK:
         # that every stream waits for, so the batch as a whole probes about once every PROBE rounds; not while a
         # catch-up would first cost more than it could win
         probe = self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active))
-        affords = not self.a or self.drafters.affords(self.a, lone())
+        affords = not self.a or self.drafters.affords(self.of[bucket], self.a, lone())
         if k == 0 and (self.retry or not self.hopeless and probe) and affords:
             k = 1
         self.retry = False

@@ -102,6 +102,24 @@ def test_the_charge_spreads_the_catch_up_over_the_tokens_left():
     table.start()
     assert table.left() == pytest.approx(12, abs=0.5)
     assert table.surcharge(DRAFT, 250, t) == pytest.approx(0.75 / table.left())
-    assert not table.affords(table.surcharge(DRAFT, 250, t), t) and table.affords(table.surcharge(DRAFT, 1, t), t)
+    assert not table.affords(DRAFT, table.surcharge(DRAFT, 250, t), t)
+    assert table.affords(DRAFT, table.surcharge(DRAFT, 1, t), t)
+    assert table.affords(LOOKUP, 0.4 * t(1), t) and not table.affords(DRAFT, 0.4 * t(1), t)  # one never drafted
     table.made(40)                                                # past the mean: as many again expected
     assert table.left() == 40
+
+
+ALONE = {"adaptive": lambda: AdaptiveK(8, width_exact=False, pair=True), "load": lambda: load_k(8, cost)}
+
+
+@pytest.mark.parametrize("name", ALONE)
+def test_a_draft_model_that_never_drafted_reads_a_first_prompt_and_is_tried(name):
+    """`--speculate draft`, nothing measured yet: a first request's prompt (about the expected answer's length) does
+    not keep it from its first drafts, but a prompt many times the expected answer does."""
+    for prompt, tried in ((130, True), (2000, False)):
+        ctl = ALONE[name]()
+        ctl.start()
+        ctl.observe(Round(0, 0, 0, prompt, _result(np.zeros(0, bool)), 0.0, cost(40), True))
+        if isinstance(ctl, LoadK):
+            ctl.planner.scheduler.passes += 1
+        assert (ctl.k(0, prompt) >= 1) is tried, prompt
