@@ -12,8 +12,8 @@ changed (a script that starts repeating makes earlier answers right).
 A source that must first read context it has not seen (a draft model that sat out while the others drafted: its
 catch-up prefill) pays that once, for the rest of the request: its rate counts the catch-up's seconds spread over
 the tokens the request is expected to have left (`Remaining`), and it is not retried while that costs more than
-a tenth of a pass per token (half a pass before it has ever drafted; docs/voice.md, "The draft's catch-up is a
-cost").
+a tenth of a pass per token; until a catch-up was measured none is charged, so a first one runs and measures it
+(docs/voice.md, "The draft's catch-up is a cost").
 """
 
 from __future__ import annotations
@@ -80,9 +80,7 @@ class SourceTable:
     SWITCH = 1.1   # another source drafts once it promises this much more than the first
     RETRY = 32     # rounds without a draft of its after which a source is tried again, from the prior
     RATE = 0.3     # EMA rate of the draft cost, the pass widths and how often a draft is given
-    CATCHUP0 = 0.1  # a context token read in a catch-up, in target passes, until one was measured
-    AFFORD = 0.1   # a retry or an exploring draft only while its catch-up costs at most this many passes a token,
-    AFFORD0 = 0.5  # or this many for a source that has not drafted yet (nothing is known of it)
+    AFFORD = 0.1   # a retry or an exploring draft only while its catch-up costs at most this many passes a token
 
     def __init__(self, sources: tuple[Source, ...], k_max: int):
         self.sources = sources
@@ -91,7 +89,8 @@ class SourceTable:
         self.widths = [[1.0 + k for k in range(k_max + 1)] for _ in sources]  # pass width of a k-draft
         self.given = [1.0] * len(self.of)                                     # P(a draft | asked), per bucket
         self.last = [0] * len(sources)                                        # the round it last drafted
-        self.catchup = [0.0] * len(sources)     # seconds per context token its catch-ups read (0: none measured)
+        self.caught_s = [0.0] * len(sources)    # its catch-ups' seconds and context tokens (decayed sums; a
+        self.caught_n = [0.0] * len(sources)    # fixed part of each is then spread by size, not per catch-up)
         self.left = Remaining()
 
     def start(self) -> None:
@@ -101,15 +100,13 @@ class SourceTable:
     def surcharge(self, source: int, unread: int, cost) -> float:
         """Seconds per token kept that a draft of `source` costs now besides its rounds: reading `unread` context
         tokens first, spread over the tokens the request is expected to have left. cost(w): a pass's seconds."""
-        if unread <= 0:
+        if unread <= 0 or not self.caught_n[source]:  # none measured: the first catch-up is how it is measured
             return 0.0
-        per = self.catchup[source] or self.CATCHUP0 * cost(1)
-        return unread * per / self.left()
+        return unread * self.caught_s[source] / self.caught_n[source] / self.left()
 
-    def affords(self, source: int, a: float, cost) -> bool:
-        """Whether a draft of `source` with surcharge `a` may be tried without a measured reason to (a retry, an
-        exploration)."""
-        return a <= (self.AFFORD if self.ds[source] else self.AFFORD0) * cost(1)
+    def affords(self, a: float, cost) -> bool:
+        """Whether a draft with surcharge `a` may be tried without a measured reason to (a retry, an exploration)."""
+        return a <= self.AFFORD * cost(1)
 
     def keeps(self, keep: float, keep_pair: float) -> list[float]:
         """The acceptance window of each bucket: a model pair's is longer."""
@@ -127,8 +124,8 @@ class SourceTable:
             return
         rate, s = self.RATE, self.of[bucket]
         if caught:
-            per = catchup_s / caught
-            self.catchup[s] = per if not self.catchup[s] else self.catchup[s] + rate * (per - self.catchup[s])
+            self.caught_s[s] = (1 - rate) * self.caught_s[s] + catchup_s
+            self.caught_n[s] = (1 - rate) * self.caught_n[s] + caught
         self.given[bucket] += rate * (float(drafted > 0) - self.given[bucket])
         if drafted:
             self.ds[s] += rate * (draft_s / asked - self.ds[s])
@@ -148,7 +145,7 @@ class SourceTable:
         for i, b in enumerate(buckets):
             s = self.of[b]
             if (now - self.last[s] >= self.RETRY and self.given[b] >= 0.5 and not off(b)
-                    and self.affords(s, a[i], cost)):
+                    and self.affords(a[i], cost)):
                 self.last[s] = now
                 return i, True
         rates = [0.0 if off(b) else self.rate(b, alpha(b), cost, a[i]) for i, b in enumerate(buckets)]

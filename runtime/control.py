@@ -34,6 +34,7 @@ class Round:
     prefill: bool          # the pass fed the prompt (round 1): its cost says nothing about a decode pass
     catchup_s: float = 0.0
     caught: int = 0        # context tokens the proposer's catch-up read in catchup_s
+    forced: int = 0        # tokens the constraint forced before the pass (they are the request's too)
 
 
 class Controller(Protocol):
@@ -334,7 +335,7 @@ class AdaptiveK:
             self.explore[bucket] = self.EXPLORE
         best = self.best(bucket, a)
         if self.explore[bucket] > 0:             # explore, unless the catch-up first costs more than it could win
-            return max(best, 1) if self.drafters.affords(self.of[bucket], a, self.cost) else 0
+            return max(best, 1) if self.drafters.affords(a, self.cost) else 0
         if best == 0 and a and self.best(bucket):
             return 0                             # the catch-up, not the acceptance, loses: no judgement
         if best == 0:                            # judged: no draft length pays, switch this bucket off
@@ -345,7 +346,7 @@ class AdaptiveK:
     def observe(self, r: Round) -> None:
         acc, bucket = r.result.acceptance, r.bucket
         self.acceptance.observe(bucket, acc)
-        self.drafters.made(1 + kept(acc))
+        self.drafters.made(1 + kept(acc) + r.forced)
         if r.prefill:
             return
         self.rounds += 1

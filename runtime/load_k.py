@@ -45,7 +45,9 @@ class LoadPlanner:
     A choice must beat plain decoding by MARGIN. Alone, drafting pays as it does for AdaptiveK; in a batch the
     one-token pass costs little more for B rows than for one while the machine is memory-bound, so a draft that
     pays alone stops paying once its pass of its own costs more than the tokens it adds (BENCHMARKS.md, "How do
-    several streams share the CPU?"). The plan is made once per round (the first stream to ask) and kept."""
+    several streams share the CPU?"). The plan is made once per round (the first stream to ask) and kept, unless a
+    stream asks with another catch-up surcharge than it was made with (its draft model fell behind since:
+    runtime/choice.py)."""
 
     MARGIN = 1.05
 
@@ -54,15 +56,18 @@ class LoadPlanner:
         self.members: dict[int, "LoadK"] = {}
         self._plan: dict[int, int] = {}
         self._made_at = -1
+        self._made_for: dict[int, float] = {}  # each member's surcharge (LoadK.a) the plan was made with
 
     def k(self, member: int) -> int:
-        if self._made_at != self.scheduler.passes or member not in self._plan:
+        if (self._made_at != self.scheduler.passes or member not in self._plan
+                or self._made_for.get(member) != self.members[member].a):  # a catch-up came due since: again
             active = {m: c for m, c in self.members.items() if m in self.scheduler.active}
             active.setdefault(member, self.members[member])
             cost = _Memo(self.scheduler.costs_of(self.batch))
             self._plan = (self._alone(active, cost) if self.batch.wide_rows_alone
                           else self._common(active, cost))
             self._made_at = self.scheduler.passes
+            self._made_for = {m: c.a for m, c in active.items()}
         return self._plan[member]
 
     def lone_cost(self):
@@ -164,6 +169,7 @@ class LoadK:
 
     def start(self) -> None:
         self.since_draft = 0
+        self.a = 0.0
         self.drafters.start()
         if not self.carry:
             self.acceptance.reset()
@@ -181,14 +187,14 @@ class LoadK:
 
     def k(self, bucket: int = 0, unread: int = 0) -> int:
         self.bucket = bucket
-        lone = self.planner.lone_cost  # built only when a catch-up is due
-        self.a = self.drafters.surcharge(self.of[bucket], unread, lone()) if unread else 0.0
+        lone = self.planner.lone_cost() if unread else None  # only when a catch-up is due
+        self.a = self.drafters.surcharge(self.of[bucket], unread, lone) if unread else 0.0
         k = self.planner.k(self.member)
         # re-measure now and then (acceptance changes with the text); a probe in a batch costs a pass of its own
         # that every stream waits for, so the batch as a whole probes about once every PROBE rounds; not while a
         # catch-up would first cost more than it could win
         probe = self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active))
-        affords = not self.a or self.drafters.affords(self.of[bucket], self.a, lone())
+        affords = not self.a or self.drafters.affords(self.a, lone)
         if k == 0 and (self.retry or not self.hopeless and probe) and affords:
             k = 1
         self.retry = False
@@ -196,7 +202,7 @@ class LoadK:
 
     def observe(self, r: Round) -> None:
         self.acceptance.observe(r.bucket, r.result.acceptance)
-        self.drafters.made(1 + kept(r.result.acceptance))
+        self.drafters.made(1 + kept(r.result.acceptance) + r.forced)
         if r.prefill:
             return
         self.rounds += 1

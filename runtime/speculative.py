@@ -81,7 +81,8 @@ def speculative_decode(engine: Engine, prompt: list[int], sampling: SamplingPara
             # 4. observe: the proposer syncs its state, the controller and the stats learn from the round
             proposer.observe(result, hidden)
             caught = proposer.catchup_s
-            r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught, proposer.catchup_n)
+            r = Round(bucket, k, n, P + n, result, t1 - t0 - caught, t2 - t1, P > 1, caught, proposer.catchup_n,
+                      len(forced))
             control.observe(r)
             stats.observe(r, engine.width_exact)
             if n:  # which drafter drafted (auto's choice)

@@ -243,7 +243,7 @@ def test_streamed_content_starts_as_the_whole_replys_does(name, size):
     from specrt.server.replies import Reply
 
     fmt = by_name(name)
-    for text in ["\n\n Hello there.", fmt.calls_text(CALLS[:1]) + "\n\nBooked. "]:
+    for text in ["\n\n Hello there.", fmt.calls_text(CALLS[:1]) + "\n\nBooked. ", '\n\n{"na']:  # held, not a call
         r = Reply(None, False, fmt, ("book_table",))
         events = [e for i in range(0, len(text), size) for e in r.feed(text[i:i + size])] + r.finish(False)
         whole = Reply(None, False, fmt, ("book_table",)).whole(text, False)

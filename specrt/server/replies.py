@@ -139,7 +139,8 @@ class Reply:
 
     def finish(self, cut: bool) -> list[Event]:
         out = self._route(self.think.finish(cut) if self.think is not None else [])
-        return out + (self.parser.finish(cut) if self.parser is not None else [])
+        held = self.parser.finish(cut) if self.parser is not None else []  # text held as a possible call's start
+        return out + [e for e in map(self._lead, held) if e is not None]
 
     def _route(self, parts) -> list[Event]:
         out: list[Event] = []
