@@ -53,11 +53,6 @@ def best_draft(expected: list[float], cost, width: list[float], d: float, a: flo
     return best_k, best
 
 
-def kept(acceptance) -> int:
-    """Draft tokens a round kept: its acceptance's leading run of True."""
-    return int(acceptance.size if acceptance.all() else acceptance.argmin()) if acceptance.size else 0
-
-
 class Remaining:
     """Tokens a request is expected to have left: the mean length of the requests before it (an EMA, from a prior)
     less what it has made, and at least as many as it has made (one past the mean is likely as long again)."""
@@ -97,9 +92,9 @@ class SourceTable:
         """A new request."""
         self.left.start()
 
-    def surcharge(self, source: int, unread: int, cost) -> float:
+    def surcharge(self, source: int, unread: int) -> float:
         """Seconds per token kept that a draft of `source` costs now besides its rounds: reading `unread` context
-        tokens first, spread over the tokens the request is expected to have left. cost(w): a pass's seconds."""
+        tokens first, spread over the tokens the request is expected to have left."""
         if unread <= 0 or not self.caught_n[source]:  # none measured: the first catch-up is how it is measured
             return 0.0
         return unread * self.caught_s[source] / self.caught_n[source] / self.left()
@@ -141,7 +136,7 @@ class SourceTable:
         """(which source drafts, given each one's bucket now; whether it is a retry, its bucket's acceptance to be
         forgotten). alpha(bucket): the controller's estimates; cost(w): a pass's seconds; off(bucket): switched off;
         unread: the context tokens each source would read before drafting (None: none)."""
-        a = [self.surcharge(self.of[b], n, cost) for b, n in zip(buckets, unread or [0] * len(buckets))]
+        a = [self.surcharge(self.of[b], n) for b, n in zip(buckets, unread or [0] * len(buckets))]
         for i, b in enumerate(buckets):
             s = self.of[b]
             if (now - self.last[s] >= self.RETRY and self.given[b] >= 0.5 and not off(b)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .choice import Source, SourceTable, best_draft, expected_tokens, kept
+from .choice import Source, SourceTable, best_draft, expected_tokens
 from .verify import VerifyResult
 
 
@@ -329,7 +329,7 @@ class AdaptiveK:
             return 0
         if self.backoff.off(bucket, self.rounds):
             return 0
-        a = self.drafters.surcharge(self.of[bucket], unread, self.cost)
+        a = self.drafters.surcharge(self.of[bucket], unread)
         if self.backoff.came_back(bucket):       # forget the acceptance that made it stop, explore first
             self.acceptance.forget(bucket)
             self.explore[bucket] = self.EXPLORE
@@ -346,7 +346,7 @@ class AdaptiveK:
     def observe(self, r: Round) -> None:
         acc, bucket = r.result.acceptance, r.bucket
         self.acceptance.observe(bucket, acc)
-        self.drafters.made(1 + kept(acc) + r.forced)
+        self.drafters.made(1 + r.result.num_accepted + r.forced)
         if r.prefill:
             return
         self.rounds += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 from .batch import BatchCosts, Scheduler
-from .choice import Source, SourceTable, expected_tokens, kept
+from .choice import Source, SourceTable, expected_tokens
 from .control import Acceptance, AdaptiveK, Round
 
 
@@ -187,14 +187,13 @@ class LoadK:
 
     def k(self, bucket: int = 0, unread: int = 0) -> int:
         self.bucket = bucket
-        lone = self.planner.lone_cost() if unread else None  # only when a catch-up is due
-        self.a = self.drafters.surcharge(self.of[bucket], unread, lone) if unread else 0.0
+        self.a = self.drafters.surcharge(self.of[bucket], unread)
         k = self.planner.k(self.member)
         # re-measure now and then (acceptance changes with the text); a probe in a batch costs a pass of its own
         # that every stream waits for, so the batch as a whole probes about once every PROBE rounds; not while a
         # catch-up would first cost more than it could win
         probe = self.since_draft >= self.PROBE * max(1, len(self.planner.scheduler.active))
-        affords = not self.a or self.drafters.affords(self.a, lone)
+        affords = not self.a or self.drafters.affords(self.a, self.planner.lone_cost())
         if k == 0 and (self.retry or not self.hopeless and probe) and affords:
             k = 1
         self.retry = False
@@ -202,7 +201,7 @@ class LoadK:
 
     def observe(self, r: Round) -> None:
         self.acceptance.observe(r.bucket, r.result.acceptance)
-        self.drafters.made(1 + kept(r.result.acceptance) + r.forced)
+        self.drafters.made(1 + r.result.num_accepted + r.forced)
         if r.prefill:
             return
         self.rounds += 1

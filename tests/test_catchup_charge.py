@@ -92,18 +92,18 @@ def test_on_long_answers_the_same_draft_model_catches_up_and_drafts(name):
 def test_the_charge_spreads_the_catch_up_over_the_tokens_left():
     table = SourceTable(SOURCES, 8)
     t = lambda w: 0.035  # noqa: E731
-    assert table.surcharge(DRAFT, 0, t) == 0.0
-    assert table.surcharge(DRAFT, 250, t) == 0.0                   # none measured: the first catch-up measures it
+    assert table.surcharge(DRAFT, 0) == 0.0
+    assert table.surcharge(DRAFT, 250) == 0.0                   # none measured: the first catch-up measures it
     table.observe(DRAFT, 2, 2, 3, 0.024, 1, caught=250, catchup_s=0.75)
-    assert table.surcharge(DRAFT, 250, t) == pytest.approx(250 * 0.003 / Remaining.PRIOR)
+    assert table.surcharge(DRAFT, 250) == pytest.approx(250 * 0.003 / Remaining.PRIOR)
     table.observe(DRAFT, 2, 2, 3, 0.024, 2, caught=10, catchup_s=0.05)  # pooled by size, not per catch-up
-    assert table.surcharge(DRAFT, 1, t) * Remaining.PRIOR == pytest.approx((0.7 * 0.75 + 0.05) / (0.7 * 250 + 10))
+    assert table.surcharge(DRAFT, 1) * Remaining.PRIOR == pytest.approx((0.7 * 0.75 + 0.05) / (0.7 * 250 + 10))
     for _ in range(30):                                           # short requests: the mean length falls to ~12
         table.start()
         table.made(12)
     table.start()
     assert table.left() == pytest.approx(12, abs=0.5)
-    assert not table.affords(table.surcharge(DRAFT, 250, t), t) and table.affords(table.surcharge(DRAFT, 1, t), t)
+    assert not table.affords(table.surcharge(DRAFT, 250), t) and table.affords(table.surcharge(DRAFT, 1), t)
     table.made(40)                                                # past the mean: as many again expected
     assert table.left() == 40
 

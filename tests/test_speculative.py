@@ -210,7 +210,8 @@ def _feed(ctl: AdaptiveK, acc, cost, rounds: int) -> list[int]:
         k = ctl.k()
         ks.append(k)
         a = np.array(acc[:k], bool) if isinstance(acc, list) else np.cumprod(rng.random(k) < acc).astype(bool)
-        ctl.observe(Round(0, k, k, 1 + k, SimpleNamespace(acceptance=a), 1e-5 * k, cost(1 + k), False))
+        result = SimpleNamespace(acceptance=a, num_accepted=int(a.sum()))
+        ctl.observe(Round(0, k, k, 1 + k, result, 1e-5 * k, cost(1 + k), False))
     return ks
 
 
@@ -258,7 +259,7 @@ def test_adaptive_k_sizes_each_bucket_for_its_own_acceptance_and_keeps_it_across
             b = r % 2
             k = ctl.k(b)
             acc = np.ones(k, bool) if b == 0 else np.zeros(min(k, 1), bool)  # bucket 1: always wrong
-            ctl.observe(Round(b, k, k, 1 + k, SimpleNamespace(acceptance=acc), 1e-5 * k,
+            ctl.observe(Round(b, k, k, 1 + k, SimpleNamespace(acceptance=acc, num_accepted=int(acc.sum())), 1e-5 * k,
                               0.01 * (1 + 0.05 * k) * (1 + 0.01 * rng.random()), False))
         assert ctl.k(0) == 8 or ctl.since_plain >= AdaptiveK.PROBE   # the sure bucket drafts long ...
         assert ctl.off[1] > 0 and ctl.off[0] == 0                      # ... the wrong one is off alone

@@ -78,13 +78,12 @@ class DraftModel(HeldTokens, Proposer):
         k = min(k, self.max_tokens, eng.max_context - ctx.length + 1)
         if k < 1:
             return EMPTY
-        feed = ctx.ids[eng.length:]
-        if len(feed) > CATCHUP_APART:
+        feed, caught = ctx.ids[eng.length:], self.unread(ctx)
+        if caught:
             t0 = time.perf_counter()
-            eng.argmax(feed[:-1])
-            eng.commit(len(feed) - 1)
-            self.catchup_n = len(feed) - 1
-            feed = feed[-1:]
+            eng.argmax(feed[:caught])
+            eng.commit(caught)
+            feed, self.catchup_n = feed[caught:], caught
             self.catchup_s = time.perf_counter() - t0
         for i in range(k):
             if self._sample:  # the draft's distribution after the context + tokens[:i]
